@@ -1,0 +1,209 @@
+"""Row-wise normalization kernels: RMSNorm, LayerNorm and fused residual-add + RMSNorm.
+
+One forward and one backward kernel serve the three ops; constexpr flags pick the variant at
+compile time, so a flag that is off costs no instruction, no load and no store.
+
+Parameter order is fixed for jax-triton 0.3.1, which binds by position: array inputs, then
+runtime scalars, then outputs, then constexprs. Launch configuration lives in normkit.launch.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["M"])  # M's value must not change the code: cross-frontend bitwise parity
+def norm_fwd_kernel(
+    X,  # input rows [M, N], row stride stride_x, last dim contiguous
+    R,  # residual rows [M, N] (HAS_RESIDUAL), row stride stride_r
+    W,  # weight [N] (HAS_W), any float dtype
+    B,  # bias [N] (HAS_B)
+    eps,  # fp32 scalar added to the variance
+    offset,  # fp32 scalar added to the weight (Gemma: 1.0)
+    M,  # number of rows
+    stride_x,  # row strides, in elements; ignored when ROWS_CONTIGUOUS
+    stride_r,
+    stride_y,
+    Y,  # output rows [M, N], x.dtype
+    S,  # residual_out = x + residual, [M, N] contiguous (HAS_RESIDUAL)
+    MEAN,  # per-row mean, fp32 [M] (STORE_STATS and not IS_RMS)
+    RSTD,  # per-row 1/std, fp32 [M] (STORE_STATS)
+    N: tl.constexpr,  # row length; compile-time so masks and vector widths are known
+    IS_RMS: tl.constexpr,  # True: RMSNorm (no mean subtraction); False: LayerNorm
+    HAS_RESIDUAL: tl.constexpr,  # fused add: normalize s = x + residual and store s
+    HAS_W: tl.constexpr,  # elementwise weight present
+    HAS_B: tl.constexpr,  # bias present
+    CASTING: tl.constexpr,  # 0 none (x.dtype products), 1 llama (round x_hat), 2 gemma (all fp32)
+    STORE_STATS: tl.constexpr,  # a backward will run: write MEAN/RSTD
+    ROWS_CONTIGUOUS: tl.constexpr,  # every row stride equals N: use the compile-time N
+    BLOCK_M: tl.constexpr,  # rows per tile
+    BLOCK_N: tl.constexpr,  # next power of two >= N
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    mask = row_mask[:, None] & (cols[None, :] < N)
+    rows64 = rows.to(tl.int64)
+    if ROWS_CONTIGUOUS:
+        off_x = rows64[:, None] * N + cols[None, :]
+        off_r = off_x
+        off_y = off_x
+    else:
+        off_x = rows64[:, None] * stride_x + cols[None, :]
+        off_r = rows64[:, None] * stride_r + cols[None, :]
+        off_y = rows64[:, None] * stride_y + cols[None, :]
+
+    x_raw = tl.load(X + off_x, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r_raw = tl.load(R + off_r, mask=mask, other=0.0)
+        # the sum is rounded to x.dtype, exactly as torch's `x + residual`, and normalized as stored
+        x_raw = (x_raw.to(tl.float32) + r_raw.to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(S + rows64[:, None] * N + cols[None, :], x_raw, mask=mask)
+    x = x_raw.to(tl.float32)
+
+    if IS_RMS:
+        xc = x
+    else:
+        mean = tl.sum(x, axis=1) / N
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    if STORE_STATS:
+        tl.store(RSTD + rows64, rstd, mask=row_mask)
+        if not IS_RMS:
+            tl.store(MEAN + rows64, mean, mask=row_mask)
+
+    if CASTING == 0:
+        # x.dtype throughout: the products are rounded to x.dtype as eager low-precision math does
+        xn = (xc * rstd[:, None].to(X.dtype.element_ty).to(tl.float32)).to(X.dtype.element_ty).to(tl.float32)
+    elif CASTING == 1:
+        xn = (xc * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+    else:
+        xn = xc * rstd[:, None]
+    y = xn
+    if HAS_W:
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32) + offset
+        if CASTING == 0:
+            w = w.to(X.dtype.element_ty).to(tl.float32)
+        y = y * w[None, :]
+    if HAS_B:
+        y = y + tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + off_y, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def norm_bwd_kernel(
+    X,  # the normalized input as the forward saw it (s = x + residual for the fused add)
+    W,  # weight [N] (HAS_W)
+    DY,  # gradient of the output [M, N], row stride stride_dy
+    DRES,  # gradient of residual_out [M, N] (HAS_DRES), row stride stride_dres
+    MEAN,  # per-row mean, fp32 [M] (not IS_RMS)
+    RSTD,  # per-row 1/std, fp32 [M]
+    offset,  # fp32 scalar added to the weight
+    M,  # number of rows
+    stride_x,  # row strides, in elements; ignored when ROWS_CONTIGUOUS
+    stride_dy,
+    stride_dres,
+    DX,  # gradient of x [M, N] contiguous (COMPUTE_DX); for the fused add also that of residual
+    DW_PART,  # fp32 [num_programs, N] per-program dW partials (COMPUTE_DW)
+    DB_PART,  # fp32 [num_programs, N] per-program dB partials (COMPUTE_DB)
+    N: tl.constexpr,  # row length
+    IS_RMS: tl.constexpr,  # True: RMSNorm; False: LayerNorm
+    HAS_W: tl.constexpr,  # elementwise weight present
+    HAS_DRES: tl.constexpr,  # fused add with a gradient flowing into residual_out
+    CASTING: tl.constexpr,  # 1 llama: dW sees x_hat rounded to x.dtype, as the forward used it
+    COMPUTE_DX: tl.constexpr,  # x (or residual) needs a gradient
+    COMPUTE_DW: tl.constexpr,  # weight needs a gradient: accumulate and write DW_PART
+    COMPUTE_DB: tl.constexpr,  # bias needs a gradient: accumulate and write DB_PART
+    ROWS_CONTIGUOUS: tl.constexpr,  # every row stride equals N
+    BLOCK_M: tl.constexpr,  # rows per tile
+    BLOCK_N: tl.constexpr,  # next power of two >= N
+):
+    # Tiles are dealt round-robin to the programs; with dW/dB each program owns one partial row,
+    # so the reduction order is fixed and the result bitwise reproducible (no atomics).
+    pid = tl.program_id(0)
+    num_progs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_W:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+    if COMPUTE_DW:
+        dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if COMPUTE_DB:
+        db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    num_tiles = (M + BLOCK_M - 1) // BLOCK_M
+    for tile in range(pid, num_tiles, num_progs):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)
+        if ROWS_CONTIGUOUS:
+            off_x = rows64[:, None] * N + cols[None, :]
+            off_dy = off_x
+            off_dres = off_x
+        else:
+            off_x = rows64[:, None] * stride_x + cols[None, :]
+            off_dy = rows64[:, None] * stride_dy + cols[None, :]
+            off_dres = rows64[:, None] * stride_dres + cols[None, :]
+        x = tl.load(X + off_x, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + off_dy, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows64, mask=row_mask, other=0.0)
+        if IS_RMS:
+            xn = x * rstd[:, None]
+        else:
+            mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)
+            xn = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if COMPUTE_DX:
+            if HAS_W:
+                g = dy * w[None, :]
+            else:
+                g = dy
+            c1 = tl.sum(g * xn, axis=1) / N
+            if IS_RMS:
+                dx = (g - xn * c1[:, None]) * rstd[:, None]
+            else:
+                c2 = tl.sum(g, axis=1) / N
+                dx = (g - c2[:, None] - xn * c1[:, None]) * rstd[:, None]
+            if HAS_DRES:
+                dx += tl.load(DRES + off_dres, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + rows64[:, None] * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        if COMPUTE_DW:
+            if CASTING == 1:
+                xn = xn.to(X.dtype.element_ty).to(tl.float32)
+            dw_acc += dy * xn
+        if COMPUTE_DB:
+            db_acc += dy
+    if COMPUTE_DW:
+        tl.store(DW_PART + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+    if COMPUTE_DB:
+        tl.store(DB_PART + pid.to(tl.int64) * N + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+
+
+@triton.jit(do_not_specialize=["G"])
+def partial_sum_kernel(
+    DW_PART,  # fp32 [G, N] dW partials (HAS_DW)
+    DB_PART,  # fp32 [G, N] dB partials (HAS_DB)
+    G,  # number of partial rows
+    DW,  # dW [N], the weight's dtype (HAS_DW)
+    DB,  # dB [N], the bias's dtype (HAS_DB)
+    N: tl.constexpr,  # row length
+    HAS_DW: tl.constexpr,  # reduce DW_PART into DW
+    HAS_DB: tl.constexpr,  # reduce DB_PART into DB
+    BLOCK_G: tl.constexpr,  # partial rows per step
+    BLOCK_N: tl.constexpr,  # columns per program
+):
+    # Fixed-order column sums over the partial rows: deterministic.
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    dw_acc = tl.zeros((BLOCK_G, BLOCK_N), dtype=tl.float32)
+    db_acc = tl.zeros((BLOCK_G, BLOCK_N), dtype=tl.float32)
+    for g0 in range(0, G, BLOCK_G):
+        g = g0 + tl.arange(0, BLOCK_G)
+        mask = (g < G)[:, None] & col_mask[None, :]
+        off = g.to(tl.int64)[:, None] * N + cols[None, :]
+        if HAS_DW:
+            dw_acc += tl.load(DW_PART + off, mask=mask, other=0.0)
+        if HAS_DB:
+            db_acc += tl.load(DB_PART + off, mask=mask, other=0.0)
+    if HAS_DW:
+        tl.store(DW + cols, tl.sum(dw_acc, axis=0).to(DW.dtype.element_ty), mask=col_mask)
+    if HAS_DB:
+        tl.store(DB + cols, tl.sum(db_acc, axis=0).to(DB.dtype.element_ty), mask=col_mask)
