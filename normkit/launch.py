@@ -9,6 +9,7 @@ frontend passes ``None`` for it, the JAX frontend a one-element dummy the kernel
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -30,6 +31,23 @@ RED_INPUTS = ("DW_PART", "DB_PART")
 RED_SCALARS = ("G",)
 RED_OUTPUTS = ("DW", "DB")
 FLOAT_SCALARS = frozenset({"eps", "offset"})  # passed as float32; every other scalar is an int
+
+_POISON = [False]
+
+
+@contextlib.contextmanager
+def poisoned_outputs():
+    """Testing aid: frontends fill every output buffer with NaN before the launch, so an element
+    the kernel fails to write shows up as NaN."""
+    _POISON.append(True)
+    try:
+        yield
+    finally:
+        _POISON.pop()
+
+
+def poison() -> bool:
+    return _POISON[-1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,13 +278,38 @@ def is_interpreted(kernel) -> bool:
     return isinstance(kernel, InterpretedFunction)
 
 
+def _f32_to_bf16_rtne(data):
+    import numpy as np
+
+    u = np.ascontiguousarray(data, dtype=np.float32).view(np.uint32)
+    rounded = ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(data), np.uint16(0x7FC0), rounded)
+
+
+def _cast_rtne(cast_impl):
+    import triton.language as tl
+    from triton.runtime.interpreter import TensorHandle
+
+    def cast(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return TensorHandle(_f32_to_bf16_rtne(src.data), dst_type.scalar)
+        return cast_impl(self, src, dst_type)
+
+    return cast
+
+
 class _Interpreted:
     """A compiled-mode kernel run by Triton's interpreter, e.g. for CPU arrays on any machine.
 
-    Triton's interpreter can run a kernel defined without TRITON_INTERPRET, but the kernel's calls
-    into ``triton.language``'s own jit functions (``tl.sum``, ``tl.cdiv``) are then JITFunctions,
-    which refuse to be called outside a compiled kernel. While the interpreter runs, such a call is
-    treated as what it is there: a device-function call, interpreted as well.
+    Two things are patched while (and only while) the interpreter runs one of these launches:
+
+    - Triton's interpreter can run a kernel defined without TRITON_INTERPRET, but the kernel's calls
+      into ``triton.language``'s own jit functions (``tl.sum``) are then JITFunctions, which refuse
+      to be called outside a compiled kernel. Such a call is treated as what it is there: a
+      device-function call, interpreted as well.
+    - Triton 3.6's interpreter converts fp32 to bf16 by truncation, where compiled code rounds to
+      nearest even; the interpreter would then drift by up to an ulp per rounding. The conversion
+      is replaced by a round-to-nearest-even one.
     """
 
     def __init__(self, kernel):
@@ -279,12 +322,16 @@ class _Interpreted:
             from triton.runtime.interpreter import InterpretedFunction
             from triton.runtime.jit import JITFunction
 
-            saved = JITFunction.__call__
+            from triton.runtime import interpreter
+
+            saved_call, saved_cast = JITFunction.__call__, interpreter.InterpreterBuilder.cast_impl
             JITFunction.__call__ = lambda fn, *a, **k: InterpretedFunction(fn.fn)(*a, **k)
+            interpreter.InterpreterBuilder.cast_impl = _cast_rtne(saved_cast)
             try:
                 return self.kernel[grid](*args, **kwargs)
             finally:
-                JITFunction.__call__ = saved
+                JITFunction.__call__ = saved_call
+                interpreter.InterpreterBuilder.cast_impl = saved_cast
 
         return launch
 

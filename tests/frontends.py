@@ -1,0 +1,64 @@
+"""Frontend adapters: run a harness Case through one frontend and hand back NumPy results.
+
+Test bodies take the ``frontend`` fixture and never import a frontend themselves.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import normkit
+from normkit.launch import poisoned_outputs
+from tests.harness import TORCH_DTYPES, Case, Result
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _np(t):
+    return None if t is None else t.detach().to(torch.float64).cpu().numpy()
+
+
+class TorchFrontend:
+    name = "torch"
+
+    def tensor(self, a: np.ndarray, dtype: str, strided: bool = False) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(a)).to(DEVICE, TORCH_DTYPES[dtype])
+        if strided:  # the same values as rows of a wider buffer: row stride D + 13, last dim contiguous
+            wide = torch.full((*t.shape[:-1], t.shape[-1] + 13), float("nan"), dtype=t.dtype, device=DEVICE)
+            wide[..., : t.shape[-1]] = t
+            t = wide[..., : t.shape[-1]]
+        return t
+
+    def call(self, case: Case, inp: dict) -> Result:
+        import torch_frontend as tf
+
+        wd = case.w_dtype or case.dtype
+        args = {}
+        for name in case.inputs:
+            dt = wd if name in ("weight", "bias") else case.dtype
+            strided = case.shape.strided and name in ("x", "residual")
+            t = self.tensor(inp[name], dt, strided)
+            if name in case.trained:
+                t.requires_grad_(True)
+            args[name] = t
+        with normkit.record_launches() as log, poisoned_outputs():
+            if case.op == "rms_norm":
+                outs = {"y": tf.rms_norm(args["x"], args.get("weight"), **case.kwargs)}
+            elif case.op == "layer_norm":
+                outs = {"y": tf.layer_norm(args["x"], args.get("weight"), args.get("bias"), **case.kwargs)}
+            else:
+                y, s = tf.fused_add_rms_norm(args["x"], args["residual"], args.get("weight"), **case.kwargs)
+                outs = {"y": y, "residual_out": s}
+            grads_out = [self.tensor(inp["dy"], case.dtype)]
+            if case.op == "fused_add_rms_norm":
+                grads_out.append(self.tensor(inp["ds"], case.dtype))
+            if case.trained:
+                torch.autograd.backward(list(outs.values()), grads_out)
+        return Result(
+            outputs={k: _np(v) for k, v in outs.items()},
+            grads={name: _np(args[name].grad) for name in case.inputs},
+            log=log,
+        )
+
+
+FRONTENDS = {"torch": TorchFrontend}
