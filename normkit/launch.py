@@ -158,6 +158,7 @@ def plan_forward(
             ROWS_CONTIGUOUS=_contiguous(M, N, strides),
             BLOCK_M=block_m,
             BLOCK_N=block_n,
+            LOOP_STAGES=1,
         ),
     )
 
@@ -225,6 +226,7 @@ def plan_backward(
             ROWS_CONTIGUOUS=_contiguous(M, N, strides),
             BLOCK_M=block_m,
             BLOCK_N=block_n,
+            LOOP_STAGES=1,
         ),
     )
 

@@ -19,8 +19,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  NORMKIT_TEST_SHAPES=gpu python3 -m pytest -q -n 8 -p no:cacheprovider tests "$@" 2>&1 | tee "$OUT/tests.log" | tail -30
+  NORMKIT_TEST_SHAPES=gpu python3 -m pytest -q -n 8 -p no:cacheprovider -p no:benchmark tests "$@" 2>&1 | tee "$OUT/tests.log" | tail -30
   status=${PIPESTATUS[0]}
+fi
+if [ "$what" = tune ]; then
+  python3 scripts/tune.py 2>&1 | tee "$OUT/tune.log"
 fi
 if [ "$what" = timing ] || [ "$what" = all ]; then
   python3 scripts/quick_timing.py 2>&1 | tee "$OUT/timing.log"

@@ -36,57 +36,65 @@ def norm_fwd_kernel(
     ROWS_CONTIGUOUS: tl.constexpr,  # every row stride equals N: use the compile-time N
     BLOCK_M: tl.constexpr,  # rows per tile
     BLOCK_N: tl.constexpr,  # next power of two >= N
+    LOOP_STAGES: tl.constexpr,  # software-pipelining depth of the tile loop (1: none)
 ):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    # Tiles of BLOCK_M rows are dealt round-robin to the programs; LOOP_STAGES > 1 prefetches the
+    # next tile's rows while this one is reduced.
     cols = tl.arange(0, BLOCK_N)
-    row_mask = rows < M
-    mask = row_mask[:, None] & (cols[None, :] < N)
-    rows64 = rows.to(tl.int64)
-    if ROWS_CONTIGUOUS:
-        off_x = rows64[:, None] * N + cols[None, :]
-        off_r = off_x
-        off_y = off_x
-    else:
-        off_x = rows64[:, None] * stride_x + cols[None, :]
-        off_r = rows64[:, None] * stride_r + cols[None, :]
-        off_y = rows64[:, None] * stride_y + cols[None, :]
-
-    x_raw = tl.load(X + off_x, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r_raw = tl.load(R + off_r, mask=mask, other=0.0)
-        # the sum is rounded to x.dtype, exactly as torch's `x + residual`, and normalized as stored
-        x_raw = (x_raw.to(tl.float32) + r_raw.to(tl.float32)).to(X.dtype.element_ty)
-        tl.store(S + rows64[:, None] * N + cols[None, :], x_raw, mask=mask)
-    x = x_raw.to(tl.float32)
-
-    if IS_RMS:
-        xc = x
-    else:
-        mean = tl.sum(x, axis=1) / N
-        xc = tl.where(mask, x - mean[:, None], 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
-    if STORE_STATS:
-        tl.store(RSTD + rows64, rstd, mask=row_mask)
-        if not IS_RMS:
-            tl.store(MEAN + rows64, mean, mask=row_mask)
-
-    if CASTING == 0:
-        # x.dtype throughout: the products are rounded to x.dtype as eager low-precision math does
-        xn = (xc * rstd[:, None].to(X.dtype.element_ty).to(tl.float32)).to(X.dtype.element_ty).to(tl.float32)
-    elif CASTING == 1:
-        xn = (xc * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
-    else:
-        xn = xc * rstd[:, None]
-    y = xn
+    col_mask = cols < N
     if HAS_W:
-        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32) + offset
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
         if CASTING == 0:
             w = w.to(X.dtype.element_ty).to(tl.float32)
-        y = y * w[None, :]
     if HAS_B:
-        y = y + tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + off_y, y.to(Y.dtype.element_ty), mask=mask)
+        b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
+    num_tiles = (M + BLOCK_M - 1) // BLOCK_M
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), num_stages=LOOP_STAGES):
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)
+        if ROWS_CONTIGUOUS:
+            off_x = rows64[:, None] * N + cols[None, :]
+            off_r = off_x
+            off_y = off_x
+        else:
+            off_x = rows64[:, None] * stride_x + cols[None, :]
+            off_r = rows64[:, None] * stride_r + cols[None, :]
+            off_y = rows64[:, None] * stride_y + cols[None, :]
+
+        x_raw = tl.load(X + off_x, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r_raw = tl.load(R + off_r, mask=mask, other=0.0)
+            # the sum is rounded to x.dtype, exactly as torch's `x + residual`, and normalized as stored
+            x_raw = (x_raw.to(tl.float32) + r_raw.to(tl.float32)).to(X.dtype.element_ty)
+            tl.store(S + rows64[:, None] * N + cols[None, :], x_raw, mask=mask)
+        x = x_raw.to(tl.float32)
+
+        if IS_RMS:
+            xc = x
+        else:
+            mean = tl.sum(x, axis=1) / N
+            xc = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+        if STORE_STATS:
+            tl.store(RSTD + rows64, rstd, mask=row_mask)
+            if not IS_RMS:
+                tl.store(MEAN + rows64, mean, mask=row_mask)
+
+        if CASTING == 0:
+            # x.dtype throughout: each product is rounded to x.dtype, as eager low-precision math does
+            xn = (xc * rstd[:, None].to(X.dtype.element_ty).to(tl.float32)).to(X.dtype.element_ty).to(tl.float32)
+        elif CASTING == 1:
+            xn = (xc * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+        else:
+            xn = xc * rstd[:, None]
+        y = xn
+        if HAS_W:
+            y = y * w[None, :]
+        if HAS_B:
+            y = y + b[None, :]
+        tl.store(Y + off_y, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -116,6 +124,7 @@ def norm_bwd_kernel(
     ROWS_CONTIGUOUS: tl.constexpr,  # every row stride equals N
     BLOCK_M: tl.constexpr,  # rows per tile
     BLOCK_N: tl.constexpr,  # next power of two >= N
+    LOOP_STAGES: tl.constexpr,  # software-pipelining depth of the tile loop (1: none)
 ):
     # Tiles are dealt round-robin to the programs; with dW/dB each program owns one partial row,
     # so the reduction order is fixed and the result bitwise reproducible (no atomics).
@@ -130,7 +139,7 @@ def norm_bwd_kernel(
     if COMPUTE_DB:
         db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     num_tiles = (M + BLOCK_M - 1) // BLOCK_M
-    for tile in range(pid, num_tiles, num_progs):
+    for tile in tl.range(pid, num_tiles, num_progs, num_stages=LOOP_STAGES):
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < M
         mask = row_mask[:, None] & col_mask[None, :]
