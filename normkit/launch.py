@@ -64,6 +64,7 @@ class KernelCall:
     outputs: tuple[str, ...]  # positional outputs, in kernel order
     out_specs: dict  # name -> (shape, dtype name) for each output this variant writes
     constexprs: dict
+    fp_fusion: bool = True  # Triton's enable_fp_fusion (FMA contraction); pass it to the launcher
 
     @property
     def name(self) -> str:
@@ -88,6 +89,23 @@ class KernelCall:
         )
 
 
+def _memoized(plan):
+    """Plans are pure functions of hashable keyword arguments (``strides`` as a dict): memoize them,
+    since per-call host time matters at small shapes. Callers must not mutate a returned plan."""
+    cached = functools.lru_cache(maxsize=4096)(
+        lambda key: plan(**{k: dict(v) if k == "strides" and v is not None else v for k, v in key}))
+
+    @functools.wraps(plan)
+    def wrapper(**kwargs):
+        strides = kwargs.get("strides")
+        if strides is not None:
+            kwargs["strides"] = tuple(strides.items())
+        return cached(tuple(kwargs.items()))  # call sites pass keywords in a fixed order
+
+    wrapper.cache_info = cached.cache_info
+    return wrapper
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -109,6 +127,7 @@ def _contiguous(M: int, N: int, strides: dict) -> bool:
     return M <= 1 or all(s == N for s in strides.values())
 
 
+@_memoized
 def plan_forward(
     *,
     op: str,
@@ -159,6 +178,7 @@ def plan_forward(
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             LOOP_STAGES=1,
+            WELFORD=False,
         ),
     )
 
@@ -170,6 +190,7 @@ def num_partials(M: int, N: int, num_sms: int) -> int:
     return max(1, min(tiles, 2 * num_sms))
 
 
+@_memoized
 def plan_backward(
     *,
     op: str,
@@ -205,6 +226,9 @@ def plan_backward(
     present |= set() if is_rms else {"MEAN"}
     scalars = {"offset": offset, "M": M, **strides}
     return KernelCall(
+        # LayerNorm's dx = rstd * (g - mean(g) - ...): contracting g = dy * w into an FMA with the
+        # subtraction leaves g's rounding error amplified by rstd where it should cancel exactly.
+        fp_fusion=is_rms,
         kernel=norm_bwd_kernel,
         grid=(grid,),
         num_warps=num_warps,

@@ -23,7 +23,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = tune ]; then
-  python3 scripts/tune.py 2>&1 | tee "$OUT/tune.log"
+  python3 scripts/tune.py "$@" 2>&1 | tee "$OUT/tune.log"
 fi
 if [ "$what" = timing ] || [ "$what" = all ]; then
   python3 scripts/quick_timing.py 2>&1 | tee "$OUT/timing.log"

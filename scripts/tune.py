@@ -20,11 +20,11 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
 
 
-def variant(call, block_m, warps, mult, stages):
+def variant(call, block_m, warps, mult, stages, **extra):
     M = call.scalars[[n for n, _ in call.scalars].index("M")][1]
     tiles = -(-M // block_m)
     grid = tiles if mult == 0 else min(tiles, mult * SMS)
-    c = dict(call.constexprs, BLOCK_M=block_m, LOOP_STAGES=stages)
+    c = dict(call.constexprs, BLOCK_M=block_m, LOOP_STAGES=stages, **extra)
     specs = dict(call.out_specs)
     for k in ("DW_PART", "DB_PART"):
         if k in specs:
@@ -41,7 +41,8 @@ def copy_tbps():
 COPY = copy_tbps()
 print(f"copy {COPY:.2f} TB/s, {SMS} SMs", flush=True)
 
-SHAPES = [(8192, 8192), (32768, 4096), (65536, 2048), (4096, 1024)]
+SHAPES = [tuple(map(int, s.split("x"))) for s in (sys.argv[1] if len(sys.argv) > 1 else
+                                                   "8192x8192,32768x4096,65536x2048,4096x1024").split(",")]
 for (M, N), op, dt in itertools.product(SHAPES, ("rms_norm", "layer_norm"), (torch.bfloat16,)):
     b = dt.itemsize
     x = torch.randn(M, N, device=dev, dtype=dt)
@@ -64,14 +65,18 @@ for (M, N), op, dt in itertools.product(SHAPES, ("rms_norm", "layer_norm"), (tor
                                ("bwd_full", bwd_full, 3 * M * N * b)):
         results = []
         if mode == "bwd_full":
-            cands = [(bm, wp, mult, st) for bm in bms for wp in (8, 16) for mult in (1, 2, 4) for st in (1, 2, 3)]
+            cands = [(bm, wp, mult, st) for bm in bms for wp in (4, 8, 16) for mult in (1, 2, 3) for st in (2, 3, 4)]
         else:
             cands = [(bm, wp, 0, 1) for bm in bms for wp in (4, 8, 16)]
-            cands += [(bm, wp, mult, 2) for bm in bms[:1] for wp in (8, 16) for mult in (2, 4)]
-        for bm, wp, mult, st in cands:
+            cands += [(bm, wp, mult, st) for bm in bms[:2] for wp in (4, 8, 16) for mult in (2, 4) for st in (2, 3)]
+        if mode == "fwd" and op == "layer_norm":
+            cands = [c + (wf,) for c in cands for wf in (False, True)]
+        else:
+            cands = [c + (False,) for c in cands]
+        for bm, wp, mult, st, wf in cands:
             if bm * bn // (32 * wp) < 1:
                 continue
-            call = variant(base, bm, wp, mult, st)
+            call = variant(base, bm, wp, mult, st, **({"WELFORD": True} if wf else {}))
             try:
                 def go(call=call):
                     out = _launch.run(call, arrays, dev)
@@ -82,15 +87,14 @@ for (M, N), op, dt in itertools.product(SHAPES, ("rms_norm", "layer_norm"), (tor
             except Exception as e:  # a config that does not compile (e.g. out of shared memory)
                 print(f"  {op} {mode} {M}x{N} bm={bm} w={wp} mult={mult} st={st}: {type(e).__name__}", flush=True)
                 continue
-            results.append((t, bm, wp, mult, st))
+            results.append((t, bm, wp, mult, st, wf))
         results.sort()
         t0 = results[0]
-        cur = [r for r in results if (r[1], r[2], r[3], r[4]) == (base.constexprs["BLOCK_M"], base.num_warps,
-                                                                 0 if mode != "bwd_full" else None, 1)]
         tb = nbytes / (t0[0] * 1e-6) / 1e12
         print(f"{op:11s} {mode:10s} {M}x{N} best {t0[0]:7.1f} us ({100 * tb / COPY:5.1f}% copy) bm={t0[1]} "
-              f"w={t0[2]} mult={t0[3]} st={t0[4]} | top3 " +
-              " ".join(f"{r[0]:.1f}:{r[1]}/{r[2]}/{r[3]}/{r[4]}" for r in results[:3]), flush=True)
+              f"w={t0[2]} mult={t0[3]} st={t0[4]} welford={t0[5]} | top4 " +
+              " ".join(f"{r[0]:.1f}:{r[1]}/{r[2]}/{r[3]}/{r[4]}/{'W' if r[5] else '-'}" for r in results[:4]),
+              flush=True)
     del x, w, bias, dy, mean, rstd, arrays
     torch.cuda.empty_cache()
 
@@ -128,3 +132,8 @@ def fbe():
     y = torch.nn.functional.rms_norm(xg, (128,), wg, 1e-6)
     torch.autograd.grad(y, xg, dy)
 print(f"host us fwd+bwd frozen: normkit {host(fb, 500):.1f} eager {host(fbe, 500):.1f}", flush=True)
+import cProfile
+import pstats
+
+cProfile.run("for _ in range(300): fb()", "/tmp/fb.prof")
+pstats.Stats("/tmp/fb.prof").sort_stats("tottime").print_stats(14)

@@ -41,12 +41,54 @@ def run(call: plans.KernelCall, arrays: dict, device: torch.device) -> dict:
     args += [float(np.float32(v)) if name in plans.FLOAT_SCALARS else int(v) for name, v in call.scalars]
     args += [outs.get(name) for name in call.outputs]
     interpret = device.type != "cuda" or plans.is_interpreted(call.kernel)
-    kernel = plans.interpreted(call.kernel) if interpret else call.kernel
-    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+    if interpret:
+        plans.interpreted(call.kernel)[call.grid](*args, **call.constexprs, num_warps=call.num_warps,
+                                                  num_stages=call.num_stages)
+    elif device.index is not None and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):
-            kernel[call.grid](*args, **call.constexprs, num_warps=call.num_warps, num_stages=call.num_stages)
+            _launch_compiled(call, args, device.index)
     else:
-        kernel[call.grid](*args, **call.constexprs, num_warps=call.num_warps, num_stages=call.num_stages)
+        _launch_compiled(call, args, torch.cuda.current_device())
     call.record("torch", interpret)
     return outs
 
+
+# Compiled launches. Triton's JITFunction.run re-binds and re-specializes every argument on every
+# call (~20 us of host time); for the small shapes that are launch-bound, the compiled kernel is
+# cached here under the same specialization Triton would compute (dtypes, 16-byte alignment of
+# pointers, ==1 and %16 of integers) and launched directly. Any launch hook (profilers) or an
+# unexpected Triton version takes the ordinary path.
+_COMPILED: dict = {}
+
+
+def _spec(a):
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if isinstance(a, int):
+        return a == 1, a % 16 == 0
+    return a is None
+
+
+def _launch_compiled(call: plans.KernelCall, args: list, device_index: int) -> None:
+    kernel = call.kernel
+    key = (kernel, call.grid[1:], call.num_warps, call.num_stages, call.fp_fusion, tuple(call.constexprs.values()),
+           tuple(_spec(a) for a in args), device_index)
+    compiled = _COMPILED.get(key)
+    if compiled is not None and _FAST_OK and _knobs.runtime.launch_enter_hook is None:
+        stream = torch._C._cuda_getCurrentRawStream(device_index)
+        compiled.run(call.grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                     *args, *call.constexprs.values())
+        return
+    compiled = kernel[call.grid](*args, **call.constexprs, num_warps=call.num_warps, num_stages=call.num_stages,
+                                 enable_fp_fusion=call.fp_fusion)
+    if _FAST_OK and len(args) + len(call.constexprs) == len(kernel.arg_names):
+        _COMPILED[key] = compiled
+
+
+try:  # the direct launch follows Triton 3.6's JITFunction.run; other versions use the ordinary path
+    import triton
+    from triton import knobs as _knobs
+
+    _FAST_OK = triton.__version__.startswith("3.6.")
+except ImportError:  # pragma: no cover
+    _FAST_OK = False
