@@ -110,17 +110,33 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+# Measured on an H200 (scripts/tune.py, bf16, kernel-only medians; notes in benchmarks/NOTES.md):
+# - 4 warps per 4096-element tile, 8 per 8192, 16 per 16384: about 8-16 elements per thread;
+# - short rows: several rows per tile (4096 // BLOCK_N), so one program still moves a useful amount;
+# - RMSNorm forward and every dx-only backward: one program per tile, no pipelining (93-100% of copy);
+# - LayerNorm forward (two dependent reductions per row): a persistent grid of 2-4 programs per SM
+#   with the next tiles prefetched (LOOP_STAGES=3): 71% -> 84% of copy at 8192x8192;
+# - dW/dB backward: one (tile >= 8192) or two programs per SM, each accumulating one fp32 partial row,
+#   with the next tiles prefetched (3-4 stages): 66% -> 85-92% of copy in bf16.
+SMEM_BUDGET = 160 * 1024  # bytes of shared memory the prefetched tiles may take (H100/H200: 228 KB per SM)
+
+
 @functools.lru_cache(maxsize=None)
 def tile_config(M: int, N: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for a row-wise pass over an M x N tensor."""
     block_n = _next_pow2(N)
-    # Several rows per program when rows are short, so each program moves a useful amount of data.
     block_m = max(1, min(16, 4096 // block_n, _next_pow2(max(M, 1))))
-    tile = block_m * block_n
-    num_warps = max(1, min(16, tile // 256))
-    if block_n >= 32768:
-        num_warps = 32
+    num_warps = min(32, max(4, block_m * block_n // 1024))
     return block_m, block_n, num_warps
+
+
+def _stages(block_m: int, block_n: int, elem_bytes: int, streams: int, want: int) -> int:
+    """Pipelining depth: ``want``, or fewer when that many prefetched tiles overflow shared memory."""
+    per_stage = block_m * block_n * elem_bytes * streams
+    return max(1, min(want, SMEM_BUDGET // per_stage))
+
+
+_ELEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def _contiguous(M: int, N: int, strides: dict) -> bool:
@@ -141,12 +157,20 @@ def plan_forward(
     casting: str = "gemma",
     store_stats: bool,
     strides: dict | None = None,
+    num_sms: int | None = None,
 ) -> KernelCall:
-    """The forward launch. ``strides`` maps stride_x/stride_r/stride_y to row strides (default N)."""
+    """The forward launch. ``strides`` maps stride_x/stride_r/stride_y to row strides (default N);
+    ``num_sms`` (the device's SM count) enables the persistent LayerNorm variant."""
     is_rms = op != "layer_norm"
     has_res = op == "fused_add_rms_norm"
     strides = {"stride_x": N, "stride_r": N, "stride_y": N, **(strides or {})}
     block_m, block_n, num_warps = tile_config(M, N)
+    tiles = -(-M // block_m)
+    grid, stages = tiles, 1
+    if not is_rms and num_sms:
+        stages = _stages(block_m, block_n, _ELEM_BYTES[x_dtype], 1, 3)
+        if stages > 1:
+            grid = min(tiles, (4 if block_m * block_n <= 4096 else 2) * num_sms)
     out_specs = {"Y": ((M, N), x_dtype)}
     if has_res:
         out_specs["S"] = ((M, N), x_dtype)
@@ -158,7 +182,7 @@ def plan_forward(
     scalars = {"eps": eps, "offset": offset, "M": M, **strides}
     return KernelCall(
         kernel=norm_fwd_kernel,
-        grid=(-(-M // block_m),),
+        grid=(grid,),
         num_warps=num_warps,
         num_stages=1,
         inputs=FWD_INPUTS,
@@ -177,17 +201,16 @@ def plan_forward(
             ROWS_CONTIGUOUS=_contiguous(M, N, strides),
             BLOCK_M=block_m,
             BLOCK_N=block_n,
-            LOOP_STAGES=1,
-            WELFORD=False,
+            LOOP_STAGES=stages,
         ),
     )
 
 
 def num_partials(M: int, N: int, num_sms: int) -> int:
     """Programs (hence fp32 partial rows) of a backward that reduces dW/dB."""
-    block_m, _, _ = tile_config(M, N)
+    block_m, block_n, _ = tile_config(M, N)
     tiles = -(-M // block_m)
-    return max(1, min(tiles, 2 * num_sms))
+    return max(1, min(tiles, (1 if block_m * block_n >= 8192 else 2) * num_sms))
 
 
 @_memoized
@@ -214,6 +237,10 @@ def plan_backward(
     tiles = -(-M // block_m)
     reduces = compute_dw or compute_db
     grid = num_partials(M, N, num_sms) if reduces else tiles
+    stages = 1
+    if reduces:
+        streams = 2 + (1 if has_dres else 0)  # x and dy (and d_residual) are prefetched
+        stages = _stages(block_m, block_n, _ELEM_BYTES[x_dtype], streams, 4 if block_m * block_n >= 8192 else 3)
     out_specs = {}
     if compute_dx:
         out_specs["DX"] = ((M, N), x_dtype)
@@ -250,7 +277,7 @@ def plan_backward(
             ROWS_CONTIGUOUS=_contiguous(M, N, strides),
             BLOCK_M=block_m,
             BLOCK_N=block_n,
-            LOOP_STAGES=1,
+            LOOP_STAGES=stages,
         ),
     )
 

@@ -74,15 +74,20 @@ def _launch_compiled(call: plans.KernelCall, args: list, device_index: int) -> N
     key = (kernel, call.grid[1:], call.num_warps, call.num_stages, call.fp_fusion, tuple(call.constexprs.values()),
            tuple(_spec(a) for a in args), device_index)
     compiled = _COMPILED.get(key)
-    if compiled is not None and _FAST_OK and _knobs.runtime.launch_enter_hook is None:
+    if compiled is not None and _no_hooks():
         stream = torch._C._cuda_getCurrentRawStream(device_index)
         compiled.run(call.grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
                      *args, *call.constexprs.values())
         return
     compiled = kernel[call.grid](*args, **call.constexprs, num_warps=call.num_warps, num_stages=call.num_stages,
                                  enable_fp_fusion=call.fp_fusion)
-    if _FAST_OK and len(args) + len(call.constexprs) == len(kernel.arg_names):
+    if _FAST_OK and compiled is not None and len(args) + len(call.constexprs) == len(kernel.arg_names):
         _COMPILED[key] = compiled
+
+
+def _no_hooks() -> bool:
+    hooks = (_knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook)
+    return all(h is None or not getattr(h, "calls", True) for h in hooks)
 
 
 try:  # the direct launch follows Triton 3.6's JITFunction.run; other versions use the ordinary path

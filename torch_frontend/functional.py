@@ -56,7 +56,7 @@ def _norm_fwd(x, residual, weight, bias, op, eps, offset, casting, store_stats):
                "stride_y": N}
     call = plans.plan_forward(op=op, M=M, N=N, x_dtype=_launch.dtype_name(x.dtype), has_w=weight is not None,
                               has_b=bias is not None, eps=eps, offset=offset, casting=casting,
-                              store_stats=store_stats, strides=strides)
+                              store_stats=store_stats, strides=strides, num_sms=_launch.num_sms(x.device))
     out = _launch.run(call, {"X": x, "R": residual, "W": weight, "B": bias}, x.device)
     return out["Y"], out.get("S"), out.get("MEAN"), out.get("RSTD")
 

@@ -10,15 +10,6 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
-def _welford_combine(mean_a, m2_a, n_a, mean_b, m2_b, n_b):
-    # merge two (mean, sum of squared deviations, count) summaries; empty ones (n = 0) are neutral
-    n = n_a + n_b
-    w_b = tl.where(n > 0, n_b / tl.maximum(n, 1.0), 0.0)
-    delta = mean_b - mean_a
-    return mean_a + delta * w_b, m2_a + m2_b + delta * delta * n_a * w_b, n
-
-
 @triton.jit(do_not_specialize=["M"])  # M's value must not change the code: cross-frontend bitwise parity
 def norm_fwd_kernel(
     X,  # input rows [M, N], row stride stride_x, last dim contiguous
@@ -46,7 +37,6 @@ def norm_fwd_kernel(
     BLOCK_M: tl.constexpr,  # rows per tile
     BLOCK_N: tl.constexpr,  # next power of two >= N
     LOOP_STAGES: tl.constexpr,  # software-pipelining depth of the tile loop (1: none)
-    WELFORD: tl.constexpr,  # LayerNorm statistics in one combined reduction instead of two passes
 ):
     # Tiles of BLOCK_M rows are dealt round-robin to the programs; LOOP_STAGES > 1 prefetches the
     # next tile's rows while this one is reduced.
@@ -84,11 +74,6 @@ def norm_fwd_kernel(
         if IS_RMS:
             xc = x
             var = tl.sum(x * x, axis=1) * (1.0 / N)
-        elif WELFORD:
-            # one tree reduction of (mean, M2, count) triples (Chan et al.): no second pass over the row
-            mean, m2, _ = tl.reduce((x, tl.zeros_like(x), mask.to(tl.float32)), 1, _welford_combine)
-            var = m2 * (1.0 / N)
-            xc = tl.where(mask, x - mean[:, None], 0.0)
         else:
             mean = tl.sum(x, axis=1) * (1.0 / N)
             xc = tl.where(mask, x - mean[:, None], 0.0)
