@@ -1,0 +1,389 @@
+"""torch_frontend.patch_model: swapped norms compute what the originals computed, keep their
+Parameters, run the dW-free backward under LoRA, and leave unknown modules alone.
+
+References are the unpatched modules themselves (a deep copy taken before patching), on fresh random
+inputs and non-trivial norm weights (HF initializes them to ones, Gemma to zeros).
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import normkit
+import torch_frontend as tf
+from torch_frontend.patch import KNOWN, HFRMSNorm
+from tests.tolerances import assert_close
+
+pytestmark = [
+    # peft 0.21 calls transformers' is_gradient_checkpointing, which transformers 5.x deprecates.
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HIDDEN, LAYERS, SEQ, BATCH, VOCAB = 64, 2, 16, 2, 96
+
+
+def _np(t):
+    return t.detach().double().cpu().numpy()
+
+
+def _randomize_norms(model: nn.Module, gen: torch.Generator) -> None:
+    """Norm weights away from their init (ones / zeros), so a wrong offset or a dropped weight shows."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_((torch.rand(p.shape, generator=gen) + 0.5) * torch.randn(p.shape, generator=gen).sign())
+
+
+def _tiny(kind: str, seed: int):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    elif kind == "gemma":
+        model = transformers.GemmaForCausalLM(transformers.GemmaConfig(**common, head_dim=16))
+    else:
+        raise ValueError(kind)
+    _randomize_norms(model, torch.Generator().manual_seed(seed + 1))
+    return model
+
+
+def _tokens(seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole models: full fine-tuning and LoRA.
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma"])
+def test_full_model_outputs_and_gradients_match(kind):
+    ref = _tiny(kind, seed=11)
+    model = copy.deepcopy(ref)
+    report = tf.patch_model(model)
+    norm_cls = {"llama": "LlamaRMSNorm", "gemma": "GemmaRMSNorm"}[kind]
+    assert len(report.patched) == 2 * LAYERS + 1
+    assert {old.__name__ for _, old, _ in report.patched} == {norm_cls}
+    assert not any(type(m).__name__ == norm_cls for m in model.modules())
+
+    ids = _tokens(12)
+    out_ref = ref(input_ids=ids, labels=ids)
+    out_ref.loss.backward()
+    with normkit.record_launches() as log:
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+    assert len(log.of("norm_fwd_kernel")) == 2 * LAYERS + 1
+    # Every norm weight is trained here, so every backward reduces dW.
+    assert len(log.of("partial_sum_kernel")) == 2 * LAYERS + 1
+    assert all(launch.flags["COMPUTE_DW"] for launch in log.of("norm_bwd_kernel"))
+
+    assert_close(_np(out.logits), _np(out_ref.logits), "float32", "logits")
+    assert_close(out.loss.item(), out_ref.loss.item(), "float32", "loss")
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        assert_close(_np(p.grad), _np(ref_params[name].grad), "float32", f"grad {name}",
+                     reduced_over=BATCH * SEQ if "norm" in name else 1)
+
+
+def _lora(model):
+    # init_lora_weights=False: B random too, so A's gradients are not trivially zero.
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0,
+                          init_lora_weights=False)
+    return peft.get_peft_model(model, cfg)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma"])
+def test_lora_path_runs_dw_free_backward(kind):
+    ref = _lora(_tiny(kind, seed=21))
+    model = copy.deepcopy(ref)
+    report = tf.patch_model(model)
+    assert len(report.patched) == 2 * LAYERS + 1
+    norm_weights = [m.weight for m in model.modules() if isinstance(m, tf.RMSNorm)]
+    assert len(norm_weights) == 2 * LAYERS + 1 and not any(w.requires_grad for w in norm_weights)
+
+    ids = _tokens(22)
+    out_ref = ref(input_ids=ids, labels=ids)
+    out_ref.loss.backward()
+    with normkit.record_launches() as log:
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+
+    bwd = log.of("norm_bwd_kernel")
+    # The first input norm sees the frozen embeddings (no grad needed at all); every later norm's
+    # input depends on a LoRA adapter, so it needs dx only.
+    assert len(bwd) == 2 * LAYERS
+    for launch in bwd:
+        assert launch.flags["COMPUTE_DX"] and not launch.flags["COMPUTE_DW"] and not launch.flags["COMPUTE_DB"]
+        assert launch.partial_buffers == ()
+    assert log.of("partial_sum_kernel") == []
+    assert all(w.grad is None for w in norm_weights)
+
+    assert_close(out.loss.item(), out_ref.loss.item(), "float32", "loss")
+    ref_params = dict(ref.named_parameters())
+    lora = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert lora and all("lora_" in n for n, _ in lora)
+    for name, p in lora:
+        assert np.abs(_np(ref_params[name].grad)).max() > 0, name  # a comparison that can fail
+        assert_close(_np(p.grad), _np(ref_params[name].grad), "float32", f"grad {name}")
+
+
+def test_lora_with_one_trained_norm_reduces_only_that_one():
+    ref = _lora(_tiny("llama", seed=31))
+    ref.base_model.model.model.norm.weight.requires_grad_(True)  # e.g. a norm listed in modules_to_save
+    model = copy.deepcopy(ref)
+    tf.patch_model(model)
+    ids = _tokens(32)
+    out_ref = ref(input_ids=ids, labels=ids)
+    out_ref.loss.backward()
+    with normkit.record_launches() as log:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert [launch.flags["COMPUTE_DW"] for launch in log.of("norm_bwd_kernel")].count(True) == 1
+    assert len(log.of("partial_sum_kernel")) == 1
+    w, w_ref = model.base_model.model.model.norm.weight, ref.base_model.model.model.norm.weight
+    assert_close(_np(w.grad), _np(w_ref.grad), "float32", "final norm dW", reduced_over=BATCH * SEQ)
+
+
+def test_patch_after_peft_keeps_parameter_objects_and_state_dict():
+    model = _lora(_tiny("llama", seed=41))
+    before = {n: p for n, p in model.named_parameters()}
+    keys = list(model.state_dict())
+    tf.patch_model(model)
+    after = dict(model.named_parameters())
+    assert list(after) == list(before)
+    assert all(after[n] is before[n] for n in before)
+    assert list(model.state_dict()) == keys
+
+
+# ---------------------------------------------------------------------------------------------
+# Every known transformers class, module by module, across dtypes.
+
+
+def _known_hf_classes():
+    out = []
+    for (modpath, name), _ in KNOWN.items():
+        if modpath.startswith("transformers."):
+            out.append(pytest.param(modpath, name, id=name))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("modpath,name", _known_hf_classes())
+def test_each_known_hf_class_matches_its_original(modpath, name, dtype):
+    try:
+        cls = getattr(importlib.import_module(modpath), name)
+    except (ImportError, AttributeError):
+        pytest.skip(f"{modpath}.{name} is not in this transformers")
+    gen = torch.Generator().manual_seed(hash(name) % 1000)
+    D = 48
+    orig = cls(D, eps=1e-5).to(DTYPES[dtype])
+    _randomize_norms(nn.ModuleDict({"norm": orig}), gen)
+    holder = nn.Sequential(copy.deepcopy(orig))
+    report = tf.patch_model(holder)
+    assert len(report.patched) == 1 and report.patched[0][1] is cls
+    new = holder[0]
+    assert isinstance(new, tf.RMSNorm) and new.eps == 1e-5
+
+    x = (torch.randn(3, 5, D, generator=gen) * 2 + 0.5).to(DTYPES[dtype])
+    dy = torch.randn(3, 5, D, generator=gen).to(DTYPES[dtype])
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ya, yb = orig(xa), new(xb)
+    assert ya.dtype == yb.dtype
+    ya.backward(dy)
+    yb.backward(dy)
+    assert_close(_np(yb), _np(ya), dtype, f"{name} y")
+    assert_close(_np(xb.grad), _np(xa.grad), dtype, f"{name} dx")
+    assert_close(_np(new.weight.grad), _np(orig.weight.grad), dtype, f"{name} dw", reduced_over=15)
+
+
+def test_hf_llama_norm_keeps_the_promoted_output_dtype():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    orig = LlamaRMSNorm(32, eps=1e-6)  # fp32 weight ...
+    _randomize_norms(nn.ModuleDict({"n": orig}), torch.Generator().manual_seed(5))
+    holder = nn.Sequential(copy.deepcopy(orig))
+    tf.patch_model(holder)
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)  # ... bf16 input
+    y_ref, y = orig(x), holder[0](x)
+    assert y_ref.dtype == y.dtype == torch.float32
+    assert_close(_np(y), _np(y_ref), "bfloat16", "y")
+    assert isinstance(holder[0], HFRMSNorm) and holder[0].variance_epsilon == 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.nn.RMSNorm and torch.nn.LayerNorm.
+
+
+def _check_swapped_module(orig, dtype, shape, scale=1.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    holder = nn.Sequential(copy.deepcopy(orig))
+    report = tf.patch_model(holder)
+    assert len(report.patched) == 1, str(report)
+    new = holder[0]
+    x = ((torch.randn(shape, generator=gen) + 0.3) * scale).to(DTYPES[dtype])
+    dy = torch.randn(shape, generator=gen).to(DTYPES[dtype])
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ya, yb = orig(xa), new(xb)
+    assert ya.dtype == yb.dtype
+    ya.backward(dy)
+    yb.backward(dy)
+    assert_close(_np(yb), _np(ya), dtype, "y")
+    assert_close(_np(xb.grad) * scale, _np(xa.grad) * scale, dtype, "dx")
+    M = x.numel() // shape[-1]
+    for pname in ("weight", "bias"):
+        p_orig, p_new = getattr(orig, pname, None), getattr(new, pname, None)
+        assert (p_orig is None) == (p_new is None), pname
+        if p_orig is not None:
+            assert_close(_np(p_new.grad), _np(p_orig.grad), dtype, f"d{pname}", reduced_over=M)
+    return new
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("eps", [None, 1e-5])
+@pytest.mark.parametrize("affine", [True, False])
+def test_torch_rms_norm_swap(dtype, eps, affine):
+    orig = nn.RMSNorm(40, eps=eps, elementwise_affine=affine, dtype=DTYPES[dtype])
+    if affine:
+        _randomize_norms(nn.ModuleDict({"norm": orig}), torch.Generator().manual_seed(7))
+    # Small inputs make eps matter: mean(x**2) ~ 1e-4, where finfo(bfloat16).eps (7.8e-3) would be far off.
+    new = _check_swapped_module(orig, dtype, (6, 40), scale=1e-2, seed=8)
+    assert type(new) is tf.RMSNorm
+    assert new.eps == (torch.finfo(torch.float32).eps if eps is None else eps)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("affine,bias", [(True, True), (True, False), (False, False)])
+def test_torch_layer_norm_swap(dtype, affine, bias):
+    orig = nn.LayerNorm(40, eps=1e-5, elementwise_affine=affine, bias=bias, dtype=DTYPES[dtype])
+    if affine:
+        gen = torch.Generator().manual_seed(9)
+        with torch.no_grad():
+            orig.weight.copy_(torch.rand(40, generator=gen) + 0.5)
+            if bias:
+                orig.bias.copy_(torch.randn(40, generator=gen))
+    new = _check_swapped_module(orig, dtype, (2, 5, 40), seed=10)
+    assert type(new) is tf.LayerNorm
+    assert list(new.state_dict()) == list(orig.state_dict())
+
+
+def test_frozen_torch_norms_get_no_grad():
+    model = nn.Sequential(nn.Linear(24, 24), nn.LayerNorm(24), nn.RMSNorm(24, eps=1e-6), nn.Linear(24, 4))
+    for m in (model[1], model[2]):
+        for p in m.parameters():
+            p.requires_grad_(False)
+    tf.patch_model(model)
+    x = torch.randn(5, 24, generator=torch.Generator().manual_seed(3))
+    with normkit.record_launches() as log:
+        model(x).square().sum().backward()
+    assert model[1].weight.grad is None and model[1].bias.grad is None and model[2].weight.grad is None
+    assert model[0].weight.grad is not None
+    bwd = log.of("norm_bwd_kernel")
+    assert len(bwd) == 2 and not any(b.flags["COMPUTE_DW"] or b.flags["COMPUTE_DB"] for b in bwd)
+    assert log.of("partial_sum_kernel") == []
+
+
+# ---------------------------------------------------------------------------------------------
+# What is left alone, idempotence, unpatching.
+
+
+class MyNorm(nn.Module):  # norm-looking, not known: must be left alone
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x / x.abs().amax(-1, keepdim=True) * self.weight
+
+
+class LlamaRMSNorm(nn.Module):  # a namesake of transformers' class with different math: not known
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        return x * self.weight
+
+
+def test_unknown_model_is_left_as_it_was():
+    import transformers.models.llama.modeling_llama  # noqa: F401  (the real class is loaded)
+
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(16, 16), MyNorm(16), nn.GroupNorm(4, 16), LlamaRMSNorm(16), nn.Linear(16, 2))
+    before = list(model)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(3, 16)
+    y_before = model(x)
+    report = tf.patch_model(model)
+    assert report.patched == []
+    assert [(n, c) for n, c, _ in report.skipped] == [("1", MyNorm), ("2", nn.GroupNorm), ("3", LlamaRMSNorm)]
+    assert "named like transformers.models.llama.modeling_llama.LlamaRMSNorm" in report.skipped[2][2]
+    assert all(a is b for a, b in zip(model, before))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    assert torch.equal(model(x), y_before)
+    assert str(report).splitlines()[0] == "normkit: patched 0 module(s), skipped 3"
+
+
+def test_skip_reasons_for_unsupported_known_modules():
+    hooked = nn.RMSNorm(8)
+    hooked.register_forward_hook(lambda m, i, o: None)
+    model = nn.ModuleDict({
+        "multi_dim": nn.LayerNorm((4, 8)),
+        "fp64": nn.RMSNorm(8, dtype=torch.float64),
+        "hooked": hooked,
+        "ok": nn.LayerNorm(8),
+    })
+    report = tf.patch_model(model)
+    assert [n for n, _, _ in report.patched] == ["ok"]
+    reasons = {n: r for n, _, r in report.skipped}
+    assert "spans several dims" in reasons["multi_dim"]
+    assert "float64" in reasons["fp64"]
+    assert "forward hooks" in reasons["hooked"]
+    only_rms = nn.ModuleDict({"ln": nn.LayerNorm(8), "rms": nn.RMSNorm(8)})
+    report = tf.patch_model(only_rms, layer_norm=False)
+    assert [n for n, _, _ in report.patched] == ["rms"] and type(only_rms["ln"]) is nn.LayerNorm
+
+
+def test_patch_twice_changes_nothing_and_unpatch_restores():
+    model = _lora(_tiny("llama", seed=51))
+    originals = {n: m for n, m in model.named_modules() if type(m).__name__ == "LlamaRMSNorm"}
+    ids = _tokens(52)
+    with torch.no_grad():
+        loss_orig = model(input_ids=ids, labels=ids).loss.item()
+
+    first = tf.patch_model(model)
+    patched = {n: m for n, m in model.named_modules() if n in originals}
+    second = tf.patch_model(model)
+    assert len(first.patched) == len(originals) and second.patched == []
+    assert {n for n, _, _ in second.skipped} == set(originals)
+    assert all(r == "already a normkit module" for _, _, r in second.skipped)
+    assert all(dict(model.named_modules())[n] is m for n, m in patched.items())
+    with torch.no_grad():
+        loss_patched = model(input_ids=ids, labels=ids).loss.item()
+    assert_close(loss_patched, loss_orig, "float32", "loss")
+
+    restored = tf.unpatch_model(model)
+    assert len(restored.patched) == len(originals)
+    assert all(dict(model.named_modules())[n] is m for n, m in originals.items())
+    assert tf.unpatch_model(model).patched == []
+    with torch.no_grad():
+        assert model(input_ids=ids, labels=ids).loss.item() == loss_orig
+
+
+def test_shared_module_is_swapped_everywhere():
+    norm = nn.LayerNorm(8)
+    model = nn.ModuleDict({"a": nn.Sequential(norm), "b": nn.Sequential(norm)})
+    report = tf.patch_model(model)
+    assert len(report.patched) == 1  # named_modules lists a shared module once
+    assert model["a"][0] is model["b"][0] and isinstance(model["a"][0], tf.LayerNorm)
+    assert model["a"][0].weight is norm.weight
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
+    np.testing.assert_allclose(_np(model["a"](x)), _np(norm(x)), rtol=2e-5, atol=2e-5)

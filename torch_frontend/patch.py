@@ -1,0 +1,347 @@
+"""Swap the norm modules of an existing model for normkit's, in place.
+
+    >>> model = get_peft_model(LlamaForCausalLM(config), LoraConfig(...))
+    >>> report = torch_frontend.patch_model(model)
+    >>> print(report)            # what was swapped, what was left alone and why
+
+The new module takes over the old one's ``weight`` (and ``bias``) *Parameter objects*, so dtype,
+device, ``requires_grad``, optimizer state and PEFT's freezing all carry over unchanged. A frozen
+weight then runs the dW-free backward (``COMPUTE_DW=False``: no fp32 partials, no reduction launch).
+
+Known classes and how each maps onto normkit:
+
+===============================================  ===========  ========  =========================
+class                                            normkit      offset    casting_mode
+===============================================  ===========  ========  =========================
+transformers Llama, Mistral, Mixtral, Qwen2,     HFRMSNorm    0         "llama" (x_hat rounded to
+Qwen2Moe, Qwen3, Qwen3Moe, Phi3 ``*RMSNorm``                            x.dtype, then ``w *``)
+transformers Gemma, Gemma2, Gemma3 ``*RMSNorm``  RMSNorm      1         "gemma" (fp32 ``1 + w``)
+``torch.nn.RMSNorm``                             RMSNorm      0         "gemma" (torch's fused path)
+``torch.nn.LayerNorm``                           LayerNorm    n/a       fp32, as torch
+===============================================  ===========  ========  =========================
+
+A class is matched by identity when its defining module is already imported, and by name (with a
+check of the attributes it must have) otherwise; nothing here imports a model file. Anything else
+whose class name contains "Norm" is left as it is and listed in the report with a reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from normkit.launch import MAX_N
+from torch_frontend.modules import FusedAddRMSNorm, LayerNorm, RMSNorm
+
+__all__ = ["patch_model", "unpatch_model", "PatchReport", "HFRMSNorm"]
+
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ORIGINAL = "_normkit_original"  # instance attribute of a patched module: the module it replaced
+
+
+class HFRMSNorm(RMSNorm):
+    """normkit's RMSNorm standing in for transformers' Llama-style ``*RMSNorm``.
+
+    Same math as ``RMSNorm(casting_mode="llama")``, plus two things the original has:
+
+    - ``variance_epsilon``, an alias of ``eps``, for code that reads it;
+    - the output dtype of ``weight * x_hat.to(x.dtype)``, i.e. ``promote_types(weight.dtype, x.dtype)``.
+      When the weight is wider than x (fp32 weight, bf16 x) the kernel's x.dtype result is cast up,
+      so it carries one extra rounding to x.dtype that the original does not.
+    """
+
+    @property
+    def variance_epsilon(self) -> float:
+        return self.eps
+
+    @variance_epsilon.setter
+    def variance_epsilon(self, value: float) -> None:
+        self.eps = value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if self.weight is not None:
+            out_dtype = torch.promote_types(self.weight.dtype, x.dtype)
+            if out_dtype != y.dtype:
+                y = y.to(out_dtype)
+        return y
+
+
+_NORMKIT_CLASSES = (RMSNorm, LayerNorm, FusedAddRMSNorm)
+
+
+# ---------------------------------------------------------------------------------------------
+# Converters: old module -> new normkit module, or a string saying why it is left alone.
+
+
+def _check_param(p, name: str) -> Optional[str]:
+    if p is None:
+        return None
+    if not isinstance(p, torch.Tensor):
+        return f"{name} is a {type(p).__name__}, not a tensor"
+    if p.dim() != 1:
+        return f"{name} has shape {tuple(p.shape)}; normkit normalizes over one last dimension"
+    if not 1 <= p.shape[0] <= MAX_N:
+        return f"{name} has {p.shape[0]} elements; normkit supports 1..{MAX_N}"
+    if p.dtype not in _SUPPORTED_DTYPES:
+        return f"{name} has dtype {p.dtype}; normkit supports float32, bfloat16 and float16"
+    return None
+
+
+def _rms_like(old: nn.Module, cls, eps_attr: str, offset: float, casting: str) -> Union[nn.Module, str]:
+    weight = getattr(old, "weight", None)
+    eps = getattr(old, eps_attr, None)
+    if not isinstance(weight, nn.Parameter):
+        return "no `weight` Parameter where this class keeps one"
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        return f"no numeric `{eps_attr}` where this class keeps its eps"
+    bad = _check_param(weight, "weight")
+    if bad:
+        return bad
+    # Built on the meta device so nothing is allocated; the old Parameter is then adopted as is.
+    new = cls(weight.shape[0], float(eps), True, offset=offset, casting_mode=casting, device="meta",
+              dtype=weight.dtype)
+    new.weight = weight
+    return new
+
+
+def _hf_llama(old):
+    return _rms_like(old, HFRMSNorm, "variance_epsilon", 0.0, "llama")
+
+
+def _hf_gemma(old):
+    # Gemma scales by (1 + weight) in fp32 and rounds once at the end; its weight starts at zero.
+    return _rms_like(old, RMSNorm, "eps", 1.0, "gemma")
+
+
+def _torch_rms_norm(old: nn.RMSNorm):
+    if len(old.normalized_shape) != 1:
+        return f"normalized_shape {tuple(old.normalized_shape)} spans several dims; normkit normalizes the last one"
+    bad = _check_param(old.weight, "weight")
+    if bad:
+        return bad
+    # eps=None: torch documents finfo(x.dtype).eps, but computes in float32 for fp32/bf16/fp16 inputs and
+    # adds finfo(float32).eps (see torch._decomp's _fused_rms_norm). Those are the only dtypes normkit
+    # takes, so the faithful value is that constant.
+    eps = torch.finfo(torch.float32).eps if old.eps is None else float(old.eps)
+    # With matching dtypes torch runs its fused kernel: everything in fp32, one rounding at the end.
+    new = RMSNorm(old.normalized_shape, eps, old.elementwise_affine, offset=0.0, casting_mode="gemma",
+                  device="meta", dtype=old.weight.dtype if old.weight is not None else None)
+    if old.weight is not None:
+        new.weight = old.weight
+    return new
+
+
+def _torch_layer_norm(old: nn.LayerNorm):
+    if len(old.normalized_shape) != 1:
+        return f"normalized_shape {tuple(old.normalized_shape)} spans several dims; normkit normalizes the last one"
+    for name in ("weight", "bias"):
+        bad = _check_param(getattr(old, name), name)
+        if bad:
+            return bad
+    dtype = old.weight.dtype if old.weight is not None else None
+    new = LayerNorm(old.normalized_shape, old.eps, old.elementwise_affine, bias=old.bias is not None,
+                    device="meta", dtype=dtype)
+    if old.weight is not None:
+        new.weight = old.weight
+    if old.bias is not None:
+        new.bias = old.bias
+    elif old.elementwise_affine:
+        new.register_parameter("bias", None)
+    return new
+
+
+_HF_LLAMA_STYLE = ["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3"]
+_HF_GEMMA_STYLE = ["gemma", "gemma2", "gemma3"]
+_CAMEL = {"qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe"}
+
+
+def _hf(model_type: str) -> tuple[str, str]:
+    camel = _CAMEL.get(model_type, model_type.capitalize())
+    return f"transformers.models.{model_type}.modeling_{model_type}", f"{camel}RMSNorm"
+
+
+# (defining module, class name) -> converter
+KNOWN: dict[tuple[str, str], Callable] = {
+    **{_hf(t): _hf_llama for t in _HF_LLAMA_STYLE},
+    **{_hf(t): _hf_gemma for t in _HF_GEMMA_STYLE},
+    ("torch.nn.modules.normalization", "RMSNorm"): _torch_rms_norm,
+    ("torch.nn.modules.normalization", "LayerNorm"): _torch_layer_norm,
+}
+
+
+def _converter(cls: type) -> tuple[Optional[Callable], Optional[str]]:
+    """(converter, None) for a known class; (None, reason) for a norm-looking unknown one."""
+    if issubclass(cls, _NORMKIT_CLASSES):
+        return None, "already a normkit module"
+    namesake = None
+    for (modpath, name), conv in KNOWN.items():
+        if cls.__name__ != name:
+            continue
+        mod = sys.modules.get(modpath)
+        if mod is None:
+            return conv, None  # by name: the converter checks the attributes it relies on
+        if getattr(mod, name, None) is cls:
+            return conv, None  # by identity
+        namesake = f"{modpath}.{name}"
+    if namesake is not None:
+        return None, f"named like {namesake} but defined in {cls.__module__}; not known"
+    for (modpath, name), _ in KNOWN.items():
+        known = getattr(sys.modules.get(modpath), name, None)
+        if isinstance(known, type) and issubclass(cls, known):
+            return None, f"a subclass of {modpath}.{name}, whose forward may differ; not known"
+    return None, "not a class normkit knows"
+
+
+def _looks_like_norm(cls: type) -> bool:
+    return "norm" in cls.__name__.lower()
+
+
+def _has_hooks(m: nn.Module) -> Optional[str]:
+    if "forward" in m.__dict__:
+        return "its forward was replaced on the instance (e.g. by an accelerate hook); patch before dispatching"
+    for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
+        if getattr(m, attr, None):
+            return f"it has {attr.strip('_').replace('_', ' ')} registered, which a swap would drop"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The report.
+
+
+def _cls_name(cls: type) -> str:
+    return cls.__name__
+
+
+@dataclasses.dataclass
+class PatchReport:
+    """What ``patch_model`` (or ``unpatch_model``) did.
+
+    ``patched``: ``(qualified name, old class, new class)`` for each swapped module.
+    ``skipped``: ``(qualified name, class, reason)`` for each norm-looking module left as it was.
+    """
+
+    patched: list = dataclasses.field(default_factory=list)
+    skipped: list = dataclasses.field(default_factory=list)
+    verb: str = "patched"
+
+    def __len__(self) -> int:
+        return len(self.patched)
+
+    def __str__(self) -> str:
+        lines = [f"normkit: {self.verb} {len(self.patched)} module(s), skipped {len(self.skipped)}"]
+        groups: dict = {}
+        for name, old, new in self.patched:
+            groups.setdefault((_cls_name(old), _cls_name(new)), []).append(name)
+        for (old, new), names in groups.items():
+            lines.append(f"  {self.verb} {len(names):3d} x {old} -> {new}: {_names(names)}")
+        reasons: dict = {}
+        for name, cls, reason in self.skipped:
+            reasons.setdefault((_cls_name(cls), reason), []).append(name)
+        for (cls, reason), names in reasons.items():
+            lines.append(f"  skipped {len(names):3d} x {cls} ({reason}): {_names(names)}")
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, p, cycle):  # IPython shows the readable form
+        p.text(str(self))
+
+
+def _names(names: list[str], limit: int = 3) -> str:
+    shown = ", ".join(n or "<root>" for n in names[:limit])
+    return shown + (f", ... (+{len(names) - limit})" if len(names) > limit else "")
+
+
+# ---------------------------------------------------------------------------------------------
+# Public functions.
+
+
+def _swap(model: nn.Module, replacements: dict[int, nn.Module]) -> None:
+    """Replace every occurrence (a module may be shared) of each old module id by its new module."""
+    for parent in list(model.modules()):
+        for child_name, child in list(parent._modules.items()):
+            if child is not None and id(child) in replacements:
+                parent._modules[child_name] = replacements[id(child)]
+
+
+def patch_model(
+    model: nn.Module,
+    *,
+    rms_norm: bool = True,
+    layer_norm: bool = True,
+    include: Optional[Callable[[str, nn.Module], bool]] = None,
+) -> PatchReport:
+    """Swap the norm modules of ``model`` for normkit's, in place, and report what was done.
+
+    Args:
+        model: any ``nn.Module``, e.g. a transformers model, before or after PEFT wrapped it.
+        rms_norm: swap the known RMSNorm classes (transformers' Llama/Mistral/Qwen/Phi3/Gemma
+            families and ``torch.nn.RMSNorm``).
+        layer_norm: swap ``torch.nn.LayerNorm``.
+        include: optional ``include(qualified_name, module) -> bool``; a known module it rejects is
+            skipped.
+
+    Returns:
+        A ``PatchReport``; ``print(report)`` lists each swap and each skipped norm-looking module with
+        its reason. The new modules keep the old ``Parameter`` objects (dtype, device,
+        ``requires_grad``, state-dict keys unchanged) and remember the module they replaced, so
+        ``unpatch_model`` can put it back. Patching twice changes nothing: normkit modules are skipped.
+    """
+    report = PatchReport()
+    replacements: dict[int, nn.Module] = {}
+    for name, module in model.named_modules():
+        cls = type(module)
+        if not _looks_like_norm(cls) and not any(cls.__name__ == n for _, n in KNOWN):
+            continue
+        conv, reason = _converter(cls)
+        if conv is None:
+            report.skipped.append((name, cls, reason))
+            continue
+        is_layer_norm = conv is _torch_layer_norm
+        if (is_layer_norm and not layer_norm) or (not is_layer_norm and not rms_norm):
+            flag = "layer_norm" if is_layer_norm else "rms_norm"
+            report.skipped.append((name, cls, f"excluded by {flag}=False"))
+            continue
+        if include is not None and not include(name, module):
+            report.skipped.append((name, cls, "excluded by include()"))
+            continue
+        if module is model:
+            report.skipped.append((name, cls, "the root module cannot be replaced in place; patch its parent"))
+            continue
+        reason = _has_hooks(module)
+        new = conv(module) if reason is None else reason
+        if isinstance(new, str):
+            report.skipped.append((name, cls, new))
+            continue
+        new.train(module.training)
+        object.__setattr__(new, _ORIGINAL, module)  # not a submodule: state_dict and .modules() ignore it
+        replacements[id(module)] = new
+        report.patched.append((name, cls, type(new)))
+    _swap(model, replacements)
+    return report
+
+
+def unpatch_model(model: nn.Module) -> PatchReport:
+    """Put back the modules that ``patch_model`` replaced; return what was restored.
+
+    The original module gets the patched module's current ``weight``/``bias`` Parameters (normally
+    the very objects it had) and its training mode.
+    """
+    report = PatchReport(verb="restored")
+    replacements: dict[int, nn.Module] = {}
+    for name, module in model.named_modules():
+        orig = module.__dict__.get(_ORIGINAL)
+        if orig is None:
+            continue
+        for pname in ("weight", "bias"):
+            p = module._parameters.get(pname)
+            if p is not None and getattr(orig, pname, None) is not p:
+                setattr(orig, pname, p)
+        orig.train(module.training)
+        replacements[id(module)] = orig
+        report.patched.append((name, type(module), type(orig)))
+    _swap(model, replacements)
+    return report
