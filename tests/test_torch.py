@@ -1,0 +1,328 @@
+"""Torch-frontend specifics: modules and state dicts, frozen semantics, determinism, cross-checks
+against torch.nn.functional and HF-style RMSNorms, NaN/Inf, empty inputs, copies and torch.compile."""
+import numpy as np
+import pytest
+import torch
+
+import normkit
+import torch_frontend as tf
+from normkit import reference as ref
+from tests.frontends import DEVICE
+from tests.tolerances import assert_close
+
+BF16 = torch.bfloat16
+
+
+def randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale + 0.1).to(DEVICE, dtype)
+
+
+def np64(t):
+    return t.detach().double().cpu().numpy()
+
+
+# --- modules -------------------------------------------------------------------------------------
+
+
+def test_rmsnorm_module_state_dict_interchanges_with_torch_nn():
+    ours = tf.RMSNorm(48, eps=1e-6, device=DEVICE)
+    theirs = torch.nn.RMSNorm(48, eps=1e-6, device=DEVICE)
+    with torch.no_grad():
+        theirs.weight.copy_(randn(48, seed=1))
+    ours.load_state_dict(theirs.state_dict())
+    assert set(ours.state_dict()) == set(theirs.state_dict()) == {"weight"}
+    x = randn(3, 5, 48, seed=2)
+    assert_close(np64(ours(x)), np64(theirs(x)), "float32", "RMSNorm vs torch.nn.RMSNorm")
+    theirs.load_state_dict(ours.state_dict())  # and back
+
+
+def test_layernorm_module_state_dict_interchanges_with_torch_nn():
+    for bias in (True, False):
+        ours = tf.LayerNorm(40, bias=bias, device=DEVICE)
+        theirs = torch.nn.LayerNorm(40, bias=bias, device=DEVICE)
+        with torch.no_grad():
+            theirs.weight.copy_(randn(40, seed=3))
+            if bias:
+                theirs.bias.copy_(randn(40, seed=4))
+        ours.load_state_dict(theirs.state_dict())
+        assert set(ours.state_dict()) == set(theirs.state_dict())
+        x = randn(6, 40, seed=5, scale=3.0)
+        assert_close(np64(ours(x)), np64(theirs(x)), "float32", f"LayerNorm(bias={bias}) vs torch.nn.LayerNorm")
+
+
+def test_module_defaults_and_options():
+    m = tf.RMSNorm(16, offset=1.0, casting_mode="gemma", dtype=BF16, device=DEVICE)
+    assert m.weight.dtype == BF16 and torch.all(m.weight == 0)  # weight + offset starts at 1
+    assert tf.RMSNorm(16, elementwise_affine=False).weight is None
+    ln = tf.LayerNorm((16,), elementwise_affine=False)
+    assert ln.weight is None and ln.bias is None
+    with pytest.raises(ValueError, match="normalized_shape"):
+        tf.RMSNorm((4, 16))
+    f = tf.FusedAddRMSNorm(16, device=DEVICE)
+    x, r = randn(2, 16, seed=6), randn(2, 16, seed=7)
+    y, s = f(x, r)
+    assert_close(np64(s), np64(x) + np64(r), "float32", "residual_out")
+    assert_close(np64(y), ref.rms_norm(np64(x) + np64(r), np64(f.weight), 1e-6), "float32", "y")
+
+
+# --- frozen semantics ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "fused_add_rms_norm"])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_frozen_weight_gives_bitwise_equal_dx_and_no_partials(op, dtype):
+    x0 = randn(37, 200, dtype=dtype, seed=8)
+    r0 = randn(37, 200, dtype=dtype, seed=9)
+    w0 = randn(200, dtype=dtype, seed=10)
+    dy = randn(37, 200, dtype=dtype, seed=11)
+    grads, logs = {}, {}
+    for frozen in (False, True):
+        x = x0.clone().requires_grad_(True)
+        w = w0.clone().requires_grad_(not frozen)
+        b = randn(200, dtype=dtype, seed=12).requires_grad_(not frozen) if op == "layer_norm" else None
+        with normkit.record_launches() as log:
+            if op == "rms_norm":
+                y = tf.rms_norm(x, w)
+            elif op == "layer_norm":
+                y = tf.layer_norm(x, w, b)
+            else:
+                y, _ = tf.fused_add_rms_norm(x, r0, w)
+            y.backward(dy)
+        grads[frozen], logs[frozen] = x.grad, log
+        if frozen:
+            assert w.grad is None and (b is None or b.grad is None)
+        else:
+            assert w.grad is not None
+    assert torch.equal(grads[True], grads[False]), "x.grad must not depend on whether the weight is trained"
+    (bwd,) = logs[True].of("norm_bwd_kernel")
+    assert bwd.flags["COMPUTE_DW"] is False and bwd.flags["COMPUTE_DB"] is False
+    assert bwd.partial_buffers == () and bwd.partial_bytes == 0
+    assert not logs[True].of("partial_sum_kernel")
+    assert logs[False].of("norm_bwd_kernel")[0].partial_bytes > 0
+
+
+def test_frozen_x_computes_only_dw():
+    x = randn(20, 64, seed=13)
+    w = randn(64, seed=14).requires_grad_(True)
+    dy = randn(20, 64, seed=15)
+    with normkit.record_launches() as log:
+        tf.rms_norm(x, w).backward(dy)
+    assert x.grad is None
+    (bwd,) = log.of("norm_bwd_kernel")
+    assert bwd.flags["COMPUTE_DX"] is False and bwd.flags["COMPUTE_DW"] is True
+    _, dw = ref.rms_norm_bwd(np64(x), np64(w), np64(dy))
+    assert_close(np64(w.grad), dw, "float32", "dw", reduced_over=20)
+
+
+def test_no_stats_without_backward():
+    x, w = randn(8, 32, seed=16), randn(32, seed=17)
+    with normkit.record_launches() as log:
+        tf.rms_norm(x, w)  # nothing requires grad
+        with torch.no_grad():
+            tf.layer_norm(x.requires_grad_(True), w)
+    assert [launch.flags["STORE_STATS"] for launch in log] == [False, False]
+
+
+def test_fused_add_gradients_when_only_residual_out_is_used():
+    x = randn(9, 24, seed=18).requires_grad_(True)
+    r = randn(9, 24, seed=19).requires_grad_(True)
+    w = randn(24, seed=20).requires_grad_(True)
+    ds = randn(9, 24, seed=21)
+    _, s = tf.fused_add_rms_norm(x, r, w)
+    s.backward(ds)
+    assert torch.equal(x.grad, ds) and torch.equal(r.grad, ds)
+    assert w.grad is not None and torch.count_nonzero(w.grad) == 0  # y unused: dW is exactly zero
+
+
+# --- determinism ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_weight_gradients_are_bitwise_reproducible(op):
+    x = randn(517, 96, dtype=BF16, seed=22)
+    dy = randn(517, 96, dtype=BF16, seed=23)
+    results = []
+    for _ in range(2):
+        w = randn(96, dtype=BF16, seed=24).requires_grad_(True)
+        b = randn(96, dtype=BF16, seed=25).requires_grad_(True) if op == "layer_norm" else None
+        y = tf.rms_norm(x, w) if op == "rms_norm" else tf.layer_norm(x, w, b)
+        y.backward(dy)
+        results.append((w.grad.clone(), None if b is None else b.grad.clone()))
+    assert torch.equal(results[0][0], results[1][0])
+    if op == "layer_norm":
+        assert torch.equal(results[0][1], results[1][1])
+
+
+# --- cross-checks --------------------------------------------------------------------------------
+
+
+class HFLlamaRMSNorm(torch.nn.Module):
+    """HF LlamaRMSNorm's forward, written out."""
+
+    def __init__(self, weight, eps):
+        super().__init__()
+        self.weight, self.variance_epsilon = weight, eps
+
+    def forward(self, h):
+        dtype = h.dtype
+        h = h.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(dtype)
+
+
+class HFGemmaRMSNorm(torch.nn.Module):
+    """HF GemmaRMSNorm's forward, written out: all in fp32 with (1 + w)."""
+
+    def __init__(self, weight, eps):
+        super().__init__()
+        self.weight, self.eps = weight, eps
+
+    def forward(self, x):
+        out = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).type_as(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16, torch.float16])
+def test_matches_hf_llama_and_gemma_rmsnorm(dtype):
+    x = randn(11, 130, dtype=dtype, seed=26, scale=2.0)
+    w = randn(130, dtype=dtype, seed=27)
+    name = {torch.float32: "float32", BF16: "bfloat16", torch.float16: "float16"}[dtype]
+    for hf, kw in ((HFLlamaRMSNorm(w, 1e-6), {}), (HFGemmaRMSNorm(w, 1e-6), dict(offset=1.0, casting_mode="gemma"))):
+        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        ya = tf.rms_norm(xa, w, 1e-6, **kw)
+        yb = hf(xb)
+        assert ya.dtype == yb.dtype == dtype
+        assert_close(np64(ya), np64(yb), name, f"{type(hf).__name__}")
+        dy = randn(11, 130, dtype=dtype, seed=28)
+        ya.backward(dy)
+        yb.backward(dy)
+        assert_close(np64(xa.grad), np64(xb.grad), name, f"{type(hf).__name__} dx")
+
+
+def test_matches_torch_functional():
+    x = randn(7, 3, 77, seed=29, scale=2.0)
+    w, b = randn(77, seed=30), randn(77, seed=31)
+    assert_close(np64(tf.rms_norm(x, w, 1e-6)), np64(torch.nn.functional.rms_norm(x, (77,), w, 1e-6)),
+                 "float32", "vs F.rms_norm")
+    assert_close(np64(tf.layer_norm(x, w, b, 1e-5)), np64(torch.nn.functional.layer_norm(x, (77,), w, b, 1e-5)),
+                 "float32", "vs F.layer_norm")
+
+
+# --- special values and shapes -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_nan_and_inf_reach_the_same_elements_as_the_reference(op):
+    x = randn(5, 16, seed=32)
+    x[1, 3] = float("nan")
+    x[3, 7] = float("inf")
+    w = randn(16, seed=33)
+    y = tf.rms_norm(x, w) if op == "rms_norm" else tf.layer_norm(x, w)
+    with np.errstate(invalid="ignore"):  # the reference meets inf * 0 and NaN too
+        want = ref.rms_norm(np64(x), np64(w), 1e-6) if op == "rms_norm" else ref.layer_norm(np64(x), np64(w))
+    assert_close(np64(y), want, "float32", f"{op} with NaN/Inf")
+    assert np.isnan(np64(y)[1]).all() and np.isfinite(np64(y)[[0, 2, 4]]).all()
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "fused_add_rms_norm"])
+def test_zero_rows(op):
+    x = torch.empty(0, 3, 32, device=DEVICE).requires_grad_(True)
+    w = randn(32, seed=34).requires_grad_(True)
+    with normkit.record_launches() as log:
+        if op == "fused_add_rms_norm":
+            y, s = tf.fused_add_rms_norm(x, torch.empty(0, 3, 32, device=DEVICE), w)
+            (y.sum() + s.sum()).backward()
+        else:
+            y = tf.rms_norm(x, w) if op == "rms_norm" else tf.layer_norm(x, w)
+            y.sum().backward()
+    assert y.shape == (0, 3, 32) and x.grad.shape == (0, 3, 32)
+    assert w.grad is not None and torch.count_nonzero(w.grad) == 0 and w.grad.shape == (32,)
+    assert log.kernels() == []  # nothing to launch
+
+
+def test_strided_rows_are_not_copied():
+    big = randn(10, 300, seed=35)
+    x = big[:, 17:17 + 128]  # row stride 300, last dim contiguous
+    w = randn(128, seed=36)
+    with normkit.record_launches() as log:
+        y = tf.rms_norm(x, w)
+    assert log[0].flags["ROWS_CONTIGUOUS"] is False
+    assert_close(np64(y), ref.rms_norm(np64(x), np64(w)), "float32", "strided rows")
+
+
+def test_non_contiguous_last_dim_is_copied_with_a_warning():
+    x = randn(64, 12, seed=37).t()  # (12, 64) with last-dim stride 12
+    w = randn(64, seed=38)
+    with pytest.warns(tf.NormkitCopyWarning, match="not contiguous"):
+        y = tf.rms_norm(x, w)
+    assert_close(np64(y), ref.rms_norm(np64(x), np64(w)), "float32", "transposed input")
+
+
+def test_expanded_gradient_is_accepted():
+    x = randn(6, 40, seed=39).requires_grad_(True)
+    w = randn(40, seed=40)
+    tf.rms_norm(x, w).sum().backward()  # dy is an expanded scalar: all strides 0
+    dx, _ = ref.rms_norm_bwd(np64(x), np64(w), np.ones((6, 40)))
+    assert_close(np64(x.grad), dx, "float32", "dx for an expanded dy")
+
+
+def test_weight_of_another_dtype():
+    x = randn(9, 64, dtype=BF16, seed=41).requires_grad_(True)
+    w = randn(64, dtype=torch.float32, seed=42).requires_grad_(True)
+    y = tf.rms_norm(x, w, casting_mode="gemma")
+    dy = randn(9, 64, dtype=BF16, seed=43)
+    y.backward(dy)
+    assert y.dtype == BF16 and x.grad.dtype == BF16 and w.grad.dtype == torch.float32
+    dx, dw = ref.rms_norm_bwd(np64(x), np64(w), np64(dy))
+    assert_close(np64(y), ref.rms_norm(np64(x), np64(w)), "bfloat16", "y")
+    assert_close(np64(w.grad), dw, "bfloat16", "dw", reduced_over=9)
+
+
+# --- torch.compile -------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's compile stack warns about its own internals
+def test_torch_compile_fullgraph_has_no_graph_breaks():
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32, device=DEVICE), tf.RMSNorm(32, device=DEVICE))
+    model[1].weight.requires_grad_(False)  # the LoRA situation: frozen norm weight
+    compiled = torch.compile(model, fullgraph=True)
+    x = randn(5, 32, seed=44).requires_grad_(True)
+    with normkit.record_launches() as log:
+        y = compiled(x)
+        y.backward(torch.ones_like(y))
+    eager_x = x.detach().clone().requires_grad_(True)
+    y_eager = model(eager_x)
+    y_eager.backward(torch.ones_like(y_eager))
+    assert_close(np64(y), np64(y_eager), "float32", "compiled forward")
+    assert_close(np64(x.grad), np64(eager_x.grad), "float32", "compiled dx")
+    bwd = log.of("norm_bwd_kernel")
+    assert bwd and bwd[0].flags["COMPUTE_DW"] is False  # the frozen variant ran inside the compiled graph
+    explanation = torch._dynamo.explain(model)(randn(5, 32, seed=45))
+    assert explanation.graph_break_count == 0
+
+
+# --- large offsets (GPU only: needs > 4 GiB) -----------------------------------------------------
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA device with > 8 GiB free: 2^31+ elements")
+def test_more_than_2_31_elements():
+    M, N = 2**31 // 4096 + 3, 4096
+    x = torch.randn(M, N, device=DEVICE, dtype=BF16)
+    w = torch.randn(N, device=DEVICE, dtype=BF16)
+    y = tf.rms_norm(x, w)
+    for rows in (slice(0, 2), slice(M - 2, M)):  # the first rows and the rows past 2^31 elements
+        assert_close(np64(y[rows]), ref.rms_norm(np64(x[rows]), np64(w)), "bfloat16", f"rows {rows}")
+    del x, y
+    torch.cuda.empty_cache()
+
+
+def test_tensors_on_different_devices():
+    x = randn(4, 8, seed=46)
+    w = torch.empty(8, device="meta")  # a device other than x's, available on any machine
+    with normkit.record_launches() as log, pytest.raises(ValueError, match=r"weight is on meta but x is on"):
+        tf.rms_norm(x, w)
+    with pytest.raises(ValueError, match=r"residual is on meta but x is on"):
+        tf.fused_add_rms_norm(x, torch.empty(4, 8, device="meta"))
+    assert log.kernels() == []
