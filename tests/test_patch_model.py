@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import zlib
 
 import numpy as np
 import peft
@@ -182,7 +183,7 @@ def test_each_known_hf_class_matches_its_original(modpath, name, dtype):
         cls = getattr(importlib.import_module(modpath), name)
     except (ImportError, AttributeError):
         pytest.skip(f"{modpath}.{name} is not in this transformers")
-    gen = torch.Generator().manual_seed(hash(name) % 1000)
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     D = 48
     orig = cls(D, eps=1e-5).to(DTYPES[dtype])
     _randomize_norms(nn.ModuleDict({"norm": orig}), gen)
