@@ -14,6 +14,8 @@ import dataclasses
 import functools
 from typing import Any
 
+import numpy as np
+
 from normkit import record
 from normkit.kernels import norm_bwd_kernel, norm_fwd_kernel, partial_sum_kernel
 
@@ -332,8 +334,6 @@ def is_interpreted(kernel) -> bool:
 
 
 def _f32_to_bf16_rtne(data):
-    import numpy as np
-
     u = np.ascontiguousarray(data, dtype=np.float32).view(np.uint32)
     rounded = ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
     return np.where(np.isnan(data), np.uint16(0x7FC0), rounded)
@@ -381,7 +381,8 @@ class _Interpreted:
             JITFunction.__call__ = lambda fn, *a, **k: InterpretedFunction(fn.fn)(*a, **k)
             interpreter.InterpreterBuilder.cast_impl = _cast_rtne(saved_cast)
             try:
-                return self.kernel[grid](*args, **kwargs)
+                with np.errstate(all="ignore"):  # NaN/Inf in the data propagate silently, as on a GPU
+                    return self.kernel[grid](*args, **kwargs)
             finally:
                 JITFunction.__call__ = saved_call
                 interpreter.InterpreterBuilder.cast_impl = saved_cast
