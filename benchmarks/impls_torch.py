@@ -1,0 +1,329 @@
+"""Torch-side implementations, their inputs, and how each mode is timed.
+
+Every implementation is a function ``f(*primals) -> tuple of outputs`` over the op's primal
+arguments, in the order of ``ARGS[op]``: ``(x, weight)``, ``(x, weight, bias)`` or
+``(x, residual, weight)``. ``bwd_frozen`` freezes the weight and bias; x (and the residual) stay
+trainable.
+
+- ``normkit``: torch_frontend's public functions (autograd through ``ctx.needs_input_grad``), and,
+  for path ``kernel``, its bare launches ``_norm_fwd`` / ``_norm_bwd``;
+- ``liger``: Liger-Kernel's autograd Functions, imported from their submodules so that no backend
+  replacement applies (the Triton implementations), with their modules' defaults (RMSNorm
+  ``in_place=True``, which writes dx into dy's buffer; fused add ``in_place=False``);
+- ``torch_eager``: ``F.rms_norm`` / ``F.layer_norm``; the fused add is ``x + r`` then ``F.rms_norm``;
+- ``torch_compile``: ``torch.compile(fullgraph=True, dynamic=False)`` of the plain PyTorch expression
+  (the HF Llama RMSNorm expression; ``F.layer_norm`` as ``nn.LayerNorm`` calls it), compiled per shape.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.nn.functional as F
+
+ARGS = {"rms_norm": ("x", "weight"), "layer_norm": ("x", "weight", "bias"),
+        "fused_add_rms_norm": ("x", "residual", "weight")}
+PARAMS = frozenset({"weight", "bias"})  # frozen in bwd_frozen
+EPS = {"rms_norm": 1e-6, "layer_norm": 1e-5, "fused_add_rms_norm": 1e-6}
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class TorchInputs:
+    """Rotated activation sets (x, residual, dy, ds) and one set of parameters for one case."""
+
+    def __init__(self, op: str, M: int, N: int, dtype: str, device, n_sets: int, seed: int = 0):
+        dt = TORCH_DTYPES[dtype]
+        g = torch.Generator(device=device).manual_seed(seed)
+
+        def randn(*shape, scale=1.0, shift=0.0):
+            return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * scale + shift).to(dt)
+
+        self.op, self.M, self.N, self.n_sets = op, M, N, n_sets
+        self.x = [randn(M, N) for _ in range(n_sets)]
+        self.residual = [randn(M, N) for _ in range(n_sets)] if op == "fused_add_rms_norm" else None
+        self.dy = [randn(M, N) for _ in range(n_sets)]
+        # A distinct tensor for d(residual_out): inductor may read one tensor passed twice only once.
+        self.ds = [randn(M, N) for _ in range(n_sets)] if op == "fused_add_rms_norm" else None
+        self.weight = randn(N, scale=0.1, shift=1.0)
+        self.bias = randn(N, scale=0.1) if op == "layer_norm" else None
+
+    def primals(self, i: int) -> list:
+        i %= self.n_sets
+        by_name = {"x": self.x[i], "weight": self.weight, "bias": self.bias,
+                   "residual": self.residual[i] if self.residual is not None else None}
+        return [by_name[name] for name in ARGS[self.op]]
+
+    def cotangents(self, i: int) -> list:
+        i %= self.n_sets
+        return [self.dy[i]] + ([self.ds[i]] if self.ds is not None else [])
+
+    def set_trainable(self, names: frozenset) -> None:
+        for name, tensors in (("x", self.x), ("residual", self.residual), ("weight", [self.weight]),
+                              ("bias", [self.bias])):
+            for t in tensors or []:
+                if t is not None:
+                    t.requires_grad_(name in names)
+
+    def free(self) -> None:
+        self.x = self.residual = self.dy = self.ds = self.weight = self.bias = None
+
+
+def trainable(op: str, mode: str) -> frozenset:
+    names = frozenset(ARGS[op])
+    return names - PARAMS if mode == "bwd_frozen" else names
+
+
+# ---------------------------------------------------------------------------------------------
+# The implementations.
+
+
+def normkit_fn(op: str):
+    import torch_frontend as tf
+
+    eps = EPS[op]
+    if op == "rms_norm":
+        return lambda x, w: (tf.rms_norm(x, w, eps),)
+    if op == "layer_norm":
+        return lambda x, w, b: (tf.layer_norm(x, w, b, eps),)
+    return lambda x, r, w: tf.fused_add_rms_norm(x, r, w, eps)
+
+
+def liger_fn(op: str):
+    eps = EPS[op]
+    if op == "rms_norm":
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+        return lambda x, w: (LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", True, None),)
+    if op == "layer_norm":
+        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+
+        return lambda x, w, b: (LigerLayerNormFunction.apply(x, w, b, eps),)
+    from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
+
+    return lambda x, r, w: tuple(LigerFusedAddRMSNormFunction.apply(x, r, w, eps, 0.0, "llama", False))
+
+
+def eager_fn(op: str):
+    eps = EPS[op]
+    if op == "rms_norm":
+        return lambda x, w: (F.rms_norm(x, (x.shape[-1],), w, eps),)
+    if op == "layer_norm":
+        return lambda x, w, b: (F.layer_norm(x, (x.shape[-1],), w, b, eps),)
+
+    def fused(x, r, w):
+        s = x + r
+        return F.rms_norm(s, (s.shape[-1],), w, eps), s
+
+    return fused
+
+
+def _rms_expr(x, w, eps):
+    # The Hugging Face Llama RMSNorm expression.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def compile_source(op: str):
+    """The plain PyTorch expression torch.compile is given."""
+    eps = EPS[op]
+    if op == "rms_norm":
+        def rms_norm_expr(x, w):
+            return (_rms_expr(x, w, eps),)
+        return rms_norm_expr
+    if op == "layer_norm":
+        def layer_norm_expr(x, w, b):
+            return (F.layer_norm(x, (x.shape[-1],), w, b, eps),)
+        return layer_norm_expr
+
+    def fused_add_rms_norm_expr(x, r, w):
+        s = x + r
+        return _rms_expr(s, w, eps), s
+    return fused_add_rms_norm_expr
+
+
+def configure_dynamo() -> None:
+    """Recompile limits high enough for one op's three graphs per shape, and a hard failure (never a
+    silent fall back to eager) when a limit is hit anyway; backward graphs reusable for timing."""
+    import torch._dynamo.config as dc
+    import torch._functorch.config as fc
+
+    fc.donated_buffer = False  # a donated saved buffer forbids calling backward twice
+    for name, value in (("recompile_limit", 64), ("cache_size_limit", 64), ("accumulated_recompile_limit", 65536),
+                        ("accumulated_cache_size_limit", 65536), ("fail_on_recompile_limit_hit", True),
+                        ("fail_on_cache_limit_hit", True), ("suppress_errors", False)):
+        if hasattr(dc, name):
+            setattr(dc, name, value)
+
+
+class Compiled:
+    """torch.compile of one op for one shape, and the evidence that it ran compiled.
+
+    ``fullgraph=True`` turns a graph break into an error; ``fail_on_recompile_limit_hit`` turns the
+    recompile limit into an error; timed calls run under ``error_on_recompile`` so a guard failure
+    during timing is an error too. ``check()`` also requires a captured graph and, for backward
+    modes, a compiled AOT-autograd graph.
+    """
+
+    def __init__(self, op: str, backend: str):
+        import torch._dynamo
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()
+        self.counters = counters
+        self.backend = backend
+        self.fn = torch.compile(compile_source(op), backend=backend, dynamic=False, fullgraph=True)
+        self.compile_s = 0.0
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def evidence(self) -> dict:
+        c = self.counters
+        return {"backend": self.backend, "unique_graphs": int(c["stats"]["unique_graphs"]),
+                "graph_breaks": int(sum(c["graph_break"].values())),
+                "aot_autograd_ok": int(c["aot_autograd"]["ok"]), "compile_s": round(self.compile_s, 3)}
+
+    def check(self, needs_backward: bool) -> dict:
+        ev = self.evidence()
+        if ev["unique_graphs"] < 1:
+            raise RuntimeError(f"torch.compile captured no graph: {ev}")
+        if ev["graph_breaks"]:
+            raise RuntimeError(f"torch.compile graph breaks: {ev}")
+        if needs_backward and ev["aot_autograd_ok"] < 1:
+            raise RuntimeError(f"torch.compile compiled no backward graph: {ev}")
+        return ev
+
+    def timing(self):
+        import torch._dynamo.config as dc
+
+        return dc.patch(error_on_recompile=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing one mode.
+
+
+def _sync_for(timer):
+    return timer.torch_sync
+
+
+def peak_memory(fn, device) -> int | None:
+    """Peak bytes allocated by ``fn()`` above what was allocated before it (its outputs included)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return int(peak)
+
+
+def time_e2e(f, inp: TorchInputs, mode: str, timer, device, compiled: Compiled | None = None) -> dict:
+    """Time ``f`` through autograd in ``mode``; returns median_us, peak_mem_bytes and notes."""
+    op = inp.op
+    k = inp.n_sets
+    sync = _sync_for(timer)
+    extra = {}
+    if mode == "fwd":
+        inp.set_trainable(frozenset())
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            sync(f(*inp.primals(0)))
+            first_s = time.perf_counter() - t0
+            if compiled is not None:
+                compiled.compile_s += first_s
+                extra["compile"] = compiled.check(needs_backward=False)
+            ctx = compiled.timing() if compiled is not None else contextlib.nullcontext()
+            with ctx:
+                us = timer.loop(lambda i: f(*inp.primals(i)), sync)
+                peak = peak_memory(lambda: f(*inp.primals(0)), device)
+        return {"median_us": us, "peak_mem_bytes": peak, **extra}
+
+    names = trainable(op, mode)
+    inp.set_trainable(names)
+    try:
+        def grad_inputs(i):
+            return [t for name, t in zip(ARGS[op], inp.primals(i)) if name in names]
+
+        t0 = time.perf_counter()
+        if mode == "fwd_bwd":
+            def call(i):
+                return torch.autograd.grad(f(*inp.primals(i)), grad_inputs(i), inp.cotangents(i))
+            sync(call(0))
+        else:
+            graphs = [f(*inp.primals(i)) for i in range(k)]
+
+            def call(i):
+                i %= k
+                return torch.autograd.grad(graphs[i], grad_inputs(i), inp.cotangents(i), retain_graph=True)
+            sync(call(0))
+        if compiled is not None:
+            compiled.compile_s += time.perf_counter() - t0
+            extra["compile"] = compiled.check(needs_backward=True)
+        ctx = compiled.timing() if compiled is not None else contextlib.nullcontext()
+        with ctx:
+            us = timer.loop(call, sync)
+            peak = peak_memory(lambda: call(0), device)
+        return {"median_us": us, "peak_mem_bytes": peak, **extra}
+    finally:
+        graphs = None  # noqa: F841 (drop the retained graphs before the inputs)
+        inp.set_trainable(frozenset())
+
+
+def time_kernel(inp: TorchInputs, mode: str, timer, device) -> dict:
+    """normkit's bare launches (``_norm_fwd`` / ``_norm_bwd``), exactly as the frontend issues them."""
+    import normkit
+    from torch_frontend.functional import _norm_bwd, _norm_fwd
+
+    op = inp.op
+    eps = EPS[op]
+    casting = "gemma" if op == "layer_norm" else "llama"  # what torch_frontend passes for each op
+    k = inp.n_sets
+    w, b = inp.weight, inp.bias
+    b_dtype = b.dtype if b is not None else torch.float32
+    has_b = b is not None
+    inp.set_trainable(frozenset())
+
+    def fwd(i, stats):
+        i %= k
+        r = inp.residual[i] if inp.residual is not None else None
+        return _norm_fwd(inp.x[i], r, w, b, op, eps, 0.0, casting, stats)
+
+    def bwd(i, saved, full):
+        i %= k
+        y, s, mean, rstd = saved
+        xx = s if op == "fused_add_rms_norm" else inp.x[i]
+        dres = inp.ds[i] if inp.ds is not None else None
+        return _norm_bwd(xx, w, inp.dy[i], dres, mean, rstd, op, 0.0, casting, True, full, full and has_b,
+                         w.dtype, b_dtype)
+
+    counter = [0]
+
+    def rotating(fn):
+        def run():
+            counter[0] += 1
+            return fn(counter[0])
+        return run
+
+    if mode == "fwd":
+        body = lambda i: fwd(i, False)  # noqa: E731
+    elif mode == "fwd_bwd":
+        body = lambda i: bwd(i, fwd(i, True), True)  # noqa: E731
+    else:
+        saved = [fwd(i, True) for i in range(k)]
+        body = lambda i: bwd(i, saved[i % k], mode == "bwd_full")  # noqa: E731
+    with normkit.record_launches() as log:  # also the first call: compiles
+        body(0)
+    timer.torch_sync()
+    # fp32 partial-buffer bytes (written, then read back by the reduction): outside the byte model.
+    extra = {"launches": [launch.kernel for launch in log],
+             "partial_bytes": int(sum(launch.partial_bytes for launch in log))}
+    us = timer.kernel(rotating(body))
+    peak = peak_memory(lambda: body(0), device)
+    return {"median_us": us, "peak_mem_bytes": peak, **extra}

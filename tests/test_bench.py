@@ -1,0 +1,170 @@
+"""The benchmark's own checks: the byte model against hand counts, the report's arithmetic on a
+made-up results file, and a CPU dry run of benchmarks/bench.py end to end (JSON, report, README)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import bytemodel, report
+from benchmarks.timing import MAX_SETS, ROTATE_BYTES, num_sets
+
+REPO = Path(__file__).resolve().parents[1]
+RECORD_KEYS = {"op", "mode", "dtype", "shape", "M", "N", "impl", "path", "median_us", "bytes", "tbps", "pct_copy",
+               "peak_mem_bytes", "error", "speedup_vs", "run_id", "timer", "n_sets", "measured_as", "extra"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Byte model: hand counts (bf16: 2 bytes per element, the weight in bf16 too; fp32 statistics).
+
+
+@pytest.mark.parametrize("M,N", [(8192, 8192), (32768, 4096), (3, 5)])
+def test_byte_model_hand_counts(M, N):
+    b = 2
+    # RMSNorm forward: read x, write y (M*N each), read the weight (N).
+    assert bytemodel.bytes_moved("rms_norm", "fwd", M, N, b) == 2 * M * N * 2 + 2 * N
+    # Frozen backward: read x and dy, write dx; read the weight and the fp32 rstd; no dW.
+    assert bytemodel.bytes_moved("rms_norm", "bwd_frozen", M, N, b) == 3 * M * N * 2 + 2 * N + 4 * M
+    # Full backward adds the dW write.
+    assert bytemodel.bytes_moved("rms_norm", "bwd_full", M, N, b) == 3 * M * N * 2 + 2 * N + 2 * N + 4 * M
+    # LayerNorm: the bias read forward; mean and rstd read backward; dW and dB written.
+    assert bytemodel.bytes_moved("layer_norm", "fwd", M, N, b) == 2 * M * N * 2 + 2 * 2 * N
+    assert bytemodel.bytes_moved("layer_norm", "bwd_full", M, N, b) == 3 * M * N * 2 + 3 * 2 * N + 8 * M
+    assert bytemodel.bytes_moved("layer_norm", "bwd_frozen", M, N, b) == 3 * M * N * 2 + 2 * N + 8 * M
+    # Fused add: x and residual read, y and residual_out written; backward reads s, dy, ds, writes dx once.
+    assert bytemodel.bytes_moved("fused_add_rms_norm", "fwd", M, N, b) == 4 * M * N * 2 + 2 * N
+    assert bytemodel.bytes_moved("fused_add_rms_norm", "bwd_frozen", M, N, b) == 4 * M * N * 2 + 2 * N + 4 * M
+    # Training forward (statistics written) then the full backward.
+    assert bytemodel.bytes_moved("rms_norm", "fwd_bwd", M, N, b) == (2 * M * N * 2 + 2 * N + 4 * M) + (
+        3 * M * N * 2 + 4 * N + 4 * M)
+
+
+def test_byte_model_fp32_doubles_the_tensor_terms():
+    M, N = 4096, 1024
+    for op in bytemodel.OPS:
+        for mode in bytemodel.MODES:
+            t2 = bytemodel.terms(op, mode, M, N, 2)
+            t4 = bytemodel.terms(op, mode, M, N, 4)
+            for name, v in t2.items():
+                expected = v if ("rstd" in name or "mean" in name) else 2 * v
+                assert t4[name] == expected, (op, mode, name)
+
+
+def test_rotation_exceeds_l2_or_caps():
+    assert num_sets(300 * 2**20) == 1
+    assert num_sets(8 * 2**20) == min(MAX_SETS, 25)
+    for nbytes in (2**20, 16 * 2**20, 64 * 2**20, 100 * 2**20, 199 * 2**20):
+        k = num_sets(nbytes)
+        assert k == MAX_SETS or k * nbytes >= ROTATE_BYTES
+
+
+# ---------------------------------------------------------------------------------------------
+# The report's arithmetic on a made-up file.
+
+
+def _rec(op, mode, shape, M, N, impl, path, us, copy_tbps=4.0, **kw):
+    nbytes = bytemodel.bytes_moved(op, mode, M, N, 2)
+    tbps = nbytes / (us * 1e-6) / 1e12
+    return {"op": op, "mode": mode, "dtype": "bf16", "shape": shape, "M": M, "N": N, "impl": impl, "path": path,
+            "median_us": us, "bytes": nbytes, "tbps": tbps, "pct_copy": 100 * tbps / copy_tbps,
+            "peak_mem_bytes": kw.get("peak"), "error": None, "speedup_vs": None, "run_id": "r", "timer": "t",
+            "n_sets": 1, "measured_as": None, "extra": kw.get("extra", {})}
+
+
+def test_report_speedups_wins_and_readme(tmp_path):
+    recs = []
+    for shape, (M, N), nk, liger, compile_ in (("a", (8192, 4096), 100.0, 150.0, 200.0),
+                                               ("b", (16384, 8192), 100.0, 400.0, 90.0)):
+        recs += [_rec("rms_norm", "bwd_frozen", shape, M, N, "normkit", "kernel", nk * 0.9),
+                 _rec("rms_norm", "bwd_frozen", shape, M, N, "normkit", "e2e", nk),
+                 _rec("rms_norm", "bwd_frozen", shape, M, N, "liger", "e2e", liger),
+                 _rec("rms_norm", "bwd_frozen", shape, M, N, "torch_compile", "e2e", compile_)]
+    doc = {"schema": "normkit-bench/1", "device": {"name": "test GPU"}, "versions": {}, "copy": {"tbps": 4.0},
+           "byte_model": {}, "runs": [{"run_id": "r", "peers": {"tokamax": "not available on this stack"}}],
+           "records": recs}
+    d = report.Data(doc)
+    table = report.headline_table(d)
+    row = next(line for line in table.splitlines() if line.startswith("| RMSNorm | bwd_frozen | bf16"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    # Liger: 1.5x and 4x -> geomean sqrt(6) = 2.45, min 1.5; compile: 2x and 0.9x -> sqrt(1.8) = 1.34, min 0.9.
+    assert cells[5] == "2.45× (min 1.50×)"
+    assert cells[7] == "1.34× (min 0.90×)"
+    assert cells[9] == "1/2"  # shape b is lost to torch.compile
+    md = report.render_markdown(d, [])
+    assert "tokamax: not available on this stack" in md
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n\nbefore\n{report.START}\nold table\n{report.END}\nafter\n")
+    (tmp_path / "r.json").write_text(json.dumps(doc))
+    report.generate(tmp_path / "r.json", readme=readme, plots=False)
+    text = readme.read_text()
+    assert "old table" not in text and "before\n" in text and text.endswith("after\n")
+    assert "| RMSNorm | bwd_frozen | bf16 |" in text and "[r.md](r.md)" in text
+    no_markers = tmp_path / "OTHER.md"
+    no_markers.write_text("nothing to replace\n")
+    assert not report.rewrite_readme(no_markers, d, tmp_path / "r.md")
+    assert no_markers.read_text() == "nothing to replace\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# A CPU dry run, end to end.
+
+
+def test_dry_run_writes_schema_report_and_readme(tmp_path):
+    out = tmp_path / "results" / "dry.json"
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{report.START}\n{report.END}\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    # bf16 and two ops keep it fast; the fused add covers the two-output path.
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench.py"), "--dry-run", "--out", str(out), "--dtypes", "bf16",
+           "--ops", "rms_norm,fused_add_rms_norm", "--readme", str(readme)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "normkit-bench/1"
+    for key in ("device", "versions", "copy", "byte_model", "runs", "records"):
+        assert key in doc
+    assert doc["copy"]["tbps"] > 0 and doc["copy"]["bytes"] > 0
+    run = doc["runs"][-1]
+    assert run["dry_run"] is True
+    assert set(run["peers"]) == {"normkit", "liger", "torch_eager", "torch_compile", "xla", "normkit_jax", "tokamax"}
+
+    recs = doc["records"]
+    for r in recs:
+        assert set(r) == RECORD_KEYS, set(r) ^ RECORD_KEYS
+        assert r["bytes"] == bytemodel.bytes_moved(r["op"], r["mode"], r["M"], r["N"], 2)
+        if r["error"] is None:
+            assert r["median_us"] > 0
+            tbps = r["bytes"] / (r["median_us"] * 1e-6) / 1e12
+            assert r["tbps"] == pytest.approx(tbps, rel=1e-4)
+            assert r["pct_copy"] == pytest.approx(100 * tbps / doc["copy"]["tbps"], rel=1e-4)
+        else:
+            assert r["median_us"] is None and isinstance(r["error"], str)
+
+    # normkit itself must have run everywhere, both paths; torch eager too (no optional dependency).
+    got = {(r["op"], r["mode"], r["impl"], r["path"]) for r in recs if r["error"] is None}
+    for op in ("rms_norm", "fused_add_rms_norm"):
+        for mode in bytemodel.MODES:
+            for impl, path in (("normkit", "kernel"), ("normkit", "e2e"), ("torch_eager", "e2e")):
+                assert (op, mode, impl, path) in got, (op, mode, impl, path)
+    # The hand count of issue 4's example, on the dry-run shape.
+    r = next(r for r in recs if (r["op"], r["mode"], r["impl"], r["path"]) == ("rms_norm", "fwd", "normkit", "kernel"))
+    assert r["bytes"] == 2 * r["M"] * r["N"] * 2 + 2 * r["N"]
+    # Every peer that imported left a record per mode; one that did not is explained in the run.
+    for impl, status in run["peers"].items():
+        rows = [r for r in recs if r["impl"] == impl]
+        if status.startswith("ok"):
+            assert {r["mode"] for r in rows} == set(bytemodel.MODES), impl
+        else:
+            assert not rows and status
+    # The backward's partial buffer is recorded for the full backward only.
+    kernel = {(r["op"], r["mode"]): r for r in recs if r["impl"] == "normkit" and r["path"] == "kernel"}
+    assert kernel[("rms_norm", "bwd_full")]["extra"]["partial_bytes"] > 0
+    assert kernel[("rms_norm", "bwd_frozen")]["extra"]["partial_bytes"] == 0
+
+    md = out.with_suffix(".md").read_text()
+    assert "| op | mode | dtype |" in md and "## Targets (issue 4)" in md
+    text = readme.read_text()
+    assert text.startswith("intro\n") and "| RMSNorm | fwd | bf16 |" in text
