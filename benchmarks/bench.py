@@ -596,6 +596,9 @@ def run_item(args, target: Target, dtype: str, ctx) -> None:
                                                                for r in item_recs):
                             emit(impl, "e2e", mode, error=f"setup: {_short(e)}")
             finally:
+                # jax_frontend imports jax_triton lazily, at its first GPU launch: undo its cache-dir
+                # clobber here too, before the next Torch-side Triton compile.
+                _restore_cache_dir(ctx["saved_cache_dir"])
                 if jinp is not None:
                     jinp.free()
                 jinp = None
@@ -674,7 +677,8 @@ def main(argv=None) -> int:
     budget = Budget(args.budget_s, args.compile_budget_s)
     budget.t0 = t_start
     ctx = {"torch": torch, "device": device, "timer": timer, "run": run, "results": results, "budget": budget,
-           "torch_fns": torch_fns, "jax_fns": jax_fns, "verbose_errors": bool(os.environ.get("NORMKIT_BENCH_TRACE"))}
+           "torch_fns": torch_fns, "jax_fns": jax_fns, "saved_cache_dir": saved_cache_dir,
+           "verbose_errors": bool(os.environ.get("NORMKIT_BENCH_TRACE"))}
     items = list(work_items(args, targets))
     log(f"{len(items)} (shape, dtype) items x {len(args.ops)} ops x {len(args.modes)} modes; "
         f"budget {args.budget_s:.0f} s (torch.compile {args.compile_budget_s:.0f} s)")
