@@ -3,7 +3,8 @@
 #   1. install the carried wheels (jax-triton 0.3.1, liger-kernel 0.8.5) without touching the stack;
 #   2. the whole test suite, compiled, with the larger "gpu" shapes too;
 #   3. a short timing table of frozen against full backward.
-# Logs go to $OUT (or ./gpu-check-out). Usage: bash scripts/gpu-check.sh [tests|timing|all] [pytest args...]
+# Logs go to $OUT (or ./gpu-check-out). Usage: bash scripts/gpu-check.sh [tests|timing|all|bench|tune] [args...]
+#   bench: the full benchmark (benchmarks/bench.py); tune: the launch-configuration sweep.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-check-out}
 mkdir -p "$OUT"
@@ -21,6 +22,9 @@ status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   NORMKIT_TEST_SHAPES=gpu python3 -m pytest -q -n 8 -p no:cacheprovider -p no:benchmark tests "$@" 2>&1 | tee "$OUT/tests.log" | tail -30
   status=${PIPESTATUS[0]}
+fi
+if [ "$what" = bench ]; then
+  python3 benchmarks/bench.py --out "$OUT/h200.json" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
 if [ "$what" = tune ]; then
   python3 scripts/tune.py "$@" 2>&1 | tee "$OUT/tune.log"
