@@ -1,0 +1,83 @@
+"""Regenerate the executed notebooks from their jupytext sources.
+
+    python notebooks/build.py                  # every notebooks/NN_*.py -> NN_*.ipynb, size chosen by the machine
+    python notebooks/build.py --size full 02   # one notebook, full size (run on the GPU machine)
+    python notebooks/build.py --check          # execute at smoke size without writing anything
+
+The ``.py`` (py:percent) file is the source; the ``.ipynb`` beside it is written with outputs so tables
+and plots show wherever the repository is viewed. Kernels are the current interpreter's ``python3``
+(jupyter_client maps its ``python`` to ``sys.executable``), started in notebooks/ with the repository
+root on PYTHONPATH and ``NORMKIT_NOTEBOOK_SIZE`` set when a size is given.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def sources(names=()) -> list[Path]:
+    """notebooks/NN_*.py, optionally only those whose name starts with one of ``names``."""
+    found = sorted(p for p in HERE.glob("[0-9][0-9]_*.py"))
+    if names:
+        found = [p for p in found if any(p.stem.startswith(n) or p.name == n for n in names)]
+    return found
+
+
+def execute(source: Path, size: str | None = None, timeout: int = 600):
+    """Read a py:percent source, run every cell in a fresh kernel, return the executed notebook.
+
+    Raises ``nbclient.exceptions.CellExecutionError`` on the first cell that fails.
+    """
+    import jupytext
+    from nbclient import NotebookClient
+
+    nb = jupytext.read(source)
+    nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
+    env_backup = {k: os.environ.get(k) for k in ("NORMKIT_NOTEBOOK_SIZE", "PYTHONPATH")}
+    try:
+        if size is not None:
+            os.environ["NORMKIT_NOTEBOOK_SIZE"] = size
+        paths = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                                resources={"metadata": {"path": str(source.parent)}})
+        client.execute()
+    finally:
+        for k, v in env_backup.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return nb
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("names", nargs="*", help="notebook name prefixes (default: all)")
+    ap.add_argument("--size", choices=("smoke", "full"), default=None,
+                    help="NORMKIT_NOTEBOOK_SIZE (default: full when CUDA is available, smoke otherwise)")
+    ap.add_argument("--check", action="store_true", help="execute at smoke size, write nothing")
+    args = ap.parse_args(argv)
+    import jupytext
+
+    for src in sources(args.names):
+        t0 = time.perf_counter()
+        nb = execute(src, "smoke" if args.check else args.size)
+        took = time.perf_counter() - t0
+        if args.check:
+            print(f"ok   {src.name} ({took:.0f} s)")
+            continue
+        out = src.with_suffix(".ipynb")
+        jupytext.write(nb, out)
+        print(f"wrote {out.relative_to(ROOT)} ({took:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
