@@ -62,3 +62,12 @@ class TorchFrontend:
 
 
 FRONTENDS = {"torch": TorchFrontend}
+
+
+def _register_jax():
+    from tests.frontend_jax import JaxFrontend  # imported here: tests.frontend_jax imports tests.harness
+
+    FRONTENDS["jax"] = JaxFrontend
+
+
+_register_jax()

@@ -1,0 +1,213 @@
+"""Launch a ``normkit.launch`` plan from JAX: jax-triton on GPU, Triton's interpreter on CPU.
+
+Both paths take the same positional arguments, in jax-triton 0.3.1's calling convention, built
+once by ``kernel_args``:
+
+- array inputs in kernel order, an absent one as a one-element dummy (jax-triton has no ``None``);
+- runtime scalars, ``np.float32`` for the float ones (a Python float would become fp64) and
+  Python ints otherwise;
+- ``out_shape``: one ``ShapeDtypeStruct`` per kernel output, a one-element dummy for an absent one;
+- the constexprs as keyword metaparams, with ``num_warps``, ``num_stages`` and ``enable_fp_fusion``
+  from the plan.
+
+On GPU these go to ``jax_triton.triton_call``. On CPU ``interpreter_triton_call`` takes the same
+call and runs it from ``jax.pure_callback`` through ``normkit.launch.interpreted``, on zero-copy
+torch views of the host buffers. The CPU path is therefore also a test of the GPU path's argument
+assembly; only jax-triton itself is left for the GPU machine.
+
+Neither jax_triton nor torch is imported until a launch on its path needs it: the GPU path never
+imports torch and the CPU path never imports jax_triton.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from normkit import launch as plans
+
+JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+CPU_NUM_SMS = 4  # the plan's "SM" count for the interpreter: the same as torch_frontend._launch.CPU_NUM_SMS
+_DUMMY = jax.ShapeDtypeStruct((1,), jnp.float32)  # an absent output: jax-triton allocates 4 bytes, never written
+
+
+def dtype_name(dtype) -> str:
+    return jnp.dtype(dtype).name
+
+
+def frontend_name(platform: str) -> str:
+    return "jax-cpu" if platform == "cpu" else "jax-gpu"
+
+
+# ---------------------------------------------------------------------------------------------
+# The SM count the plans are made with (the dW/dB backward's partial count, the persistent LayerNorm
+# forward's grid): the same number as the Torch frontend's, so that both frontends launch the same
+# grids and, on GPU, agree bitwise.
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_num_sms(platform: str) -> int:
+    try:
+        devices = jax.devices(platform)
+    except RuntimeError:  # a platform name jax.devices does not know: the default backend's devices
+        devices = jax.devices()
+    for device in devices:
+        cores = getattr(device, "core_count", None)  # the SM count on CUDA devices
+        if cores:
+            return int(cores)
+    from triton.runtime import driver  # fallback: ask the CUDA driver through Triton (no torch)
+
+    return int(driver.active.utils.get_device_properties(0)["multiprocessor_count"])
+
+
+def num_sms(platform: str) -> int:
+    return CPU_NUM_SMS if platform == "cpu" else _gpu_num_sms(platform)
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments in jax-triton 0.3.1's convention.
+
+
+def _is_scalar(arg) -> bool:
+    """What triton_call 0.3.1 treats as a scalar kernel argument (everything else is an array)."""
+    return isinstance(arg, (bool, int, float, np.float32))
+
+
+def kernel_args(call: plans.KernelCall, arrays: dict) -> tuple[list, list]:
+    """(positional args, out_shape) of ``call`` reading ``arrays`` (name -> jax array)."""
+    args = [arrays[name] if name in call.present_inputs else jnp.zeros((1,), jnp.float32) for name in call.inputs]
+    args += [np.float32(value) if name in plans.FLOAT_SCALARS else int(value) for name, value in call.scalars]
+    out_shape = [
+        jax.ShapeDtypeStruct(tuple(call.out_specs[name][0]), JNP_DTYPES[call.out_specs[name][1]])
+        if name in call.out_specs else _DUMMY
+        for name in call.outputs
+    ]
+    return args, out_shape
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: jax-triton, imported on first use with TRITON_CACHE_DIR protected.
+
+
+def _restore_env(name: str, saved: str | None) -> None:
+    if saved is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = saved
+
+
+@functools.lru_cache(maxsize=None)
+def _import_jax_triton():
+    """``import jax_triton``, undoing its import-time ``os.environ["TRITON_CACHE_DIR"] = ""``.
+
+    jax-triton 0.3.1 clears TRITON_CACHE_DIR when imported (even when the import then fails, as it
+    does on a CPU-only jax). Every later Triton JIT compile in the process, e.g. a torch_frontend
+    launch, would then fail with "Could not create or locate cache dir". jax-triton's own compile
+    path does not use that cache, so the variable is restored (or removed, if it was unset).
+    """
+    saved = os.environ.get("TRITON_CACHE_DIR")
+    try:
+        import jax_triton
+    except ImportError as err:
+        raise ImportError(
+            "normkit: running on a GPU backend needs jax-triton 0.3.1 (pip install jax-triton==0.3.1) with a "
+            f"CUDA-enabled jax; importing it failed: {err}") from err
+    finally:
+        _restore_env("TRITON_CACHE_DIR", saved)
+    version = tuple(int(p) for p in jax_triton.__version__.split(".")[:2] if p.isdigit())
+    import triton
+
+    triton_version = tuple(int(p) for p in triton.__version__.split(".")[:2])
+    if version >= (0, 4) and triton_version < (3, 7):
+        raise ImportError(
+            f"normkit: jax-triton {jax_triton.__version__} needs triton >= 3.7 (with triton "
+            f"{triton.__version__} its NVIDIA backend is a stub); use jax-triton 0.3.1")
+    return jax_triton
+
+
+def gpu_triton_call():
+    """``jax_triton.triton_call`` (tests replace this to run the GPU path's arguments on CPU)."""
+    return _import_jax_triton().triton_call
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the same call through Triton's interpreter, from a pure_callback.
+
+
+def _torch_view(a: np.ndarray):
+    """A zero-copy torch tensor over a host array (bf16 through a uint16 view)."""
+    import torch
+
+    a = np.ascontiguousarray(a)
+    bf16 = a.dtype == jnp.bfloat16
+    if bf16:
+        a = a.view(np.uint16)
+    # The callback's inputs are read-only views of JAX's buffers: torch.from_numpy would warn that it
+    # cannot mark them read-only, DLPack shares them silently. The kernels never write an input.
+    t = torch.from_numpy(a) if a.flags.writeable else torch.from_dlpack(a)
+    return t.view(torch.bfloat16) if bf16 else t
+
+
+class _Array:
+    """Marks an array slot in the positional argument template of an interpreted call."""
+
+
+def _host_launch(runner, grid, template, out_shape, poison, options, metaparams, *host_arrays):
+    """Run one interpreted launch on host buffers; return the output buffers."""
+    arrays = iter(host_arrays)
+    args = []
+    for slot in template:
+        if slot is _Array:
+            args.append(_torch_view(np.asarray(next(arrays))))
+        else:  # a scalar: the value the Torch frontend passes (the fp32 value as a Python float)
+            args.append(float(slot) if isinstance(slot, np.float32) else slot)
+    fill = np.full if poison else (lambda shape, _, dtype: np.empty(shape, dtype))
+    outs = [fill(s.shape, np.nan, np.dtype(s.dtype)) for s in out_shape]
+    args += [_torch_view(o) for o in outs]
+    runner[grid](*args, **metaparams, **options)
+    return outs
+
+
+def interpreter_triton_call(*args, kernel, out_shape, grid, num_warps, num_stages, enable_fp_fusion=True, name="",
+                            **metaparams):
+    """``jax_triton.triton_call``'s calling convention, run by Triton's interpreter on the host.
+
+    Arrays go through ``jax.pure_callback`` (so this works eagerly and under jit); scalars and
+    constexprs are baked into the callback. Under ``normkit.launch.poisoned_outputs()`` every output
+    buffer starts as NaN. ``enable_fp_fusion`` has no meaning in the interpreter (numpy does not
+    contract), as for the Torch frontend's interpreted launches.
+    """
+    del name, enable_fp_fusion
+    template = tuple(_Array if not _is_scalar(a) else a for a in args)
+    arrays = [a for a in args if not _is_scalar(a)]
+    host = functools.partial(_host_launch, plans.interpreted(kernel), tuple(grid), template, tuple(out_shape),
+                             plans.poison(), dict(num_warps=num_warps, num_stages=num_stages), dict(metaparams))
+    # vmap never reaches the callback (normkit's primitives fold batch axes into rows first);
+    # "sequential" is the safe answer should it ever be batched directly.
+    return jax.pure_callback(host, list(out_shape), *arrays, vmap_method="sequential")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def run(call: plans.KernelCall, arrays: dict, platform: str) -> dict:
+    """Launch ``call`` reading ``arrays`` (name -> jax array); return its outputs (name -> jax array).
+
+    ``platform`` is where the arrays live ("cpu", "cuda", "rocm"). The launch is recorded as
+    "jax-cpu" or "jax-gpu" when it is issued: eagerly, or when a jitted computation is lowered.
+
+    ``normkit.launch.poisoned_outputs()`` (NaN-filled outputs) applies to the interpreter path only:
+    jax-triton allocates its outputs inside XLA and 0.3.1 can only zero them before a launch
+    (aliasing a NaN-filled input would add a kernel parameter).
+    """
+    interpret = platform == "cpu" or plans.is_interpreted(call.kernel)
+    triton_call = interpreter_triton_call if interpret else gpu_triton_call()
+    args, out_shape = kernel_args(call, arrays)
+    outs = triton_call(*args, kernel=call.kernel, out_shape=out_shape, grid=call.grid, num_warps=call.num_warps,
+                       num_stages=call.num_stages, enable_fp_fusion=call.fp_fusion, name=f"normkit_{call.name}",
+                       **call.constexprs)
+    call.record(frontend_name(platform), interpret)
+    return {name: out for name, out in zip(call.outputs, outs) if name in call.out_specs}

@@ -1,0 +1,714 @@
+"""The JAX frontend beyond the shared parity suite: transformations, freeze, the frozen-flag launch
+records, forward-mode and bad-input errors, cross-frontend parity and the jax-triton import hazard.
+
+Gradients are compared with ``jax.grad`` of a plain jnp reference (the math of ``normkit.reference``,
+written in jnp so that JAX can differentiate it), within the tolerance table.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_frontend as jf
+import normkit
+from normkit import launch as plans
+from normkit.shapes import Shape, shapes
+from tests.frontend_jax import JaxFrontend
+from tests.frontends import TorchFrontend
+from tests.harness import check_against_reference, check_launch_flags, make_inputs, parity_cases
+from tests.tolerances import assert_close
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ON_GPU = jax.default_backend() == "gpu"
+FRONTEND = "jax-gpu" if ON_GPU else "jax-cpu"
+
+
+@pytest.fixture(autouse=True)
+def strict_promotion():
+    with jax.numpy_dtype_promotion("strict"):
+        yield
+
+
+# ---------------------------------------------------------------------------------------------
+# The jnp reference (float32 math; the float64 NumPy reference stays the specification).
+
+
+def ref_rms_norm(x, weight=None, eps=1e-6, offset=0.0):
+    y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return y if weight is None else y * (weight + offset)
+
+
+def ref_layer_norm(x, weight=None, bias=None, eps=1e-5):
+    xc = x - jnp.mean(x, axis=-1, keepdims=True)
+    y = xc * jax.lax.rsqrt(jnp.mean(xc * xc, axis=-1, keepdims=True) + eps)
+    y = y if weight is None else y * weight
+    return y if bias is None else y + bias
+
+
+def ref_fused_add_rms_norm(x, residual, weight=None, eps=1e-6, offset=0.0):
+    s = x + residual
+    return ref_rms_norm(s, weight, eps, offset), s
+
+
+# Each op as f(x, p, q, ct) -> scalar loss, for the normkit op and the reference. p, q: the op's other
+# differentiable inputs (weight; weight and bias; residual and weight); ct: output cotangents.
+OPS = {
+    "rms_norm": (lambda x, w, _, ct: jnp.sum(jf.rms_norm(x, w) * ct[0]),
+                 lambda x, w, _, ct: jnp.sum(ref_rms_norm(x, w) * ct[0])),
+    "layer_norm": (lambda x, w, b, ct: jnp.sum(jf.layer_norm(x, w, b) * ct[0]),
+                   lambda x, w, b, ct: jnp.sum(ref_layer_norm(x, w, b) * ct[0])),
+    "fused_add_rms_norm": (
+        lambda x, r, w, ct: sum(jnp.sum(o * c) for o, c in zip(jf.fused_add_rms_norm(x, r, w), ct)),
+        lambda x, r, w, ct: sum(jnp.sum(o * c) for o, c in zip(ref_fused_add_rms_norm(x, r, w), ct))),
+}
+
+
+def op_inputs(op, shape=(3, 5, 40), seed=0):
+    """(x, p, q, ct) in float32; rows over all leading axes."""
+    rng = np.random.default_rng(seed)
+    D = shape[-1]
+    x = jnp.asarray(rng.standard_normal(shape) * 1.5 + 0.3, jnp.float32)
+    w = jnp.asarray(rng.uniform(0.5, 1.5, D) * rng.choice([-1.0, 1.0], D), jnp.float32)
+    if op == "rms_norm":
+        p, q = w, None
+    elif op == "layer_norm":
+        p, q = w, jnp.asarray(rng.standard_normal(D) * 0.5, jnp.float32)
+    else:
+        p, q = jnp.asarray(rng.standard_normal(shape), jnp.float32), w
+    ct = [jnp.asarray(rng.standard_normal(shape), jnp.float32)]
+    if op == "fused_add_rms_norm":
+        ct.append(jnp.asarray(rng.standard_normal(shape), jnp.float32))
+    return x, p, q, tuple(ct)
+
+
+def close(actual, expected, what, rows=1):
+    """Within the float32 row of the tolerance table; dW/dB summed over ``rows`` rows."""
+    jax.tree.map(lambda a, e: assert_close(np.asarray(a), np.asarray(e), "float32", what, reduced_over=rows),
+                 actual, expected)
+
+
+def _reduced(op, i, rows):
+    """The reduction length behind gradient i of (x, p, q): parameters are summed over rows."""
+    is_param = (op != "fused_add_rms_norm" and i > 0) or (op == "fused_add_rms_norm" and i == 2)
+    return rows if is_param else 1
+
+
+def close_grads(op, got, want, rows, what):
+    for i, (g, w) in enumerate(zip(got, want)):
+        close(g, w, f"{what} d{i}", _reduced(op, i, rows))
+
+
+ALL_OPS = sorted(OPS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Transformations.
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_grad_and_value_and_grad(op):
+    f, ref = OPS[op]
+    x, p, q, ct = op_inputs(op)
+    got = jax.grad(f, argnums=(0, 1, 2))(x, p, q, ct)
+    want = jax.grad(ref, argnums=(0, 1, 2))(x, p, q, ct)
+    close_grads(op, got, want, 15, f"{op} grad")
+    val, got2 = jax.value_and_grad(f, argnums=(0, 1, 2))(x, p, q, ct)
+    close(val, ref(x, p, q, ct), f"{op} value", rows=x.size)
+    close_grads(op, got2, want, 15, f"{op} value_and_grad")
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_jit_grad(op):
+    f, ref = OPS[op]
+    x, p, q, ct = op_inputs(op)
+    got = jax.jit(jax.grad(f, argnums=(0, 1, 2)))(x, p, q, ct)
+    close_grads(op, got, jax.grad(ref, argnums=(0, 1, 2))(x, p, q, ct), 15, f"{op} jit(grad)")
+    got = jax.grad(jax.jit(f), argnums=(0, 1, 2))(x, p, q, ct)
+    close_grads(op, got, jax.grad(ref, argnums=(0, 1, 2))(x, p, q, ct), 15, f"{op} grad(jit)")
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_vjp(op):
+    _, ref = OPS[op]
+    x, p, q, ct = op_inputs(op)
+    fn = {"rms_norm": lambda x, p, q: jf.rms_norm(x, p), "layer_norm": jf.layer_norm,
+          "fused_add_rms_norm": jf.fused_add_rms_norm}[op]
+    rfn = {"rms_norm": lambda x, p, q: ref_rms_norm(x, p), "layer_norm": ref_layer_norm,
+           "fused_add_rms_norm": ref_fused_add_rms_norm}[op]
+    out, vjp = jax.vjp(fn, x, p, q)
+    rout, rvjp = jax.vjp(rfn, x, p, q)
+    close(out, rout, f"{op} vjp primal")
+    cts = ct if op == "fused_add_rms_norm" else ct[0]
+    close_grads(op, vjp(cts), rvjp(cts), 15, f"{op} vjp")
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_vmap_folds_into_one_launch(op):
+    f, ref = OPS[op]
+    x, p, q, ct = op_inputs(op, shape=(4, 6, 40))
+    fwd = {"rms_norm": lambda x: jf.rms_norm(x, p), "layer_norm": lambda x: jf.layer_norm(x, p, q),
+           "fused_add_rms_norm": lambda x: jf.fused_add_rms_norm(x, p[0], q)}[op]
+    rfwd = {"rms_norm": lambda x: ref_rms_norm(x, p), "layer_norm": lambda x: ref_layer_norm(x, p, q),
+            "fused_add_rms_norm": lambda x: ref_fused_add_rms_norm(x, p[0], q)}[op]
+    with normkit.record_launches() as log:
+        got = jax.vmap(fwd)(x)
+    close(got, jax.vmap(rfwd)(x), f"{op} vmap")
+    (launch,) = log  # one launch over 4 * 6 rows (the residual, unbatched, is broadcast)
+    assert launch.kernel == "norm_fwd_kernel" and launch.frontend == FRONTEND
+    from jax_frontend import _launch
+
+    assert launch.grid == plans.plan_forward(op=op, M=24, N=40, x_dtype="float32", has_w=True,
+                                             has_b=op == "layer_norm", eps=1e-6, store_stats=False,
+                                             num_sms=_launch.num_sms("cuda" if ON_GPU else "cpu")).grid
+    # nested vmap, under jit: still one launch over every row
+    with normkit.record_launches() as log:
+        got = jax.jit(jax.vmap(jax.vmap(fwd)))(x.reshape(2, 2, 6, 40))
+    close(got, jax.vmap(jax.vmap(rfwd))(x.reshape(2, 2, 6, 40)), f"{op} vmap(vmap)")
+    assert len(log) == 1
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_grad_of_vmap_and_vmap_of_grad(op):
+    f, ref = OPS[op]
+    x, p, q, ct = op_inputs(op, shape=(4, 6, 40))
+    args = (x, p, q, ct)
+    # the leading axis is a vmapped batch; parameters shared (the fused op's residual is batched)
+    axes = (0, 0 if op == "fused_add_rms_norm" else None, None, 0)
+    vf = lambda *a: jnp.sum(jax.vmap(f, in_axes=axes)(*a))  # noqa: E731
+    vref = lambda *a: jnp.sum(jax.vmap(ref, in_axes=axes)(*a))  # noqa: E731
+    close_grads(op, jax.grad(vf, argnums=(0, 1, 2))(*args), jax.grad(vref, argnums=(0, 1, 2))(*args), 24,
+                f"{op} grad(vmap)")
+    # per-example gradients: one dW per batch element
+    per = jax.vmap(jax.grad(f, argnums=(0, 1, 2)), in_axes=axes)(*args)
+    rper = jax.vmap(jax.grad(ref, argnums=(0, 1, 2)), in_axes=axes)(*args)
+    close_grads(op, per, rper, 6, f"{op} vmap(grad)")
+    # nested: vmap over two axes of per-example gradients
+    x2, ct2 = x.reshape(2, 2, 6, 40), tuple(c.reshape(2, 2, 6, 40) for c in ct)
+    p2 = p.reshape(2, 2, 6, 40) if op == "fused_add_rms_norm" else p
+    nested = jax.vmap(jax.vmap(jax.grad(f, argnums=(0, 1, 2)), in_axes=axes), in_axes=axes)
+    close_grads(op, nested(x2, p2, q, ct2), jax.vmap(jax.vmap(jax.grad(ref, argnums=(0, 1, 2)), in_axes=axes),
+                                                     in_axes=axes)(x2, p2, q, ct2), 6, f"{op} vmap(vmap(grad))")
+
+
+def test_vmap_over_batched_weights():
+    """A batched weight cannot fold into rows: one launch per batch element, same results."""
+    x, w, _, ct = op_inputs("rms_norm", shape=(3, 5, 40))
+    ws = jnp.stack([w, 2 * w, -w])
+    got = jax.vmap(jf.rms_norm)(x, ws)
+    close(got, jax.vmap(ref_rms_norm)(x, ws), "vmap over weights")
+    f = lambda x, w: jnp.sum(jax.vmap(jf.rms_norm)(x, w) * ct[0])  # noqa: E731
+    r = lambda x, w: jnp.sum(jax.vmap(ref_rms_norm)(x, w) * ct[0])  # noqa: E731
+    close_grads("rms_norm", jax.grad(f, argnums=(0, 1))(x, ws), jax.grad(r, argnums=(0, 1))(x, ws), 5,
+                "grad(vmap over weights)")
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_scan_over_layers(op):
+    """A stack of layers under lax.scan, differentiated w.r.t. the input and every layer's parameters."""
+    x, p, q, ct = op_inputs(op, shape=(6, 40))
+    L = 3
+    ps = jnp.stack([p * (1 + 0.1 * i) for i in range(L)])
+    qs = None if q is None else jnp.stack([q * (1 - 0.1 * i) for i in range(L)])
+
+    def net(norm):
+        def loss(x, ps, qs):
+            def layer(h, pq):
+                p, q = pq
+                out = norm(h, p, q)
+                out = out[0] + out[1] if isinstance(out, tuple) else out
+                return jnp.tanh(out), None
+            h, _ = jax.lax.scan(layer, x, (ps, qs))
+            return jnp.sum(h * ct[0])
+        return loss
+
+    norms = {"rms_norm": (lambda h, p, q: jf.rms_norm(h, p), lambda h, p, q: ref_rms_norm(h, p)),
+             "layer_norm": (jf.layer_norm, ref_layer_norm),
+             "fused_add_rms_norm": (jf.fused_add_rms_norm, ref_fused_add_rms_norm)}[op]
+    got = jax.jit(jax.grad(net(norms[0]), argnums=(0, 1, 2)))(x, ps, qs)
+    want = jax.grad(net(norms[1]), argnums=(0, 1, 2))(x, ps, qs)
+    close_grads(op, got, want, 6 * L, f"{op} scan")
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_checkpoint(op):
+    f, ref = OPS[op]
+    x, p, q, ct = op_inputs(op)
+    with normkit.record_launches() as log:
+        got = jax.jit(jax.grad(jax.checkpoint(f), argnums=(0, 1, 2)))(x, p, q, ct)
+    close_grads(op, got, jax.grad(ref, argnums=(0, 1, 2))(x, p, q, ct), 15, f"{op} checkpoint")
+    assert log.of("norm_bwd_kernel")
+    policy = jax.checkpoint_policies.nothing_saveable
+    got = jax.grad(jax.checkpoint(f, policy=policy), argnums=(0, 1, 2))(x, p, q, ct)
+    close_grads(op, got, jax.grad(ref, argnums=(0, 1, 2))(x, p, q, ct), 15, f"{op} checkpoint(nothing_saveable)")
+
+
+@pytest.mark.parametrize("op", ALL_OPS)
+def test_forward_mode_raises(op):
+    f, _ = OPS[op]
+    x, p, q, ct = op_inputs(op, shape=(2, 8))
+    with pytest.raises(TypeError, match="forward-mode"):
+        jax.jvp(lambda x: f(x, p, q, ct), (x,), (jnp.ones_like(x),))
+    with pytest.raises(TypeError, match="forward-mode"):
+        jax.jacfwd(lambda x: f(x, p, q, ct))(x)
+    # a derivative of the gradient differentiates the backward kernel: normkit's own message
+    with pytest.raises(TypeError, match="normkit: forward-mode differentiation is not supported"):
+        jax.hessian(lambda x: f(x, p, q, ct))(x)
+    with pytest.raises(TypeError, match="normkit: forward-mode differentiation is not supported"):
+        jax.grad(lambda x: jnp.sum(jax.grad(lambda x: f(x, p, q, ct))(x) ** 2))(x)
+
+
+def test_empty_rows():
+    x = jnp.zeros((0, 40), jnp.float32)
+    w = jnp.ones((40,), jnp.float32)
+    with normkit.record_launches() as log:
+        y = jf.rms_norm(x, w)
+        dx, dw = jax.grad(lambda x, w: jnp.sum(jf.rms_norm(x, w)), argnums=(0, 1))(x, w)
+    assert y.shape == (0, 40) and dx.shape == (0, 40)
+    np.testing.assert_array_equal(np.asarray(dw), np.zeros(40, np.float32))
+    assert not log
+
+
+# ---------------------------------------------------------------------------------------------
+# Frozen inputs: freeze, stop_gradient, argnums, closures, and what the launch record shows.
+
+
+def _params():
+    x, w, b, ct = op_inputs("layer_norm", shape=(6, 40))
+    r = jnp.asarray(np.random.default_rng(1).standard_normal((6, 40)), jnp.float32)
+    w2 = jnp.asarray(np.random.default_rng(2).uniform(0.5, 1.5, 40), jnp.float32)
+    return {"ln": {"weight": w, "bias": b}, "rms": {"weight": w2}}, x, r, ct
+
+
+def _model(params, x, r, norms=None):
+    norms = norms or (jf.layer_norm, jf.fused_add_rms_norm)
+    h = norms[0](x, params["ln"]["weight"], params["ln"]["bias"])
+    y, s = norms[1](h, r, params["rms"]["weight"])
+    return jnp.sum(y * s)
+
+
+def _ref_model(params, x, r):
+    return _model(params, x, r, (ref_layer_norm, ref_fused_add_rms_norm))
+
+
+@pytest.mark.parametrize("mask", [
+    pytest.param({"ln": {"weight": False, "bias": True}, "rms": {"weight": True}}, id="pytree"),
+    pytest.param({"ln": False, "rms": True}, id="prefix"),
+    pytest.param(lambda p: jax.tree.map(lambda _: False, p) | {"rms": {"weight": True}}, id="callable"),
+])
+def test_freeze(mask):
+    params, x, r, _ = _params()
+    resolved = mask(params) if callable(mask) else mask
+    ln_w = resolved["ln"] if isinstance(resolved["ln"], bool) else resolved["ln"]["weight"]
+    ln_b = resolved["ln"] if isinstance(resolved["ln"], bool) else resolved["ln"]["bias"]
+
+    with normkit.record_launches() as log:
+        grads = jax.grad(lambda p: _model(jf.freeze(p, mask), x, r))(params)
+    want = jax.grad(_ref_model)(params, x, r)
+    for trained, got, ref in ((ln_w, grads["ln"]["weight"], want["ln"]["weight"]),
+                              (ln_b, grads["ln"]["bias"], want["ln"]["bias"]),
+                              (True, grads["rms"]["weight"], want["rms"]["weight"])):
+        if trained:
+            close(got, ref, "trained", rows=6)
+        else:
+            np.testing.assert_array_equal(np.asarray(got), 0.0)
+    bwd = {launch.flags["IS_RMS"]: launch for launch in log.of("norm_bwd_kernel")}
+    rms_bwd = bwd.pop(True)
+    assert rms_bwd.frontend == FRONTEND and rms_bwd.flags["COMPUTE_DW"]
+    assert rms_bwd.flags["COMPUTE_DX"] == (ln_w or ln_b)  # dx only feeds the layer norm's dW/dB
+    if ln_w or ln_b:
+        ln_bwd = bwd.pop(False)
+        assert not ln_bwd.flags["COMPUTE_DX"]  # x is not differentiated
+        assert ln_bwd.flags["COMPUTE_DW"] == ln_w and ln_bwd.flags["COMPUTE_DB"] == ln_b
+        want_parts = ({"DW_PART"} if ln_w else set()) | ({"DB_PART"} if ln_b else set())
+        assert {n for n, _, _ in ln_bwd.partial_buffers} == want_parts
+    assert not bwd  # a fully frozen layer norm runs no backward at all
+    (ln_fwd,) = [launch for launch in log.of("norm_fwd_kernel") if not launch.flags["IS_RMS"]]
+    assert ln_fwd.flags["STORE_STATS"] == (ln_w or ln_b)
+
+
+def test_freeze_errors():
+    params, *_ = _params()
+    with pytest.raises(TypeError, match="bools"):
+        jf.freeze(params, {"ln": jnp.asarray(True), "rms": True})
+    with pytest.raises(ValueError, match="structure"):
+        jf.freeze(params, {"ln": True})
+    frozen = jf.freeze({"a": jnp.ones(3), "n": 3, "s": "name"}, False)  # non-array leaves pass through
+    assert frozen["n"] == 3 and frozen["s"] == "name"
+
+
+def _dw_flags(log):
+    (bwd,) = log.of("norm_bwd_kernel")
+    return bwd.flags["COMPUTE_DW"], bwd.partial_buffers, len(log.of("partial_sum_kernel"))
+
+
+@pytest.mark.parametrize("how", ["stop_gradient", "argnums", "closure", "closure_jit", "freeze"])
+def test_frozen_weight_runs_the_variant_without_dw(how):
+    x, w, _, ct = op_inputs("rms_norm", shape=(6, 40))
+
+    def loss(x, w):
+        return jnp.sum(jf.rms_norm(x, w) * ct[0])
+
+    with normkit.record_launches() as log:
+        if how == "stop_gradient":
+            dx, dw = jax.grad(lambda x, w: loss(x, jax.lax.stop_gradient(w)), argnums=(0, 1))(x, w)
+            np.testing.assert_array_equal(np.asarray(dw), 0.0)
+        elif how == "argnums":
+            dx = jax.grad(loss, argnums=0)(x, w)
+        elif how == "closure":
+            dx = jax.grad(lambda x: loss(x, w))(x)
+        elif how == "closure_jit":
+            dx = jax.jit(lambda x, w: jax.grad(lambda x: loss(x, w))(x))(x, w)
+        else:
+            dx, dw = jax.grad(lambda x, w: loss(x, jf.freeze(w, False)), argnums=(0, 1))(x, w)
+            np.testing.assert_array_equal(np.asarray(dw), 0.0)
+    close(dx, jax.grad(lambda x: jnp.sum(ref_rms_norm(x, w) * ct[0]))(x), how)
+    assert _dw_flags(log) == (False, (), 0)
+    (fwd,) = log.of("norm_fwd_kernel")
+    assert fwd.flags["STORE_STATS"] and fwd.frontend == FRONTEND
+
+
+def test_vjp_differentiates_every_primal():
+    """Under jax.vjp every primal is perturbed: the weight's gradient is computed. Closing over the
+    weight is how to leave it out of a vjp."""
+    x, w, _, ct = op_inputs("rms_norm", shape=(6, 40))
+    with normkit.record_launches() as log:
+        jax.vjp(jf.rms_norm, x, w)[1](ct[0])
+    assert _dw_flags(log)[0]
+    with normkit.record_launches() as log:
+        jax.vjp(lambda x: jf.rms_norm(x, w), x)[1](ct[0])
+    assert _dw_flags(log) == (False, (), 0)
+
+
+def test_frozen_x_and_forward_only():
+    x, w, b, ct = op_inputs("layer_norm", shape=(6, 40))
+    with normkit.record_launches() as log:
+        jf.layer_norm(x, w, b)
+        jax.jit(jf.layer_norm)(x, w, b)
+    assert [launch.flags["STORE_STATS"] for launch in log] == [False, False]  # no backward: no stats
+    with normkit.record_launches() as log:
+        db = jax.grad(lambda b: jnp.sum(jf.layer_norm(x, w, b) * ct[0]))(b)
+    close(db, jnp.sum(ct[0], axis=0), "db", rows=6)
+    (bwd,) = log.of("norm_bwd_kernel")
+    assert (bwd.flags["COMPUTE_DX"], bwd.flags["COMPUTE_DW"], bwd.flags["COMPUTE_DB"]) == (False, False, True)
+    assert [n for n, _, _ in bwd.partial_buffers] == ["DB_PART"]
+
+
+def test_fused_unused_outputs():
+    """An unused residual_out reads no DRES; an unused y is a zero dy (as the Torch frontend)."""
+    x, r, w, ct = op_inputs("fused_add_rms_norm", shape=(6, 40))
+    with normkit.record_launches() as log:
+        got = jax.grad(lambda x, r: jnp.sum(jf.fused_add_rms_norm(x, r, w)[0] * ct[0]), argnums=(0, 1))(x, r)
+    want = jax.grad(lambda x, r: jnp.sum(ref_fused_add_rms_norm(x, r, w)[0] * ct[0]), argnums=(0, 1))(x, r)
+    close(got, want, "y only")
+    assert not log.of("norm_bwd_kernel")[0].flags["HAS_DRES"]
+    got = jax.grad(lambda x, r: jnp.sum(jf.fused_add_rms_norm(x, r, w)[1] * ct[1]), argnums=(0, 1))(x, r)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(ct[1]), rtol=0, atol=0)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(ct[1]), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: the Torch frontend's errors, raised while tracing, before any launch.
+
+F32 = jnp.float32
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: jf.rms_norm(jnp.ones((4, 8), F32), jnp.ones((7,), F32)), ValueError, "weight has shape"),
+    (lambda: jf.layer_norm(jnp.ones((4, 8), F32), None, jnp.ones((8, 1), F32)), ValueError, "bias has shape"),
+    (lambda: jf.fused_add_rms_norm(jnp.ones((4, 8), F32), jnp.ones((4, 7), F32)), ValueError, "residual has shape"),
+    (lambda: jf.fused_add_rms_norm(jnp.ones((4, 8), F32), jnp.ones((4, 8), jnp.float16)), TypeError,
+     "residual has dtype"),
+    (lambda: jf.rms_norm(jnp.ones((4, 8), jnp.int32)), TypeError, "x has dtype int32"),
+    (lambda: jf.rms_norm(jnp.ones((4, 8), jnp.bool_)), TypeError, "x has dtype bool"),
+    (lambda: jf.layer_norm(jnp.ones((4, 8), jnp.complex64)), TypeError, "x has dtype complex64"),
+    (lambda: jf.rms_norm(jnp.ones((4, 8), F32), jnp.ones((8,), jnp.int32)), TypeError, "weight has dtype int32"),
+    (lambda: jf.rms_norm(jnp.ones((4, 8), F32), casting_mode="fp8"), ValueError, "unknown casting_mode"),
+    (lambda: jf.rms_norm(jnp.ones((4, 8), F32), eps=-1e-6), ValueError, "eps must be"),
+    (lambda: jf.layer_norm(jnp.ones((4, 8), F32), eps=float("nan")), ValueError, "eps must be"),
+    (lambda: jf.rms_norm(jnp.ones((4, 8), F32), offset=float("inf")), ValueError, "offset must be"),
+    (lambda: jf.rms_norm(jnp.ones((), F32)), ValueError, "at least one dimension"),
+    (lambda: jf.rms_norm([[1.0, 2.0]]), TypeError, "x must be a jax.Array"),
+])
+def test_bad_input(call, error, match):
+    with normkit.record_launches() as log:
+        with pytest.raises(error, match=match):
+            call()
+        with pytest.raises(error, match=match):
+            jax.jit(lambda: call()).trace()  # at trace time
+    assert not log
+
+
+def test_bad_input_abstract():
+    """Checked on shapes alone (nothing is allocated or launched): D over the limit, a traced eps."""
+    with pytest.raises(ValueError, match="exceeds the supported limit of 65536"):
+        jax.eval_shape(jf.rms_norm, jax.ShapeDtypeStruct((2, 65537), F32))
+    with pytest.raises(ValueError, match="eps must be"):
+        jax.jit(jf.rms_norm)(jnp.ones((2, 8), F32), None, 1e-6)  # eps traced under jit: it must be static
+    assert jax.eval_shape(jf.rms_norm, jax.ShapeDtypeStruct((2, 65536), F32)).shape == (2, 65536)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cross-frontend parity.
+
+
+def _compare(case, a, b, exact):
+    for name in a.outputs:
+        if exact:
+            np.testing.assert_array_equal(a.outputs[name], b.outputs[name], err_msg=f"{case}: {name}")
+        else:
+            assert_close(a.outputs[name], b.outputs[name], case.dtype, f"{case}: {name} jax vs torch")
+    for name in case.inputs:
+        ga, gb = a.grads[name], b.grads[name]
+        assert (ga is None) == (gb is None), f"{case}: d{name} presence differs"
+        if ga is None:
+            continue
+        if exact:
+            np.testing.assert_array_equal(ga, gb, err_msg=f"{case}: d{name}")
+        else:
+            reduced = case.shape.M if name in ("weight", "bias") else 1
+            dt = (case.w_dtype or case.dtype) if name in ("weight", "bias") else case.dtype
+            assert_close(ga, gb, dt, f"{case}: d{name} jax vs torch", reduced_over=reduced)
+
+
+def _run_both(case):
+    inp = make_inputs(case, np.random.default_rng(zlib.crc32(str(case).encode())))
+    res_jax = JaxFrontend().call(case, inp)
+    res_torch = TorchFrontend().call(case, inp)
+    check_against_reference(case, res_jax, inp)
+    return res_jax, res_torch
+
+
+CROSS_CASES = [c for c in parity_cases([s for s in shapes("ci") if s.name == "3d"])
+               if c.trained == frozenset(c.inputs) or len(c.trained) == 1]
+
+
+@pytest.mark.parametrize("case", CROSS_CASES, ids=str)
+def test_cross_frontend_within_tolerance(case):
+    """Both frontends on CPU: equal within the tolerance table, and in fact bit for bit, since both run
+    the same plan (same SM count) in the same interpreter; a difference means the plans diverged."""
+    res_jax, res_torch = _run_both(case)
+    _compare(case, res_jax, res_torch, exact=False)
+    if not ON_GPU:
+        _compare(case, res_jax, res_torch, exact=True)
+
+
+# Contiguous shapes only: a JAX array has no row stride (the adapter's "strided" input is a contiguous
+# copy, ROWS_CONTIGUOUS=True, where Torch reads the strided rows in place).
+GPU_SHAPES = [s for s in shapes("ci") + shapes("gpu") if s.name in ("one_row", "d1000", "3d", "gpu_rows", "gpu_wide")]
+GPU_CASES = [c for c in parity_cases(GPU_SHAPES) if c.shape.name != "gpu_wide" or c.trained == frozenset(c.inputs)]
+
+
+@pytest.mark.parametrize("case", GPU_CASES if ON_GPU else [pytest.param(None, id="needs-gpu")], ids=str)
+def test_bitwise_parity_with_torch_on_gpu(case):
+    """Same kernel source, same plan (grid, warps, partial count from the same SM count): on GPU the
+    two frontends must agree bit for bit, outputs and gradients."""
+    if not ON_GPU:
+        pytest.skip("GPU only: bitwise parity needs compiled kernels on both frontends "
+                    "(on CPU, test_cross_frontend_within_tolerance checks parity within the tolerance table)")
+    import torch
+
+    assert torch.cuda.is_available(), "jax sees a GPU, torch must too"
+    res_jax, res_torch = _run_both(case)
+    check_launch_flags(case, res_jax.log)
+    for a, b in zip(res_jax.log, res_torch.log):
+        assert (a.kernel, a.grid, a.num_warps, a.flags) == (b.kernel, b.grid, b.num_warps, b.flags), (a, b)
+    _compare(case, res_jax, res_torch, exact=True)
+
+
+def test_same_num_sms_as_torch():
+    """The plans depend on the SM count: both frontends must use the same one (on GPU, the device's)."""
+    import torch
+    from torch_frontend import _launch as torch_launch
+
+    from jax_frontend import _launch
+
+    assert _launch.num_sms("cpu") == torch_launch.num_sms(torch.device("cpu"))
+    if ON_GPU:
+        assert _launch.num_sms("cuda") == torch_launch.num_sms(torch.device("cuda"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU path's arguments, checked on any machine: jax-triton 0.3.1's conventions, then the
+# interpreter runs them.
+
+
+SCALARS = frozenset(plans.FWD_SCALARS + plans.BWD_SCALARS + plans.RED_SCALARS)
+
+
+def _strict_triton_call(calls):
+    from jax_frontend import _launch
+
+    def triton_call(*args, kernel, out_shape, grid, num_warps, num_stages, enable_fp_fusion, name, **metaparams):
+        names = kernel.arg_names
+        # the plan's FMA-contraction choice: off for the LayerNorm backward only
+        assert enable_fp_fusion is (kernel.fn.__name__ != "norm_bwd_kernel" or metaparams["IS_RMS"])
+        n_pos = len(args)
+        assert len(args) + len(out_shape) + len(metaparams) == len(names), "every kernel parameter is bound"
+        assert set(metaparams) == set(names[n_pos + len(out_shape):]), "keywords are exactly the constexprs"
+        for arg, pname in zip(args, names):
+            assert arg is not None, f"{pname}: jax-triton 0.3.1 has no None"
+            assert not isinstance(arg, float) or isinstance(arg, np.float32), f"{pname}: a Python float is fp64"
+            if isinstance(arg, (bool, int, np.float32)):
+                assert pname in SCALARS, f"{pname} is not a runtime scalar"
+                assert isinstance(arg, np.float32) == (pname in plans.FLOAT_SCALARS), pname
+            else:
+                assert isinstance(arg, jax.Array) and arg.dtype in (jnp.float32, jnp.bfloat16, jnp.float16), pname
+        assert all(isinstance(s, jax.ShapeDtypeStruct) for s in out_shape)
+        assert isinstance(num_warps, int) and isinstance(num_stages, int) and isinstance(name, str)
+        assert all(isinstance(g, int) and g > 0 for g in grid)
+        calls.append(kernel.fn.__name__)
+        return _launch.interpreter_triton_call(*args, kernel=kernel, out_shape=out_shape, grid=grid,
+                                               num_warps=num_warps, num_stages=num_stages,
+                                               enable_fp_fusion=enable_fp_fusion, **metaparams)
+
+    return triton_call
+
+
+# 19 row tiles: the H200's plan (132 SMs) gives 19 dW/dB partials where the CPU plan gives 8.
+@pytest.mark.parametrize("case", [c for c in parity_cases([Shape("gpu_path", (300, 48), frozenset())])
+                                  if c.dtype == "bfloat16" and c.casting in ("llama",) and c.offset == 0.0
+                                  or c.op == "layer_norm" and c.dtype == "float16"], ids=str)
+def test_gpu_path_arguments(case, monkeypatch):
+    from jax_frontend import _launch, _primitives
+
+    calls = []
+    monkeypatch.setattr(_launch, "gpu_triton_call", lambda: _strict_triton_call(calls))
+    monkeypatch.setattr(_primitives, "_platform_of", lambda arrays: "cuda")
+    monkeypatch.setattr(_launch, "num_sms", lambda platform: 132)  # the H200's plan: more programs
+    inp = make_inputs(case, np.random.default_rng(zlib.crc32(str(case).encode())))
+    res = JaxFrontend(jit=False).call(case, inp)  # eager: the platform comes from _platform_of
+    check_against_reference(case, res, inp)
+    check_launch_flags(case, res.log)
+    assert {launch.frontend for launch in res.log} == {"jax-gpu"}
+    assert calls == res.log.kernels()
+
+
+# ---------------------------------------------------------------------------------------------
+# The import hazard: jax_triton 0.3.1 clears TRITON_CACHE_DIR when imported.
+
+
+def _python(code: str, env_update: dict, pythonpath: list[str] = ()) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
+    env.update({k: v for k, v in env_update.items() if v is not None})
+    env["PYTHONPATH"] = os.pathsep.join([*pythonpath, REPO])
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_import_leaves_cache_dir_alone():
+    """Importing jax_frontend imports neither jax_triton nor torch, and leaves TRITON_CACHE_DIR as it was."""
+    for cache_dir in ("/tmp/normkit-triton-cache", None):
+        proc = _python("""
+            import os, sys
+            before = os.environ.get("TRITON_CACHE_DIR")
+            import jax_frontend
+            assert os.environ.get("TRITON_CACHE_DIR") == before, os.environ.get("TRITON_CACHE_DIR")
+            assert "jax_triton" not in sys.modules and "torch" not in sys.modules, "imported too early"
+        """, {"TRITON_CACHE_DIR": cache_dir})
+        assert proc.returncode == 0, proc.stderr
+
+
+CLOBBERING_JAX_TRITON = """
+import os
+os.environ["TRITON_CACHE_DIR"] = ""  # what jax-triton 0.3.1 does at import, before failing on a CPU-only jax
+raise ImportError("jax-triton requires JAX to be installed with GPU support")
+"""
+
+
+@pytest.mark.parametrize("cache_dir", ["/tmp/normkit-triton-cache", None], ids=["set", "unset"])
+def test_gpu_import_path_restores_cache_dir(tmp_path, cache_dir):
+    """The GPU path's ``import jax_triton`` fails here (a stand-in that clobbers the variable, as the real
+    one does on a CPU-only jax); TRITON_CACHE_DIR must come back, and Triton must still find its cache."""
+    pkg = tmp_path / "jax_triton"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(CLOBBERING_JAX_TRITON)
+    proc = _python("""
+        import os
+        before = os.environ.get("TRITON_CACHE_DIR")
+        from jax_frontend import _launch
+        try:
+            _launch.gpu_triton_call()
+        except ImportError as err:
+            assert "jax-triton 0.3.1" in str(err), err
+        else:
+            raise AssertionError("the stand-in jax_triton must fail")
+        assert os.environ.get("TRITON_CACHE_DIR") == before, repr(os.environ.get("TRITON_CACHE_DIR"))
+        import triton
+        from triton.runtime.cache import get_cache_manager
+        assert triton.knobs.cache.dir
+        get_cache_manager("00" * 32)  # raises "Could not create or locate cache dir" if clobbered
+    """, {"TRITON_CACHE_DIR": cache_dir}, [str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr
+
+
+TORCH_LAUNCH = """
+import torch, torch_frontend
+x = torch.randn(5, {D}, device="cuda", dtype=torch.bfloat16)
+torch_frontend.rms_norm(x, torch.ones({D}, device="cuda"))  # a fresh Triton JIT compile
+torch.cuda.synchronize()
+"""
+JAX_LAUNCH = """
+import jax, jax.numpy as jnp, sys, jax_frontend
+assert jax.default_backend() == "gpu"
+y = jax_frontend.rms_norm(jnp.ones((5, {D}), jnp.bfloat16)).block_until_ready()  # imports jax_triton
+assert "jax_triton" in sys.modules
+"""
+
+
+@pytest.mark.parametrize("order", ["jax_first", "torch_first"])
+def test_import_hazard(order):
+    """Both frontends in one process, either order. On GPU: the Torch-side Triton compile still works
+    after jax_frontend has imported jax_triton and launched through it. On CPU (no jax_triton to
+    import): importing jax_frontend, before or after torch_frontend, leaves TRITON_CACHE_DIR unchanged
+    (test_gpu_import_path_restores_cache_dir covers the restore itself)."""
+    if ON_GPU:
+        D = 200 + (order == "jax_first") + 2 * (os.getpid() % 97)  # an unusual D: nothing cached in-process
+        code = (JAX_LAUNCH + TORCH_LAUNCH) if order == "jax_first" else (TORCH_LAUNCH + JAX_LAUNCH + TORCH_LAUNCH)
+        code = code.replace("{D}", str(D))
+    else:
+        first, second = ("jax_frontend", "torch_frontend") if order == "jax_first" else ("torch_frontend",
+                                                                                         "jax_frontend")
+        code = f"""
+import os
+before = os.environ.get("TRITON_CACHE_DIR")
+import {first}
+assert os.environ.get("TRITON_CACHE_DIR") == before
+import {second}
+assert os.environ.get("TRITON_CACHE_DIR") == before
+"""
+    for cache_dir in ("/tmp/normkit-triton-cache", None) if not ON_GPU else (os.environ.get("TRITON_CACHE_DIR"),):
+        proc = _python(code, {"TRITON_CACHE_DIR": cache_dir})
+        assert proc.returncode == 0, proc.stderr
+
+
+FAKE_GPU = """
+import sys, jax, jax.numpy as jnp
+from jax_frontend import _launch, _primitives
+def triton_call(*args, out_shape, **kwargs):  # stands in for jax_triton: outputs of the right shape
+    return [jnp.zeros(s.shape, s.dtype) for s in out_shape]
+_launch.gpu_triton_call = lambda: triton_call
+_primitives._platform_of = lambda arrays: "cuda"
+_launch.num_sms = lambda platform: 132
+"""
+
+
+def test_gpu_path_does_not_import_torch():
+    """The JAX GPU path never imports torch: for real on GPU; on CPU with jax_triton's triton_call
+    replaced by a stand-in (the rest of the GPU path runs as it would there)."""
+    code = (JAX_LAUNCH.replace("{D}", "64") if ON_GPU else FAKE_GPU) + """
+import jax_frontend
+x = jnp.ones((4, 64), jnp.float32)
+jax.grad(lambda x, w: jnp.sum(jax_frontend.layer_norm(x, w, w)), argnums=(0, 1))(x, x[0])
+jax.grad(lambda x, r, w: jnp.sum(jax_frontend.fused_add_rms_norm(x, r, w)[0]), argnums=(0, 1, 2))(x, x, x[0])
+assert "torch" not in sys.modules, "the GPU path imported torch"
+"""
+    proc = _python(code, {"TRITON_CACHE_DIR": os.environ.get("TRITON_CACHE_DIR")})
+    assert proc.returncode == 0, proc.stderr
