@@ -50,7 +50,10 @@ if RESULTS.exists():
     records = [r for r in doc.get("records", []) if r.get("median_us") and not r.get("error")]
     dev, ver, copy = doc.get("device", {}), doc.get("versions", {}), doc.get("copy", {})
     dry = any(run.get("dry_run") for run in doc.get("runs", []))
-    print(f"results: {SHOWN} (schema {doc.get('schema')}), {len(records)} timed records of {len(doc.get('records', []))}")
+    errors = [r.get("error") or "" for r in doc.get("records", []) if r.get("error")]
+    skipped = sum(e.startswith("skipped") for e in errors)
+    print(f"results: {SHOWN} (schema {doc.get('schema')}): {len(records)} timed records of "
+          f"{len(doc.get('records', []))}; {skipped} skipped by the run's time budget, {len(errors) - skipped} errors")
     if dry:
         print("WARNING: this file comes from a --dry-run (interpreter, CPU timings): its numbers mean nothing")
     display(table([{"device": dev.get("name"), "SMs": dev.get("sms"), "copy bandwidth (TB/s)": copy.get("tbps"),
@@ -171,8 +174,8 @@ if large:
 # %% [markdown]
 # ## Frozen speedup
 # `bwd_full` time / `bwd_frozen` time per implementation: how much a frozen weight (LoRA) saves in the
-# backward. normkit runs the dW-free kernel variant (no fp32 partials, no reduction launch); peers that
-# compute dW anyway and drop it show a ratio near 1.
+# backward. normkit runs the dW-free kernel variant (no fp32 partials, no reduction launch). A ratio
+# near 1 means the frozen backward costs about as much as the full one.
 
 # %%
 def frozen_speedup(op, _mode, dtype, shape, impl):
