@@ -21,6 +21,16 @@ def _np(t):
 class TorchFrontend:
     name = "torch"
 
+    @property
+    def module(self):
+        import torch_frontend
+
+        return torch_frontend
+
+    def raw(self, a: np.ndarray) -> torch.Tensor:
+        """``a`` as a tensor of the same dtype (ints, bools and complex included)."""
+        return torch.from_numpy(np.ascontiguousarray(a)).to(DEVICE)
+
     def tensor(self, a: np.ndarray, dtype: str, strided: bool = False) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(a)).to(DEVICE, TORCH_DTYPES[dtype])
         if strided:  # the same values as rows of a wider buffer: row stride D + 13, last dim contiguous

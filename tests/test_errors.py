@@ -1,0 +1,73 @@
+"""Bad input raises a clear exception before any launch, naming the argument and the shapes or
+dtypes involved; the same checks through each frontend."""
+import numpy as np
+import pytest
+
+import normkit
+
+RNG = np.random.default_rng(1234)
+X = RNG.standard_normal((4, 8)).astype(np.float32)
+W = RNG.standard_normal(8).astype(np.float32)
+
+
+def call(frontend, op, x, *, residual=None, weight=None, bias=None, **kw):
+    m = frontend.module
+    if op == "rms_norm":
+        return m.rms_norm(x, weight, **kw)
+    if op == "layer_norm":
+        return m.layer_norm(x, weight, bias, **kw)
+    return m.fused_add_rms_norm(x, residual if residual is not None else x, weight, **kw)
+
+
+def raises(frontend, exc, match, op, x, **kw):
+    with normkit.record_launches() as log, pytest.raises(exc, match=match):
+        call(frontend, op, x, **kw)
+    assert log.kernels() == [], "an error must come before any launch"
+
+
+OPS = ["rms_norm", "layer_norm", "fused_add_rms_norm"]
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_weight_shape(frontend, op):
+    x = frontend.raw(X)
+    raises(frontend, ValueError, r"weight has shape \(9,\); expected \(8,\)", op, x, weight=frontend.raw(
+        RNG.standard_normal(9).astype(np.float32)))
+    raises(frontend, ValueError, r"weight has shape \(1, 8\)", op, x, weight=frontend.raw(W[None]))
+
+
+def test_bias_shape(frontend):
+    raises(frontend, ValueError, r"bias has shape \(7,\); expected \(8,\)", "layer_norm", frontend.raw(X),
+           weight=frontend.raw(W), bias=frontend.raw(W[:7]))
+
+
+def test_residual_shape_and_dtype(frontend):
+    raises(frontend, ValueError, r"residual has shape \(4, 4\); expected x's shape \(4, 8\)", "fused_add_rms_norm",
+           frontend.raw(X), residual=frontend.raw(X[:, :4].copy()))
+    raises(frontend, TypeError, r"residual has dtype float16; expected x's dtype float32", "fused_add_rms_norm",
+           frontend.raw(X), residual=frontend.raw(X.astype(np.float16)))
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", [np.int32, np.bool_, np.complex64])
+def test_unsupported_dtypes(frontend, op, dtype):
+    bad = (X * 3).astype(dtype)
+    raises(frontend, TypeError, r"x has dtype (int32|bool|complex64)", op, frontend.raw(bad))
+    raises(frontend, TypeError, r"weight has dtype (int32|bool|complex64)", op, frontend.raw(X),
+           weight=frontend.raw((W * 3).astype(dtype)))
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "fused_add_rms_norm"])
+def test_unknown_casting_mode(frontend, op):
+    raises(frontend, ValueError, r"unknown casting_mode 'fp8'", op, frontend.raw(X), casting_mode="fp8")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_negative_eps(frontend, op):
+    raises(frontend, ValueError, r"eps must be a finite number >= 0; got -1e-06", op, frontend.raw(X), eps=-1e-6)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_row_length_beyond_the_limit(frontend, op):
+    x = frontend.raw(np.ones((2, 65537), np.float32) + RNG.standard_normal((2, 65537)).astype(np.float32))
+    raises(frontend, ValueError, r"D=65537 exceeds the supported limit of 65536", op, x)
