@@ -38,6 +38,8 @@ def execute(source: Path, size: str | None = None, timeout: int = 600):
     from nbclient import NotebookClient
 
     nb = jupytext.read(source)
+    for i, cell in enumerate(nb.cells):  # stable ids, so a rebuild only changes what the outputs change
+        cell["id"] = f"cell-{i:02d}"
     nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
     env_backup = {k: os.environ.get(k) for k in ("NORMKIT_NOTEBOOK_SIZE", "PYTHONPATH")}
     try:
@@ -45,7 +47,7 @@ def execute(source: Path, size: str | None = None, timeout: int = 600):
             os.environ["NORMKIT_NOTEBOOK_SIZE"] = size
         paths = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-        client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+        client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
                                 resources={"metadata": {"path": str(source.parent)}})
         client.execute()
     finally:
