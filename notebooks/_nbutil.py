@@ -39,15 +39,23 @@ def _fmt(v, floatfmt: str) -> str:
 
 
 def table(rows: list[dict], columns: list[str] | None = None, floatfmt: str = ".3g"):
-    """A Markdown table (rendered by Jupyter and by GitHub's notebook viewer)."""
-    from IPython.display import Markdown
-
+    """A Markdown table (rendered by Jupyter and by GitHub's notebook viewer). Run as a plain script
+    (e.g. on a machine without IPython), the Markdown text is printed instead."""
     if columns is None:
         columns = list(rows[0]) if rows else []
     lines = ["| " + " | ".join(_fmt(c, floatfmt) for c in columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
         lines.append("| " + " | ".join(_fmt(r.get(c), floatfmt) for c in columns) + " |")
-    return Markdown("\n".join(lines))
+    text = "\n".join(lines)
+    try:
+        from IPython import get_ipython
+        from IPython.display import Markdown
+    except ImportError:
+        get_ipython = None
+    if get_ipython is None or get_ipython() is None:
+        print(text)
+        return None
+    return Markdown(text)
 
 
 def environment() -> dict:

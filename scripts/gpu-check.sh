@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The GPU check, run on the H200 machine from the repository root:
-#   1. install the carried wheels (jax-triton 0.3.1, liger-kernel 0.8.5) without touching the stack;
-#   2. the whole test suite, compiled, with the larger "gpu" shapes too;
-#   3. a short timing table of frozen against full backward.
-# Logs go to $OUT (or ./gpu-check-out). Usage: bash scripts/gpu-check.sh [tests|timing|all|bench|tune] [args...]
-#   bench: the full benchmark (benchmarks/bench.py); tune: the launch-configuration sweep.
+# The GPU check, run on the H200 machine from the repository root. Targets (default: all):
+#   compare    the main job (scripts/compare.py): frozen vs full backward, both frontends, with timings;
+#   notebooks  every notebook source run as a script at full size;
+#   tests      the whole test suite, compiled, with the larger "gpu" shapes too (the notebook test needs
+#              jupytext/nbclient, which that machine lacks: the notebooks target runs them instead);
+#   timing     a short kernel timing table (scripts/quick_timing.py);
+#   bench      the full benchmark (benchmarks/bench.py); tune: the launch-configuration sweep.
+# It first installs the carried wheels (jax-triton 0.3.1, liger-kernel 0.8.5) without touching the
+# machine's stack. Logs go to $OUT (or ./gpu-check-out). Usage: bash scripts/gpu-check.sh [target] [args...]
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-check-out}
 mkdir -p "$OUT"
@@ -15,13 +18,28 @@ else
   export PYTHONPATH=$PWD
 fi
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton_cache} HOME=${HOME:-/tmp} PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # several test workers share the GPU with torch
 what=${1:-all}; shift || true
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
+python3 -c "import torch, triton, jax; print('torch', torch.__version__, 'triton', triton.__version__, 'jax', jax.__version__, jax.devices())" | tee -a "$OUT/device.txt"
 status=0
+if [ "$what" = compare ] || [ "$what" = all ]; then
+  timeout 120 python3 scripts/compare.py 2>&1 | tee "$OUT/compare.log" || status=1
+fi
+if [ "$what" = notebooks ] || [ "$what" = all ]; then
+  for nb in notebooks/[0-9][0-9]_*.py; do
+    name=$(basename "$nb" .py)
+    (cd notebooks && NORMKIT_NOTEBOOK_SIZE=full MPLBACKEND=Agg timeout 200 python3 "$name.py") > "$OUT/nb_$name.log" 2>&1
+    rc=$?; echo "notebook $name: exit $rc ($(wc -l < "$OUT/nb_$name.log") lines of output)"; [ $rc = 0 ] || status=1
+  done
+fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  NORMKIT_TEST_SHAPES=gpu python3 -m pytest -q -n 8 -p no:cacheprovider -p no:benchmark tests "$@" 2>&1 | tee "$OUT/tests.log" | tail -30
-  status=${PIPESTATUS[0]}
+  NORMKIT_TEST_SHAPES=gpu timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -n 8 -p no:cacheprovider -p no:benchmark \
+    --durations=5 --ignore=tests/test_notebooks.py tests "$@" 2>&1 | tee "$OUT/tests.log" | tail -40
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "$what" = timing ]; then
+  python3 scripts/quick_timing.py 2>&1 | tee "$OUT/timing.log"
 fi
 if [ "$what" = bench ]; then
   python3 benchmarks/bench.py --out "$OUT/h200.json" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
@@ -29,7 +47,5 @@ fi
 if [ "$what" = tune ]; then
   python3 scripts/tune.py "$@" 2>&1 | tee "$OUT/tune.log"
 fi
-if [ "$what" = timing ] || [ "$what" = all ]; then
-  python3 scripts/quick_timing.py 2>&1 | tee "$OUT/timing.log"
-fi
+echo "gpu-check $what: status $status"
 exit $status
