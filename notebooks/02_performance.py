@@ -34,9 +34,8 @@ import os
 from pathlib import Path
 
 import matplotlib.pyplot as plt
-from IPython.display import display
 
-from _nbutil import ROOT, environment, notebook_size, table
+from _nbutil import display, ROOT, environment, notebook_size, table
 
 SIZE = notebook_size()
 RESULTS = Path(os.environ.get("NORMKIT_BENCH_RESULTS") or ROOT / "benchmarks" / "results" / "h200.json").resolve()

@@ -58,6 +58,20 @@ def table(rows: list[dict], columns: list[str] | None = None, floatfmt: str = ".
     return Markdown(text)
 
 
+def display(obj) -> None:
+    """IPython's display inside a notebook; run as a plain script, tables print as text and figures
+    are left to matplotlib (the script's own output is the record)."""
+    try:
+        from IPython import get_ipython
+        from IPython.display import display as ipython_display
+    except ImportError:
+        get_ipython = None
+    if get_ipython is not None and get_ipython() is not None:
+        ipython_display(obj)
+    elif obj is not None and not hasattr(obj, "savefig"):
+        print(obj)
+
+
 def environment() -> dict:
     """Versions and devices, printed at the top of each notebook."""
     import platform

@@ -29,7 +29,7 @@ fi
 if [ "$what" = notebooks ] || [ "$what" = all ]; then
   for nb in notebooks/[0-9][0-9]_*.py; do
     name=$(basename "$nb" .py)
-    (cd notebooks && NORMKIT_NOTEBOOK_SIZE=full MPLBACKEND=Agg timeout 200 python3 "$name.py") > "$OUT/nb_$name.log" 2>&1
+    (cd notebooks && NORMKIT_NOTEBOOK_SIZE=full MPLBACKEND=Agg timeout 400 python3 "$name.py") > "$OUT/nb_$name.log" 2>&1
     rc=$?; echo "notebook $name: exit $rc ($(wc -l < "$OUT/nb_$name.log") lines of output)"; [ $rc = 0 ] || status=1
   done
 fi
