@@ -91,7 +91,7 @@ class JaxFrontend:
 
     def raw(self, a: np.ndarray) -> jax.Array:
         """``a`` as an array of the same dtype (ints, bools and complex included)."""
-        return jnp.asarray(np.ascontiguousarray(a))
+        return jnp.asarray(np.array(a))  # np.array keeps 0-d arrays 0-d
 
     def array(self, a: np.ndarray, dtype: str, strided: bool = False) -> jax.Array:
         a = np.asarray(a, dtype=np.float32)

@@ -29,7 +29,7 @@ class TorchFrontend:
 
     def raw(self, a: np.ndarray) -> torch.Tensor:
         """``a`` as a tensor of the same dtype (ints, bools and complex included)."""
-        return torch.from_numpy(np.ascontiguousarray(a)).to(DEVICE)
+        return torch.from_numpy(np.array(a)).to(DEVICE)  # np.array keeps 0-d arrays 0-d
 
     def tensor(self, a: np.ndarray, dtype: str, strided: bool = False) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(a)).to(DEVICE, TORCH_DTYPES[dtype])

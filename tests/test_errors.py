@@ -71,3 +71,16 @@ def test_negative_eps(frontend, op):
 def test_row_length_beyond_the_limit(frontend, op):
     x = frontend.raw(np.ones((2, 65537), np.float32) + RNG.standard_normal((2, 65537)).astype(np.float32))
     raises(frontend, ValueError, r"D=65537 exceeds the supported limit of 65536", op, x)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_non_finite_eps_and_offset(frontend, op):
+    raises(frontend, ValueError, r"eps must be a finite number >= 0; got nan", op, frontend.raw(X), eps=float("nan"))
+    if op != "layer_norm":
+        raises(frontend, ValueError, r"offset must be a finite number; got inf", op, frontend.raw(X),
+               offset=float("inf"))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_zero_dimensional_x(frontend, op):
+    raises(frontend, ValueError, r"x must have at least one dimension", op, frontend.raw(np.float32(1.5)))
