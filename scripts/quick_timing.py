@@ -6,8 +6,6 @@ writes s: +2*M*N*b). bwd reads x and dy, writes dx: 3*M*N*b (+ fused add: reads 
 Weights, stats and fp32 partials are not counted (they are < 1% at these shapes).
 """
 import argparse
-import statistics
-import sys
 
 import torch
 import triton.testing

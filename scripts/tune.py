@@ -52,7 +52,7 @@ for (M, N), op, dt in itertools.product(SHAPES, ("rms_norm", "layer_norm"), (tor
     cast = "gemma" if op == "layer_norm" else "llama"
     _, _, mean, rstd = F._norm_fwd(x, None, w, bias, op, 1e-6, 0.0, cast, True)
     arrays = {"X": x, "W": w, "B": bias, "DY": dy, "MEAN": mean, "RSTD": rstd}
-    dn = plans._launch_name = _launch.dtype_name(dt)
+    dn = _launch.dtype_name(dt)
     fwd = plans.plan_forward(op=op, M=M, N=N, x_dtype=dn, has_w=True, has_b=bias is not None, eps=1e-6,
                              casting=cast, store_stats=False)
     bwd_frozen = plans.plan_backward(op=op, M=M, N=N, x_dtype=dn, has_w=True, has_dres=False, casting=cast,
