@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from normkit import _interpreter
 from normkit import launch as plans
 
 JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -183,7 +184,7 @@ def interpreter_triton_call(*args, kernel, out_shape, grid, num_warps, num_stage
     del name, enable_fp_fusion
     template = tuple(_Array if not _is_scalar(a) else a for a in args)
     arrays = [a for a in args if not _is_scalar(a)]
-    host = functools.partial(_host_launch, plans.interpreted(kernel), tuple(grid), template, tuple(out_shape),
+    host = functools.partial(_host_launch, _interpreter.interpreted(kernel), tuple(grid), template, tuple(out_shape),
                              plans.poison(), dict(num_warps=num_warps, num_stages=num_stages), dict(metaparams))
     # vmap never reaches the callback (normkit's primitives fold batch axes into rows first);
     # "sequential" is the safe answer should it ever be batched directly.
@@ -203,7 +204,7 @@ def run(call: plans.KernelCall, arrays: dict, platform: str) -> dict:
     jax-triton allocates its outputs inside XLA and 0.3.1 can only zero them before a launch
     (aliasing a NaN-filled input would add a kernel parameter).
     """
-    interpret = platform == "cpu" or plans.is_interpreted(call.kernel)
+    interpret = platform == "cpu" or _interpreter.is_interpreted(call.kernel)
     triton_call = interpreter_triton_call if interpret else gpu_triton_call()
     args, out_shape = kernel_args(call, arrays)
     outs = triton_call(*args, kernel=call.kernel, out_shape=out_shape, grid=call.grid, num_warps=call.num_warps,

@@ -6,6 +6,7 @@ import functools
 import numpy as np
 import torch
 
+from normkit import _interpreter
 from normkit import launch as plans
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,9 +41,9 @@ def run(call: plans.KernelCall, arrays: dict, device: torch.device) -> dict:
     args = [arrays[name] if name in call.present_inputs else None for name in call.inputs]
     args += [float(np.float32(v)) if name in plans.FLOAT_SCALARS else int(v) for name, v in call.scalars]
     args += [outs.get(name) for name in call.outputs]
-    interpret = device.type != "cuda" or plans.is_interpreted(call.kernel)
+    interpret = device.type != "cuda" or _interpreter.is_interpreted(call.kernel)
     if interpret:
-        plans.interpreted(call.kernel)[call.grid](*args, **call.constexprs, num_warps=call.num_warps,
+        _interpreter.interpreted(call.kernel)[call.grid](*args, **call.constexprs, num_warps=call.num_warps,
                                                   num_stages=call.num_stages)
     elif device.index is not None and device.index != torch.cuda.current_device():
         with torch.cuda.device(device):
