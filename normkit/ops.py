@@ -1,0 +1,194 @@
+"""The op table: what each normalization op *is*, written once, as data.
+
+Every layer reads an op from here instead of testing its name: the kernels' flags, the buffers each
+launch writes (with shapes and dtypes), the inputs that can be frozen, and the float64 reference.
+A frontend adds only what is framework-specific (autograd / custom_vjp, modules, launchers).
+
+    >>> from normkit.ops import OPS
+    >>> op = OPS["layer_norm"]
+    >>> op.inputs, op.outputs, op.fwd_flags
+    (('x', 'weight', 'bias'), ('y',), {'IS_RMS': False, 'HAS_RESIDUAL': False})
+
+Adding a row-wise op is: a kernel variant (a constexpr flag), one ``Op`` entry below, its reference
+in ``normkit.reference``, and one public function per frontend (docs/ADDING_AN_OP.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import numbers
+from typing import Callable
+
+from normkit import reference
+
+# ---------------------------------------------------------------------------------------------
+# Vocabulary.
+
+X_DTYPES = ("float32", "bfloat16", "float16")  # activations: x, residual, dy
+PARAM_DTYPES = X_DTYPES + ("float64",)  # weight and bias (their gradients keep their dtype)
+MAX_N = 65536  # longest supported row: one row must fit one program's registers
+ELEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+class Casting(enum.IntEnum):
+    """Where the forward rounds to x's dtype (the kernels' ``CASTING`` constexpr)."""
+
+    INPUT_DTYPE = 0  # every product rounded to x.dtype, as eager low-precision math does
+    ROUND_NORMALIZED = 1  # normalize in fp32, round x_hat to x.dtype, then scale (HF Llama)
+    FP32 = 2  # everything in fp32, one rounding at the end (HF Gemma; LayerNorm always)
+
+
+# The public ``casting_mode`` names (the ones Liger and HF users know) and what they mean.
+CASTING_MODES = {"none": Casting.INPUT_DTYPE, "llama": Casting.ROUND_NORMALIZED, "gemma": Casting.FP32}
+DEFAULT_CASTING_MODE = "llama"
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The static options of one call."""
+
+    eps: float
+    offset: float = 0.0  # added to the weight (Gemma's 1 + w)
+    casting: Casting = Casting.FP32
+
+
+@dataclasses.dataclass(frozen=True)
+class Grads:
+    """Which gradients a backward computes; a frozen input's flag is off and costs nothing."""
+
+    dx: bool  # x (and, for the fused add, residual: they share one gradient)
+    dw: bool
+    db: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self.dx or self.dw or self.db
+
+    @property
+    def reduces(self) -> bool:  # dW/dB come from fp32 per-program partials and a reduction launch
+        return self.dw or self.db
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One row-wise normalization op. Buffer names are the kernels' parameter names."""
+
+    name: str  # the public function name
+    title: str  # the module / human name
+    is_rms: bool  # no mean subtraction (kernel flag IS_RMS)
+    has_residual: bool  # fused residual add: also returns residual_out = x + residual
+    params: tuple[str, ...]  # optional per-column parameters, in signature order
+    has_offset: bool  # takes offset (added to the weight) and casting_mode
+    default_eps: float
+    reference: Callable  # float64 forward: normkit.reference
+    reference_bwd: Callable  # float64 backward
+
+    @property
+    def row_inputs(self) -> tuple[str, ...]:
+        """The [M, N] inputs (the user-facing names)."""
+        return ("x", "residual") if self.has_residual else ("x",)
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """Everything that can be differentiated, hence frozen, in signature order."""
+        return self.row_inputs + self.params
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return ("y", "residual_out") if self.has_residual else ("y",)
+
+    @property
+    def fwd_flags(self) -> dict:
+        return {"IS_RMS": self.is_rms, "HAS_RESIDUAL": self.has_residual}
+
+    def options(self, *, eps, offset=0.0, casting_mode=DEFAULT_CASTING_MODE) -> Options:
+        """Validated options (raises naming the argument); LayerNorm always computes in fp32."""
+        eps = _number("eps", eps)
+        if eps < 0:
+            raise ValueError(f"normkit: eps must be a finite number >= 0; got {eps!r}")
+        offset = _number("offset", offset)
+        if casting_mode not in CASTING_MODES:
+            raise ValueError(
+                f"normkit: unknown casting_mode {casting_mode!r}; expected one of {sorted(CASTING_MODES)}")
+        if not self.has_offset:
+            return Options(eps, 0.0, Casting.FP32)
+        return Options(eps, offset, CASTING_MODES[casting_mode])
+
+    def grads(self, trained) -> Grads:
+        """The kernel's gradient flags for a set of trained input names."""
+        trained = set(trained)
+        return Grads(dx=bool(trained & set(self.row_inputs)), dw="weight" in trained, db="bias" in trained)
+
+    # The buffers each launch writes, ``name -> (shape, dtype name)``. The plans, the Torch fake
+    # (meta) functions and the JAX abstract rules all read these, so they cannot drift apart.
+
+    def fwd_buffers(self, M: int, N: int, x_dtype: str, store_stats: bool) -> dict:
+        out = {"Y": ((M, N), x_dtype)}
+        if self.has_residual:
+            out["S"] = ((M, N), x_dtype)
+        if store_stats and not self.is_rms:
+            out["MEAN"] = ((M,), "float32")
+        if store_stats:
+            out["RSTD"] = ((M,), "float32")
+        return out
+
+    def bwd_buffers(self, M: int, N: int, x_dtype: str, grads: Grads, w_dtype: str | None,
+                    b_dtype: str | None) -> dict:
+        """The backward's results (after the partials are reduced): DX, DW, DB."""
+        out = {}
+        if grads.dx:
+            out["DX"] = ((M, N), x_dtype)
+        if grads.dw:
+            out["DW"] = ((N,), w_dtype)
+        if grads.db:
+            out["DB"] = ((N,), b_dtype)
+        return out
+
+    def run_reference(self, inputs: dict, opts: Options, cotangents: dict) -> tuple[dict, dict]:
+        """The float64 reference: (outputs by name, gradients by input name, every input).
+
+        ``inputs`` maps input names to arrays (an absent parameter is missing or None);
+        ``cotangents`` maps output names to their gradients (a missing residual_out one is zero).
+        """
+        kw = {name: inputs.get(name) for name in self.inputs}
+        extra = {"eps": opts.eps, **({"offset": opts.offset} if self.has_offset else {})}
+        outs = self.reference(**kw, **extra)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        cot = {"dy": cotangents["y"]}
+        if self.has_residual:
+            cot["ds"] = cotangents.get("residual_out")
+        grads = self.reference_bwd(**kw, **cot, **extra)
+        return dict(zip(self.outputs, outs)), dict(zip(self.inputs, grads))
+
+
+def _number(name: str, value) -> float:
+    """A static, finite Python number (NumPy scalars welcome); arrays, tensors and tracers refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        kind = type(value).__name__
+        if "Tracer" in kind:
+            hint = ("it is traced (an argument of a jitted function): it must be static; pass a Python "
+                    "float, or mark the argument static with static_argnames")
+        elif hasattr(value, "shape"):
+            hint = f"it is a {kind}; pass a Python float, e.g. float({name})"
+        else:
+            hint = f"got {kind}"
+        raise TypeError(f"normkit: {name} must be a static Python float; {hint}: {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"normkit: {name} must be a finite number{' >= 0' if name == 'eps' else ''}; got {value!r}")
+    return value
+
+
+RMS_NORM = Op(
+    name="rms_norm", title="RMSNorm", is_rms=True, has_residual=False, params=("weight",), has_offset=True,
+    default_eps=1e-6, reference=reference.rms_norm, reference_bwd=reference.rms_norm_bwd)
+LAYER_NORM = Op(
+    name="layer_norm", title="LayerNorm", is_rms=False, has_residual=False, params=("weight", "bias"),
+    has_offset=False, default_eps=1e-5, reference=reference.layer_norm, reference_bwd=reference.layer_norm_bwd)
+FUSED_ADD_RMS_NORM = Op(
+    name="fused_add_rms_norm", title="FusedAddRMSNorm", is_rms=True, has_residual=True, params=("weight",),
+    has_offset=True, default_eps=1e-6, reference=reference.fused_add_rms_norm,
+    reference_bwd=reference.fused_add_rms_norm_bwd)
+
+OPS = {op.name: op for op in (RMS_NORM, LAYER_NORM, FUSED_ADD_RMS_NORM)}
