@@ -1,4 +1,4 @@
-"""Launch a ``normkit.launch`` plan from JAX: jax-triton on GPU, Triton's interpreter on CPU.
+"""The JAX backends of ``normkit.driver``: jax-triton on GPU, Triton's interpreter on CPU.
 
 Both paths take the same positional arguments, in jax-triton 0.3.1's calling convention, built
 once by ``kernel_args``:
@@ -11,7 +11,7 @@ once by ``kernel_args``:
   from the plan.
 
 On GPU these go to ``jax_triton.triton_call``. On CPU ``interpreter_triton_call`` takes the same
-call and runs it from ``jax.pure_callback`` through ``normkit.launch.interpreted``, on zero-copy
+call and runs it from ``jax.pure_callback`` through ``normkit._interpreter.interpreted``, on zero-copy
 torch views of the host buffers. The CPU path is therefore also a test of the GPU path's argument
 assembly; only jax-triton itself is left for the GPU machine.
 
@@ -27,20 +27,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from normkit import _interpreter
-from normkit import launch as plans
+from normkit import _interpreter, driver
+from normkit.launch import INTERPRETER_NUM_SMS, KernelCall
 
-JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-CPU_NUM_SMS = 4  # the plan's "SM" count for the interpreter: the same as torch_frontend._launch.CPU_NUM_SMS
+JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "float64": jnp.float64}
 _DUMMY = jax.ShapeDtypeStruct((1,), jnp.float32)  # an absent output: jax-triton allocates 4 bytes, never written
 
 
 def dtype_name(dtype) -> str:
     return jnp.dtype(dtype).name
-
-
-def frontend_name(platform: str) -> str:
-    return "jax-cpu" if platform == "cpu" else "jax-gpu"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,7 +60,7 @@ def _gpu_num_sms(platform: str) -> int:
 
 
 def num_sms(platform: str) -> int:
-    return CPU_NUM_SMS if platform == "cpu" else _gpu_num_sms(platform)
+    return INTERPRETER_NUM_SMS if platform == "cpu" else _gpu_num_sms(platform)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,10 +72,10 @@ def _is_scalar(arg) -> bool:
     return isinstance(arg, (bool, int, float, np.float32))
 
 
-def kernel_args(call: plans.KernelCall, arrays: dict) -> tuple[list, list]:
+def kernel_args(call: KernelCall, arrays: dict) -> tuple[list, list]:
     """(positional args, out_shape) of ``call`` reading ``arrays`` (name -> jax array)."""
     args = [arrays[name] if name in call.present_inputs else jnp.zeros((1,), jnp.float32) for name in call.inputs]
-    args += [np.float32(value) if name in plans.FLOAT_SCALARS else int(value) for name, value in call.scalars]
+    args += [np.float32(value) if isinstance(value, float) else int(value) for value in call.scalars]
     out_shape = [
         jax.ShapeDtypeStruct(tuple(call.out_specs[name][0]), JNP_DTYPES[call.out_specs[name][1]])
         if name in call.out_specs else _DUMMY
@@ -177,7 +172,7 @@ def interpreter_triton_call(*args, kernel, out_shape, grid, num_warps, num_stage
     """``jax_triton.triton_call``'s calling convention, run by Triton's interpreter on the host.
 
     Arrays go through ``jax.pure_callback`` (so this works eagerly and under jit); scalars and
-    constexprs are baked into the callback. Under ``normkit.launch.poisoned_outputs()`` every output
+    constexprs are baked into the callback. Under ``normkit.testing.poisoned_outputs()`` every output
     buffer starts as NaN. ``enable_fp_fusion`` has no meaning in the interpreter (numpy does not
     contract), as for the Torch frontend's interpreted launches.
     """
@@ -185,7 +180,7 @@ def interpreter_triton_call(*args, kernel, out_shape, grid, num_warps, num_stage
     template = tuple(_Array if not _is_scalar(a) else a for a in args)
     arrays = [a for a in args if not _is_scalar(a)]
     host = functools.partial(_host_launch, _interpreter.interpreted(kernel), tuple(grid), template, tuple(out_shape),
-                             plans.poison(), dict(num_warps=num_warps, num_stages=num_stages), dict(metaparams))
+                             driver.POISON_OUTPUTS, dict(num_warps=num_warps, num_stages=num_stages), dict(metaparams))
     # vmap never reaches the callback (normkit's primitives fold batch axes into rows first);
     # "sequential" is the safe answer should it ever be batched directly.
     return jax.pure_callback(host, list(out_shape), *arrays, vmap_method="sequential")
@@ -194,21 +189,41 @@ def interpreter_triton_call(*args, kernel, out_shape, grid, num_warps, num_stage
 # ---------------------------------------------------------------------------------------------
 
 
-def run(call: plans.KernelCall, arrays: dict, platform: str) -> dict:
-    """Launch ``call`` reading ``arrays`` (name -> jax array); return its outputs (name -> jax array).
+class JaxBackend:
+    """``normkit.driver``'s backend for arrays lowered for ``platform`` ("cpu", "cuda", "rocm")."""
 
-    ``platform`` is where the arrays live ("cpu", "cuda", "rocm"). The launch is recorded as
-    "jax-cpu" or "jax-gpu" when it is issued: eagerly, or when a jitted computation is lowered.
+    def __init__(self, platform: str):
+        self.platform = platform
+        self.frontend = "jax-cpu" if platform == "cpu" else "jax-gpu"
 
-    ``normkit.launch.poisoned_outputs()`` (NaN-filled outputs) applies to the interpreter path only:
-    jax-triton allocates its outputs inside XLA and 0.3.1 can only zero them before a launch
-    (aliasing a NaN-filled input would add a kernel parameter).
-    """
-    interpret = platform == "cpu" or _interpreter.is_interpreted(call.kernel)
-    triton_call = interpreter_triton_call if interpret else gpu_triton_call()
-    args, out_shape = kernel_args(call, arrays)
-    outs = triton_call(*args, kernel=call.kernel, out_shape=out_shape, grid=call.grid, num_warps=call.num_warps,
-                       num_stages=call.num_stages, enable_fp_fusion=call.fp_fusion, name=f"normkit_{call.name}",
-                       **call.constexprs)
-    call.record(frontend_name(platform), interpret)
-    return {name: out for name, out in zip(call.outputs, outs) if name in call.out_specs}
+    def num_sms(self, like) -> int:
+        return num_sms(self.platform)
+
+    @staticmethod
+    def dtype(a) -> str:
+        return dtype_name(a.dtype)
+
+    @staticmethod
+    def strides(a) -> tuple[int, ...]:
+        return (a.shape[1], 1) if a.ndim == 2 else (1,)  # JAX arrays are always contiguous
+
+    @staticmethod
+    def zeros(shape, dtype: str, like):
+        return jnp.zeros(shape, JNP_DTYPES[dtype])
+
+    def launch(self, call: KernelCall, arrays: dict) -> dict:
+        """Launch ``call``; under ``normkit.testing.poisoned_outputs()`` the interpreter path's outputs
+        start as NaN (jax-triton allocates its outputs inside XLA and 0.3.1 can only zero them)."""
+        interpret = self.platform == "cpu" or _interpreter.is_interpreted(call.kernel)
+        triton_call = interpreter_triton_call if interpret else gpu_triton_call()
+        args, out_shape = kernel_args(call, arrays)
+        outs = triton_call(*args, kernel=call.kernel, out_shape=out_shape, grid=call.grid,
+                           num_warps=call.num_warps, num_stages=call.num_stages, enable_fp_fusion=call.fp_fusion,
+                           name=f"normkit_{call.name}", **call.constexprs)
+        call.record(self.frontend, interpret)
+        return {name: out for name, out in zip(call.outputs, outs) if name in call.out_specs}
+
+
+@functools.lru_cache(maxsize=None)
+def backend(platform: str) -> JaxBackend:
+    return JaxBackend(platform)

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from jax.interpreters import ad, batching, mlir
 
 from jax_frontend import _launch
-from normkit import launch as plans
+from normkit import driver
+from normkit.ops import Grads, Op, Options
 
 FWD_ROW_INPUTS = frozenset({"X", "R"})  # [M, N] (or [M]) arrays: batch axes fold into their rows
 BWD_ROW_INPUTS = frozenset({"X", "DY", "DRES", "MEAN", "RSTD"})
@@ -36,50 +37,49 @@ BWD_ROW_INPUTS = frozenset({"X", "DY", "DRES", "MEAN", "RSTD"})
 
 @dataclasses.dataclass(frozen=True)
 class FwdSpec:
-    """The forward variant; ``store_stats`` only when a backward will run."""
+    """The forward variant (the primitive's static parameter); ``store_stats`` only when a backward
+    will run."""
 
-    op: str
-    eps: float
-    offset: float
-    casting: str
+    op: Op
+    opts: Options
     store_stats: bool
-    has_r: bool
     has_w: bool
     has_b: bool
 
     @property
     def inputs(self) -> tuple[str, ...]:
-        return ("X",) + ("R",) * self.has_r + ("W",) * self.has_w + ("B",) * self.has_b
+        return ("X",) + ("R",) * self.op.has_residual + ("W",) * self.has_w + ("B",) * self.has_b
 
     @property
     def outputs(self) -> tuple[str, ...]:
-        mean = self.store_stats and self.op == "layer_norm"
-        return ("Y",) + ("S",) * self.has_r + ("MEAN",) * mean + ("RSTD",) * self.store_stats
+        return tuple(self.op.fwd_buffers(1, 1, "float32", self.store_stats))
+
+    def buffers(self, M: int, N: int, x_dtype: str) -> list:
+        return list(self.op.fwd_buffers(M, N, x_dtype, self.store_stats).values())
 
 
 @dataclasses.dataclass(frozen=True)
 class BwdSpec:
-    """The backward variant: which gradients to compute, and the dtypes of dW/dB."""
+    """The backward variant: which gradients to compute, and dB's dtype (dW takes the weight's)."""
 
-    op: str
-    offset: float
-    casting: str
-    compute_dx: bool
-    compute_dw: bool
-    compute_db: bool
+    op: Op
+    opts: Options
+    grads: Grads
     has_w: bool
     has_dres: bool
-    w_dtype: str | None
     b_dtype: str | None
 
     @property
     def inputs(self) -> tuple[str, ...]:
-        mean = self.op == "layer_norm"
-        return ("X",) + ("W",) * self.has_w + ("DY",) + ("DRES",) * self.has_dres + ("MEAN",) * mean + ("RSTD",)
+        return (("X",) + ("W",) * self.has_w + ("DY",) + ("DRES",) * self.has_dres + ("MEAN",) * self.op.saves_mean
+                + ("RSTD",))
 
     @property
     def outputs(self) -> tuple[str, ...]:
-        return ("DX",) * self.compute_dx + ("DW",) * self.compute_dw + ("DB",) * self.compute_db
+        return tuple(self.op.bwd_buffers(1, 1, "float32", self.grads, "float32", "float32"))
+
+    def buffers(self, M: int, N: int, x_dtype: str, w_dtype: str | None) -> list:
+        return list(self.op.bwd_buffers(M, N, x_dtype, self.grads, w_dtype, self.b_dtype).values())
 
 
 norm_fwd_p = jex.core.Primitive("normkit_norm_fwd")
@@ -89,32 +89,29 @@ norm_bwd_p.multiple_results = True
 
 
 # ---------------------------------------------------------------------------------------------
-# Shapes.
+# Shapes: the op table's buffers, so the abstract rules cannot drift from what the kernels write.
 
 
-def _fwd_shapes(M: int, N: int, x_dtype, spec: FwdSpec) -> list:
-    """(shape, dtype) of each output."""
-    shapes = {"Y": ((M, N), x_dtype), "S": ((M, N), x_dtype), "MEAN": ((M,), jnp.float32), "RSTD": ((M,), jnp.float32)}
-    return [shapes[name] for name in spec.outputs]
+def _aval(x_aval, shape, dtype):
+    """An output aval: x's, with a new shape and dtype (sharding and the like follow x)."""
+    return x_aval.update(shape=shape, dtype=jnp.dtype(dtype), weak_type=False)
 
 
-def _bwd_shapes(M: int, N: int, x_dtype, spec: BwdSpec) -> list:
-    shapes = {"DX": ((M, N), x_dtype), "DW": ((N,), spec.w_dtype), "DB": ((N,), spec.b_dtype)}
-    return [shapes[name] for name in spec.outputs]
+def _fwd_abstract(x, *_, spec: FwdSpec):
+    return [_aval(x, shape, dtype) for shape, dtype in spec.buffers(*x.shape, _launch.dtype_name(x.dtype))]
 
 
-def _avals(shapes_fn, x_aval, spec) -> list:
-    """Output avals: x's, with new shapes and dtypes (sharding and the like follow x)."""
-    return [x_aval.update(shape=shape, dtype=jnp.dtype(dtype), weak_type=False)
-            for shape, dtype in shapes_fn(*x_aval.shape, x_aval.dtype, spec)]
+def _bwd_abstract(x, *args, spec: BwdSpec):
+    w_dtype = _launch.dtype_name(args[0].dtype) if spec.has_w else None
+    return [_aval(x, shape, dtype) for shape, dtype in spec.buffers(*x.shape, _launch.dtype_name(x.dtype), w_dtype)]
 
 
-norm_fwd_p.def_abstract_eval(lambda x, *_, spec: _avals(_fwd_shapes, x, spec))
-norm_bwd_p.def_abstract_eval(lambda x, *_, spec: _avals(_bwd_shapes, x, spec))
+norm_fwd_p.def_abstract_eval(_fwd_abstract)
+norm_bwd_p.def_abstract_eval(_bwd_abstract)
 
 
 # ---------------------------------------------------------------------------------------------
-# Launch: plan, then run on the platform's path.
+# Launch: the driver, with the backend of the platform the computation runs on.
 
 
 def _lowering_platform(platform: str) -> str:
@@ -132,36 +129,18 @@ def _platform_of(arrays) -> str:
 
 
 def _fwd_impl(*args, spec: FwdSpec, platform: str | None = None):
-    platform = platform or _platform_of(args)
-    arrays = dict(zip(spec.inputs, args))
-    x = arrays["X"]
-    M, N = x.shape
-    if M == 0:
-        return [jnp.zeros(shape, dtype) for shape, dtype in _fwd_shapes(M, N, x.dtype, spec)]
-    call = plans.plan_forward(op=spec.op, M=M, N=N, x_dtype=_launch.dtype_name(x.dtype), has_w=spec.has_w,
-                              has_b=spec.has_b, eps=spec.eps, offset=spec.offset, casting=spec.casting,
-                              store_stats=spec.store_stats, num_sms=_launch.num_sms(platform))
-    out = _launch.run(call, arrays, platform)
-    return [out[name] for name in spec.outputs]
+    backend = _launch.backend(platform or _platform_of(args))
+    a = dict(zip(spec.inputs, args))
+    outs = driver.forward(backend, spec.op, a["X"], a.get("R"), a.get("W"), a.get("B"), spec.opts, spec.store_stats)
+    return [t for t in outs if t is not None]
 
 
 def _bwd_impl(*args, spec: BwdSpec, platform: str | None = None):
-    platform = platform or _platform_of(args)
-    arrays = dict(zip(spec.inputs, args))
-    x = arrays["X"]
-    M, N = x.shape
-    if M == 0:  # no rows: dX is empty and dW/dB are sums of nothing
-        return [jnp.zeros(shape, dtype) for shape, dtype in _bwd_shapes(M, N, x.dtype, spec)]
-    call = plans.plan_backward(op=spec.op, M=M, N=N, x_dtype=_launch.dtype_name(x.dtype), has_w=spec.has_w,
-                               has_dres=spec.has_dres, offset=spec.offset, casting=spec.casting,
-                               compute_dx=spec.compute_dx, compute_dw=spec.compute_dw, compute_db=spec.compute_db,
-                               num_sms=_launch.num_sms(platform))
-    out = _launch.run(call, arrays, platform)
-    red = plans.plan_reduce(call, w_dtype=spec.w_dtype if spec.compute_dw else None,
-                            b_dtype=spec.b_dtype if spec.compute_db else None)
-    if red is not None:
-        out.update(_launch.run(red, out, platform))
-    return [out[name] for name in spec.outputs]
+    backend = _launch.backend(platform or _platform_of(args))
+    a = dict(zip(spec.inputs, args))
+    outs = driver.backward(backend, spec.op, a["X"], a.get("W"), a["DY"], a.get("DRES"), a.get("MEAN"), a["RSTD"],
+                           spec.opts, spec.grads, spec.b_dtype)
+    return [t for t in outs if t is not None]
 
 
 norm_fwd_p.def_impl(_fwd_impl)
@@ -241,7 +220,7 @@ def _fwd_batch(args, dims, *, spec: FwdSpec):
 
 
 def _bwd_batch(args, dims, *, spec: BwdSpec):
-    if spec.compute_dw or spec.compute_db or _batched_params(spec, dims, BWD_ROW_INPUTS):
+    if spec.grads.reduces or _batched_params(spec, dims, BWD_ROW_INPUTS):
         return _sequential(norm_bwd_p, args, dims, spec)
     return _folded(norm_bwd_p, args, dims, spec, BWD_ROW_INPUTS)
 
@@ -251,24 +230,19 @@ batching.primitive_batchers[norm_bwd_p] = _bwd_batch
 
 
 # ---------------------------------------------------------------------------------------------
-# Entry points used by the custom_vjp rules: None for an absent input or output.
+# Entry points, in the interface every JAX implementation shares (see jax_frontend.functional).
 
 
-def forward(op, eps, offset, casting, x, residual, weight, bias, *, store_stats):
-    """(y, s, mean, rstd) over rows x [M, N]; s, mean and rstd are None where not produced."""
-    spec = FwdSpec(op=op, eps=eps, offset=offset, casting=casting, store_stats=store_stats,
-                   has_r=residual is not None, has_w=weight is not None, has_b=bias is not None)
+def forward(op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bool) -> dict:
+    """The forward's buffers by name (op.fwd_buffers) over rows x [M, N]."""
+    spec = FwdSpec(op=op, opts=opts, store_stats=store_stats, has_w=weight is not None, has_b=bias is not None)
     args = [a for a in (x, residual, weight, bias) if a is not None]
-    out = dict(zip(spec.outputs, norm_fwd_p.bind(*args, spec=spec)))
-    return out["Y"], out.get("S"), out.get("MEAN"), out.get("RSTD")
+    return dict(zip(spec.outputs, norm_fwd_p.bind(*args, spec=spec)))
 
 
-def backward(op, offset, casting, x, weight, dy, dres, mean, rstd, *, compute_dx, compute_dw, compute_db,
-             w_dtype, b_dtype):
-    """(dx, dw, db); each None where not computed."""
-    spec = BwdSpec(op=op, offset=offset, casting=casting, compute_dx=compute_dx, compute_dw=compute_dw,
-                   compute_db=compute_db, has_w=weight is not None, has_dres=dres is not None,
-                   w_dtype=w_dtype if compute_dw else None, b_dtype=b_dtype if compute_db else None)
-    args = [x] + [weight] * spec.has_w + [dy] + [dres] * spec.has_dres + [mean] * (op == "layer_norm") + [rstd]
-    out = dict(zip(spec.outputs, norm_bwd_p.bind(*args, spec=spec)))
-    return out.get("DX"), out.get("DW"), out.get("DB")
+def backward(op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: Grads, b_dtype: str | None) -> dict:
+    """The backward's results by name (op.bwd_buffers): DX, DW, DB as ``grads`` asks."""
+    spec = BwdSpec(op=op, opts=opts, grads=grads, has_w=weight is not None, has_dres=dres is not None,
+                   b_dtype=b_dtype if grads.db else None)
+    args = [x] + [weight] * spec.has_w + [dy] + [dres] * spec.has_dres + [mean] * op.saves_mean + [rstd]
+    return dict(zip(spec.outputs, norm_bwd_p.bind(*args, spec=spec)))

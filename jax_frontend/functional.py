@@ -18,22 +18,20 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from jax_frontend import _launch
-from jax_frontend import _primitives as prims
+from jax_frontend import _primitives as triton_impl
 from normkit import checks
+from normkit.ops import FUSED_ADD_RMS_NORM, LAYER_NORM, RMS_NORM, Grads, Op, Options
 
 __all__ = ["rms_norm", "layer_norm", "fused_add_rms_norm"]
-
-_FUSED = "fused_add_rms_norm"
 
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
     """The static part of one call (custom_vjp's nondiff argument)."""
 
-    op: str
-    eps: float
-    offset: float
-    casting: str
+    op: Op
+    opts: Options
+    impl: object = triton_impl  # a module with forward(op, ...) and backward(op, ...)
 
 
 @jax.tree_util.register_static
@@ -45,24 +43,21 @@ class _Needs:
     residual: bool
     weight: bool
     bias: bool
-    w_dtype: str | None
     b_dtype: str | None
 
     @property
-    def dx(self) -> bool:  # the fused op's x and residual share one gradient
-        return self.x or self.residual
+    def grads(self) -> Grads:  # the fused op's x and residual share one gradient
+        return Grads(dx=self.x or self.residual, dw=self.weight, db=self.bias)
 
-    @property
-    def any(self) -> bool:
-        return self.dx or self.weight or self.bias
+
+def _outputs(cfg: _Config, out: dict):
+    return (out["Y"], out["S"]) if cfg.op.has_residual else out["Y"]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _norm(cfg: _Config, x, residual, weight, bias):
     """Rows in, rows out. No backward will run here, so no statistics are stored."""
-    y, s, _, _ = prims.forward(cfg.op, cfg.eps, cfg.offset, cfg.casting, x, residual, weight, bias,
-                               store_stats=False)
-    return (y, s) if cfg.op == _FUSED else y
+    return _outputs(cfg, cfg.impl.forward(cfg.op, x, residual, weight, bias, opts=cfg.opts, store_stats=False))
 
 
 def _value(p):
@@ -74,17 +69,15 @@ def _perturbed(p) -> bool:
 
 
 def _norm_fwd(cfg: _Config, x, residual, weight, bias):
-    w, b = _value(weight), _value(bias)
+    b = _value(bias)
     needs = _Needs(x=_perturbed(x), residual=_perturbed(residual), weight=_perturbed(weight), bias=_perturbed(bias),
-                   w_dtype=None if w is None else _launch.dtype_name(w.dtype),
                    b_dtype=None if b is None else _launch.dtype_name(b.dtype))
-    y, s, mean, rstd = prims.forward(cfg.op, cfg.eps, cfg.offset, cfg.casting, _value(x), _value(residual), w, b,
-                                     store_stats=needs.any)
-    saved_x = s if cfg.op == _FUSED else _value(x)  # the fused op normalized s = x + residual
-    out = (y, s) if cfg.op == _FUSED else y
-    if not needs.any:  # nothing will be differentiated: keep nothing alive
-        return out, (None, None, None, None, needs)
-    return out, (saved_x, w, mean, rstd, needs)
+    store = needs.grads.any
+    out = cfg.impl.forward(cfg.op, _value(x), _value(residual), _value(weight), b, opts=cfg.opts, store_stats=store)
+    if not store:  # nothing will be differentiated: keep nothing alive
+        return _outputs(cfg, out), (None, None, None, None, needs)
+    saved_x = out["S"] if cfg.op.has_residual else _value(x)  # the fused op normalized s = x + residual
+    return _outputs(cfg, out), (saved_x, _value(weight), out.get("MEAN"), out["RSTD"], needs)
 
 
 def _zero(ct):
@@ -93,18 +86,17 @@ def _zero(ct):
 
 def _norm_bwd(cfg: _Config, res, ct):
     x, w, mean, rstd, needs = res
-    dy, ds = ct if cfg.op == _FUSED else (ct, None)
+    dy, ds = ct if cfg.op.has_residual else (ct, None)
     dy = None if _zero(dy) else dy
     ds = None if _zero(ds) else ds  # residual_out unused: the kernel reads no DRES
-    if not needs.any or (dy is None and ds is None):
+    grads = needs.grads
+    if not grads.any or (dy is None and ds is None):
         return None, None, None, None
     if dy is None:  # only residual_out was used: y's gradient is exactly zero
         dy = jnp.zeros_like(x)
-    dx, dw, db = prims.backward(cfg.op, cfg.offset, cfg.casting, x, w, dy, ds, mean, rstd, compute_dx=needs.dx,
-                                compute_dw=needs.weight, compute_db=needs.bias, w_dtype=needs.w_dtype,
-                                b_dtype=needs.b_dtype)
-    return (dx if needs.x else None, dx if needs.residual else None, dw if needs.weight else None,
-            db if needs.bias else None)
+    out = cfg.impl.backward(cfg.op, x, w, dy, ds, mean, rstd, opts=cfg.opts, grads=grads, b_dtype=needs.b_dtype)
+    dx = out.get("DX")
+    return (dx if needs.x else None, dx if needs.residual else None, out.get("DW"), out.get("DB"))
 
 
 _norm.defvjp(_norm_fwd, _norm_bwd, symbolic_zeros=True)
@@ -122,18 +114,19 @@ def _as_array(a, name: str):
     return jnp.asarray(a)
 
 
-def _check(x, *, weight=None, bias=None, residual=None, eps, offset=0.0, casting_mode="gemma"):
-    """Validate at trace time, before any launch; return the arrays."""
-    x, weight, bias, residual = (_as_array(a, n) for a, n in ((x, "x"), (weight, "weight"), (bias, "bias"),
-                                                                (residual, "residual")))
+def _call(op: Op, x, residual=None, weight=None, bias=None, *, eps, offset=0.0, casting_mode="llama"):
+    """Validate at trace time, before any launch; run the op over rows and restore the shape."""
+    x, residual, weight, bias = (_as_array(a, n) for a, n in ((x, "x"), (residual, "residual"),
+                                                                (weight, "weight"), (bias, "bias")))
     spec = lambda a: None if a is None else (tuple(a.shape), _launch.dtype_name(a.dtype))  # noqa: E731
-    checks.check(x_shape=tuple(x.shape), x_dtype=_launch.dtype_name(x.dtype), weight=spec(weight), bias=spec(bias),
-                 residual=spec(residual), eps=eps, offset=offset, casting_mode=casting_mode)
-    return x, weight, bias, residual
-
-
-def _rows(a):
-    return a.reshape(-1, a.shape[-1])
+    checks.check(op, x_shape=tuple(x.shape), x_dtype=_launch.dtype_name(x.dtype), residual=spec(residual),
+                 weight=spec(weight), bias=spec(bias))
+    opts = op.options(eps=eps, offset=offset, casting_mode=casting_mode)
+    rows = lambda a: None if a is None else a.reshape(-1, a.shape[-1])  # noqa: E731
+    out = _norm(_Config(op, opts), rows(x), rows(residual), weight, bias)
+    if op.has_residual:
+        return out[0].reshape(x.shape), out[1].reshape(x.shape)
+    return out.reshape(x.shape)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None = None, eps: float = 1e-6, *, offset: float = 0.0,
@@ -159,9 +152,7 @@ def rms_norm(x: jax.Array, weight: jax.Array | None = None, eps: float = 1e-6, *
     Raises:
         TypeError, ValueError: at trace time, naming the argument, for a bad dtype, shape or option.
     """
-    x, weight, _, _ = _check(x, weight=weight, eps=eps, offset=offset, casting_mode=casting_mode)
-    y = _norm(_Config("rms_norm", float(eps), float(offset), casting_mode), _rows(x), None, weight, None)
-    return y.reshape(x.shape)
+    return _call(RMS_NORM, x, weight=weight, eps=eps, offset=offset, casting_mode=casting_mode)
 
 
 def layer_norm(x: jax.Array, weight: jax.Array | None = None, bias: jax.Array | None = None,
@@ -183,9 +174,7 @@ def layer_norm(x: jax.Array, weight: jax.Array | None = None, bias: jax.Array | 
     Raises:
         TypeError, ValueError: at trace time, naming the argument, for a bad dtype, shape or option.
     """
-    x, weight, bias, _ = _check(x, weight=weight, bias=bias, eps=eps)
-    y = _norm(_Config("layer_norm", float(eps), 0.0, "gemma"), _rows(x), None, weight, bias)
-    return y.reshape(x.shape)
+    return _call(LAYER_NORM, x, weight=weight, bias=bias, eps=eps)
 
 
 def fused_add_rms_norm(x: jax.Array, residual: jax.Array, weight: jax.Array | None = None, eps: float = 1e-6, *,
@@ -206,7 +195,4 @@ def fused_add_rms_norm(x: jax.Array, residual: jax.Array, weight: jax.Array | No
     Raises:
         TypeError, ValueError: at trace time, naming the argument, for a bad dtype, shape or option.
     """
-    x, weight, _, residual = _check(x, weight=weight, residual=residual, eps=eps, offset=offset,
-                                    casting_mode=casting_mode)
-    y, s = _norm(_Config(_FUSED, float(eps), float(offset), casting_mode), _rows(x), _rows(residual), weight, None)
-    return y.reshape(x.shape), s.reshape(x.shape)
+    return _call(FUSED_ADD_RMS_NORM, x, residual, weight, eps=eps, offset=offset, casting_mode=casting_mode)

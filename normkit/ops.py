@@ -145,6 +145,10 @@ class Op:
             out["DB"] = ((N,), b_dtype)
         return out
 
+    @property
+    def saves_mean(self) -> bool:  # the backward reads the forward's per-row mean
+        return not self.is_rms
+
     def run_reference(self, inputs: dict, opts: Options, cotangents: dict) -> tuple[dict, dict]:
         """The float64 reference: (outputs by name, gradients by input name, every input).
 

@@ -26,7 +26,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import normkit  # noqa: E402
-from normkit.launch import poisoned_outputs  # noqa: E402
+from normkit.testing import poisoned_outputs  # noqa: E402
+from tests.frontends import apply_op as _apply  # noqa: E402
 from tests.harness import Case, Result  # noqa: E402
 
 JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -45,12 +46,7 @@ def apply_op(case: Case, args: dict) -> dict:
     """The op on named arrays; outputs by name."""
     import jax_frontend as jf
 
-    if case.op == "rms_norm":
-        return {"y": jf.rms_norm(args["x"], args.get("weight"), **case.kwargs)}
-    if case.op == "layer_norm":
-        return {"y": jf.layer_norm(args["x"], args.get("weight"), args.get("bias"), **case.kwargs)}
-    y, s = jf.fused_add_rms_norm(args["x"], args["residual"], args.get("weight"), **case.kwargs)
-    return {"y": y, "residual_out": s}
+    return _apply(jf, case, args)
 
 
 def _unpad(case: Case, name: str, a):
@@ -106,7 +102,7 @@ class JaxFrontend:
             dt = wd if name in ("weight", "bias") else case.dtype
             arrays[name] = self.array(inp[name], dt, case.shape.strided and name in ("x", "residual"))
         cot = {"y": self.array(inp["dy"], case.dtype)}
-        if case.op == "fused_add_rms_norm":
+        if case.spec.has_residual:
             cot["residual_out"] = self.array(inp["ds"], case.dtype)
         how = mechanism(case)
         with normkit.record_launches() as log, poisoned_outputs(), jax.numpy_dtype_promotion("strict"):

@@ -8,14 +8,23 @@ import numpy as np
 import torch
 
 import normkit
-from normkit.launch import poisoned_outputs
-from tests.harness import TORCH_DTYPES, Case, Result
+from normkit.testing import poisoned_outputs
+from tests.harness import Case, Result
+from torch_frontend._backend import TORCH_DTYPES
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _np(t):
     return None if t is None else t.detach().to(torch.float64).cpu().numpy()
+
+
+def apply_op(module, case: Case, args: dict) -> dict:
+    """The case's op from ``module`` (torch_frontend or jax_frontend) on named arrays; outputs by name.
+    Every public function takes the op's inputs positionally in ``op.inputs`` order."""
+    out = getattr(module, case.op)(*(args.get(name) for name in case.spec.row_inputs + ("weight", "bias")
+                                     if name in case.spec.inputs), **case.kwargs)
+    return dict(zip(case.spec.outputs, out if case.spec.has_residual else (out,)))
 
 
 class TorchFrontend:
@@ -52,15 +61,9 @@ class TorchFrontend:
                 t.requires_grad_(True)
             args[name] = t
         with normkit.record_launches() as log, poisoned_outputs():
-            if case.op == "rms_norm":
-                outs = {"y": tf.rms_norm(args["x"], args.get("weight"), **case.kwargs)}
-            elif case.op == "layer_norm":
-                outs = {"y": tf.layer_norm(args["x"], args.get("weight"), args.get("bias"), **case.kwargs)}
-            else:
-                y, s = tf.fused_add_rms_norm(args["x"], args["residual"], args.get("weight"), **case.kwargs)
-                outs = {"y": y, "residual_out": s}
+            outs = apply_op(tf, case, args)
             grads_out = [self.tensor(inp["dy"], case.dtype)]
-            if case.op == "fused_add_rms_norm":
+            if case.spec.has_residual:
                 grads_out.append(self.tensor(inp["ds"], case.dtype))
             if case.trained:
                 torch.autograd.backward(list(outs.values()), grads_out)

@@ -9,18 +9,10 @@ import dataclasses
 import itertools
 
 import numpy as np
-import torch
 
-from normkit import reference as ref
+from normkit.ops import OPS, Op
 from normkit.shapes import Shape
-from tests.tolerances import assert_close
-
-PARAMS = {  # the parameters each op can take, besides x
-    "rms_norm": ("weight",),
-    "layer_norm": ("weight", "bias"),
-    "fused_add_rms_norm": ("residual", "weight"),
-}
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from normkit.testing import assert_close, coarser, random_inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,15 +29,16 @@ class Case:
     eps: float = 1e-6
 
     @property
+    def spec(self) -> Op:
+        return OPS[self.op]
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        return tuple(p for p, has in (("weight", self.has_w), ("bias", self.has_b)) if has)
+
+    @property
     def inputs(self) -> tuple[str, ...]:
-        names = ["x"]
-        if self.op == "fused_add_rms_norm":
-            names.append("residual")
-        if self.has_w:
-            names.append("weight")
-        if self.has_b:
-            names.append("bias")
-        return tuple(names)
+        return self.spec.row_inputs + self.params
 
     @property
     def trained(self) -> frozenset:
@@ -54,56 +47,27 @@ class Case:
     @property
     def kwargs(self) -> dict:
         kw = {"eps": self.eps}
-        if self.op != "layer_norm":
+        if self.spec.has_offset:
             kw.update(offset=self.offset, casting_mode=self.casting)
         return kw
 
     def __str__(self) -> str:
         frozen = ",".join(sorted(set(self.inputs) - self.trained)) or "none"
         parts = [self.op, self.shape.name, self.dtype, f"w={self.w_dtype or self.has_w}", f"b={self.has_b}"]
-        if self.op != "layer_norm":
+        if self.spec.has_offset:
             parts += [self.casting, f"off={self.offset}"]
         return "-".join(str(p) for p in parts) + f"-frozen={frozen}"
 
 
-def rounded(a: np.ndarray, dtype: str) -> np.ndarray:
-    """a as the float64 values it takes once stored in ``dtype``."""
-    return torch.from_numpy(np.asarray(a, dtype=np.float32)).to(TORCH_DTYPES[dtype]).double().numpy()
-
-
 def make_inputs(case: Case, rng: np.random.Generator) -> dict[str, np.ndarray]:
     """Fresh random inputs, already rounded to their dtypes, plus output gradients dy (and ds)."""
-    shape = case.shape.shape
-    D = shape[-1]
-    out = {"x": rounded(rng.standard_normal(shape) * 1.5 + 0.3, case.dtype)}
-    if case.op == "fused_add_rms_norm":
-        out["residual"] = rounded(rng.standard_normal(shape), case.dtype)
-    wd = case.w_dtype or case.dtype
-    if case.has_w:
-        out["weight"] = rounded(rng.uniform(0.5, 1.5, D) * rng.choice([-1.0, 1.0], D), wd)
-    if case.has_b:
-        out["bias"] = rounded(rng.standard_normal(D) * 0.5, wd)
-    out["dy"] = rounded(rng.standard_normal(shape), case.dtype)
-    if case.op == "fused_add_rms_norm":
-        out["ds"] = rounded(rng.standard_normal(shape), case.dtype)
-    return out
+    return random_inputs(case.spec, case.shape.shape, case.dtype, rng, params=case.params, param_dtype=case.w_dtype)
 
 
 def reference(case: Case, inp: dict) -> tuple[dict, dict]:
     """(outputs, gradients) of the float64 reference, gradients for every input."""
-    w, eps, off = inp.get("weight"), case.eps, case.offset
-    if case.op == "rms_norm":
-        y = ref.rms_norm(inp["x"], w, eps, off)
-        dx, dw = ref.rms_norm_bwd(inp["x"], w, inp["dy"], eps, off)
-        return {"y": y}, {"x": dx, "weight": dw}
-    if case.op == "layer_norm":
-        b = inp.get("bias")
-        y = ref.layer_norm(inp["x"], w, b, eps)
-        dx, dw, db = ref.layer_norm_bwd(inp["x"], w, b, inp["dy"], eps)
-        return {"y": y}, {"x": dx, "weight": dw, "bias": db}
-    y, s = ref.fused_add_rms_norm(inp["x"], inp["residual"], w, eps, off)
-    dx, dres, dw = ref.fused_add_rms_norm_bwd(inp["x"], inp["residual"], w, inp["dy"], inp["ds"], eps, off)
-    return {"y": y, "residual_out": s}, {"x": dx, "residual": dres, "weight": dw}
+    opts = case.spec.options(**case.kwargs)
+    return case.spec.run_reference(inp, opts, {"y": inp["dy"], "residual_out": inp.get("ds")})
 
 
 @dataclasses.dataclass
@@ -120,7 +84,7 @@ def check_against_reference(case: Case, res: Result, inp: dict) -> None:
     for name in case.inputs:
         if name in case.trained:
             reduced = case.shape.M if name in ("weight", "bias") else 1
-            dt = (case.w_dtype or case.dtype) if name in ("weight", "bias") else case.dtype
+            dt = coarser(case.w_dtype or case.dtype, case.dtype) if name in ("weight", "bias") else case.dtype
             assert res.grads[name] is not None, f"{case}: {name} is trainable but got no gradient"
             assert_close(res.grads[name], ref_grads[name], dt, f"{case}: d{name}", reduced_over=reduced)
         else:
@@ -160,14 +124,21 @@ def parity_cases(shapes) -> list[Case]:
     cases = []
     for shape in shapes:
         for dtype in ("float32", "bfloat16", "float16"):
-            for op in ("rms_norm", "fused_add_rms_norm"):
-                for casting, offset in itertools.product(("llama", "gemma", "none"), (0.0, 1.0)):
-                    for has_w in (True, False) if offset == 0.0 else (True,):  # offset acts on the weight
-                        base = Case(op, shape, dtype, has_w=has_w, casting=casting, offset=offset)
+            for op in OPS.values():
+                options = (itertools.product(("llama", "gemma", "none"), (0.0, 1.0)) if op.has_offset
+                           else [("llama", 0.0)])
+                for casting, offset in options:
+                    for params in _param_sets(op.params, offset):
+                        base = Case(op.name, shape, dtype, has_w="weight" in params, has_b="bias" in params,
+                                    casting=casting, offset=offset, eps=op.default_eps)
                         for tr in trainable_subsets(base.inputs):
                             cases.append(dataclasses.replace(base, trainable=tr))
-            for has_w, has_b in ((True, True), (True, False), (False, True), (False, False)):
-                base = Case("layer_norm", shape, dtype, has_w=has_w, has_b=has_b, eps=1e-5)
-                for tr in trainable_subsets(base.inputs):
-                    cases.append(dataclasses.replace(base, trainable=tr))
     return cases
+
+
+def _param_sets(params: tuple[str, ...], offset: float):
+    """Every subset of the op's parameters; with an offset (which acts on the weight) the weight stays."""
+    for k in range(len(params), -1, -1):
+        for subset in itertools.combinations(params, k):
+            if offset == 0.0 or "weight" in subset:
+                yield subset

@@ -20,7 +20,7 @@ from torch import nn
 import normkit
 import torch_frontend as tf
 from torch_frontend.patch import KNOWN, HFRMSNorm
-from tests.tolerances import assert_close
+from normkit.testing import assert_close
 
 pytestmark = [
     # peft 0.21 calls transformers' is_gradient_checkpointing, which transformers 5.x deprecates.

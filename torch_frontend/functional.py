@@ -1,8 +1,12 @@
-"""The Torch frontend: one ``torch.autograd.Function`` per op over the shared Triton kernels.
+"""The Torch frontend: one ``torch.autograd.Function`` over ``normkit.driver`` serves the three ops.
 
 Which gradients the backward computes comes from ``ctx.needs_input_grad``: a frozen weight, bias or
 input turns its COMPUTE_* flag off, so its work, its fp32 partial buffer and its reduction launch
-disappear. Inputs are flattened to 2-D rows before the autograd boundary and reshaped after it.
+disappear.
+
+Inputs are flattened to 2-D rows *inside* the Function, and its gradients reshaped there: had the
+flattening views been recorded by autograd, the fused add's x and residual (which share one
+gradient) would receive two views of one buffer, and their ``.grad`` would alias.
 """
 from __future__ import annotations
 
@@ -11,224 +15,184 @@ from typing import Optional
 
 import torch
 
-from normkit import checks
-from normkit import launch as plans
-from torch_frontend import _launch
+from normkit import checks, driver
+from normkit.ops import FUSED_ADD_RMS_NORM, LAYER_NORM, OPS, RMS_NORM, Casting, Grads, Op, Options
+from torch_frontend._backend import BACKEND, TORCH_DTYPES, dtype_name
 
 __all__ = ["rms_norm", "layer_norm", "fused_add_rms_norm", "NormkitCopyWarning"]
 
 
 class NormkitCopyWarning(UserWarning):
-    """An input could not be viewed as rows with a contiguous last dimension and was copied."""
+    """An input could not be viewed as rows with a contiguous (or broadcast) last dimension and was copied."""
 
 
-# ---------------------------------------------------------------------------------------------
-# Launch helpers: 2-D rows in, 2-D rows out. Absent results are None.
-
-
-def _as_rows(t: torch.Tensor, name: str, *, warn: bool = True) -> torch.Tensor:
+def _as_rows(t: torch.Tensor, name: str) -> torch.Tensor:
+    """``t`` as ``[M, D]`` rows with column stride 0 or 1; a copy (with a warning) only if it must."""
     D = t.shape[-1]
-    if D > 1 and t.stride(-1) != 1:
-        if warn:
-            warnings.warn(
-                f"normkit: {name} of shape {tuple(t.shape)} has strides {t.stride()}; its last dimension is not "
-                "contiguous, so it is copied", NormkitCopyWarning, stacklevel=4)
+    if D > 1 and t.stride(-1) not in (0, 1):
+        warnings.warn(
+            f"normkit: {name} of shape {tuple(t.shape)} has strides {t.stride()}; its last dimension is neither "
+            "contiguous nor broadcast, so it is copied", NormkitCopyWarning, stacklevel=5)
         t = t.contiguous()
     try:
         return t.view(-1, D)
     except RuntimeError:
-        if warn:
-            warnings.warn(
-                f"normkit: {name} of shape {tuple(t.shape)} with strides {t.stride()} cannot be viewed as rows "
-                "of one stride, so it is copied", NormkitCopyWarning, stacklevel=4)
+        warnings.warn(
+            f"normkit: {name} of shape {tuple(t.shape)} with strides {t.stride()} cannot be viewed as rows of one "
+            "stride, so it is copied", NormkitCopyWarning, stacklevel=5)
         return t.reshape(-1, D)
 
 
-def _norm_fwd(x, residual, weight, bias, op, eps, offset, casting, store_stats):
-    M, N = x.shape
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    s = torch.empty((M, N), dtype=x.dtype, device=x.device) if residual is not None else None
-    stats = torch.empty((M,), dtype=torch.float32, device=x.device) if store_stats else None
-    mean = torch.empty((M,), dtype=torch.float32, device=x.device) if store_stats and op == "layer_norm" else None
-    if M == 0:
-        return y, s, mean, stats
-    strides = {"stride_x": x.stride(0), "stride_r": residual.stride(0) if residual is not None else N,
-               "stride_y": N}
-    call = plans.plan_forward(op=op, M=M, N=N, x_dtype=_launch.dtype_name(x.dtype), has_w=weight is not None,
-                              has_b=bias is not None, eps=eps, offset=offset, casting=casting,
-                              store_stats=store_stats, strides=strides, num_sms=_launch.num_sms(x.device))
-    out = _launch.run(call, {"X": x, "R": residual, "W": weight, "B": bias}, x.device)
-    return out["Y"], out.get("S"), out.get("MEAN"), out.get("RSTD")
+# ---------------------------------------------------------------------------------------------
+# The driver, called directly (eager, plain tensors) or through custom ops: torch.compile sees
+# opaque ops with fake (meta) implementations, and tensor subclasses such as DTensor dispatch them.
 
 
-def _norm_bwd(x, weight, dy, dres, mean, rstd, op, offset, casting, need_dx, need_dw, need_db, w_dtype, b_dtype):
-    M, N = x.shape
-    if not (need_dx or need_dw or need_db):
-        return None, None, None
-    dy = _as_rows(dy, "dy", warn=False)  # autograd's gradients may be expanded (stride 0): copy those
-    dres = _as_rows(dres, "d_residual", warn=False) if dres is not None else None
-    if M == 0:
-        dx = torch.empty((0, N), dtype=x.dtype, device=x.device) if need_dx else None
-        dw = torch.zeros((N,), dtype=w_dtype, device=x.device) if need_dw else None
-        db = torch.zeros((N,), dtype=b_dtype, device=x.device) if need_db else None
-        return dx, dw, db
-    strides = {"stride_x": x.stride(0), "stride_dy": dy.stride(0),
-               "stride_dres": dres.stride(0) if dres is not None else N}
-    call = plans.plan_backward(op=op, M=M, N=N, x_dtype=_launch.dtype_name(x.dtype), has_w=weight is not None,
-                               has_dres=dres is not None, offset=offset, casting=casting, compute_dx=need_dx,
-                               compute_dw=need_dw, compute_db=need_db, num_sms=_launch.num_sms(x.device),
-                               strides=strides)
-    arrays = {"X": x, "W": weight, "DY": dy, "DRES": dres, "MEAN": mean, "RSTD": rstd}
-    out = _launch.run(call, arrays, x.device)
-    red = plans.plan_reduce(call, w_dtype=_launch.dtype_name(w_dtype) if need_dw else None,
-                            b_dtype=_launch.dtype_name(b_dtype) if need_db else None)
-    if red is not None:
-        out.update(_launch.run(red, out, x.device))
-    return out.get("DX"), out.get("DW"), out.get("DB")
+def _use_custom_ops(*tensors) -> bool:
+    return torch.compiler.is_compiling() or any(t is not None and type(t) is not torch.Tensor for t in tensors)
 
 
-# torch.compile sees the launches as opaque custom ops (no graph break, no tracing into Triton
-# glue); eager calls skip the dispatcher and launch directly. Both run the same code.
-
-def _empty_if_none(t, like):
-    return t if t is not None else like.new_empty((0,))
+def _absent(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty((0,))
 
 
 @torch.library.custom_op("normkit::norm_fwd", mutates_args=())
 def _norm_fwd_op(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
-                 bias: Optional[torch.Tensor], op: str, eps: float, offset: float, casting: str,
-                 store_stats: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    outs = _norm_fwd(x, residual, weight, bias, op, eps, offset, casting, store_stats)
-    return tuple(_empty_if_none(t, x) for t in outs)
+                 bias: Optional[torch.Tensor], op: str, eps: float, offset: float, casting: int,
+                 store_stats: bool) -> list[torch.Tensor]:
+    outs = driver.forward(BACKEND, OPS[op], x, residual, weight, bias, Options(eps, offset, Casting(casting)),
+                          store_stats)
+    return [t if t is not None else _absent(x) for t in outs]
 
 
 @_norm_fwd_op.register_fake
 def _(x, residual, weight, bias, op, eps, offset, casting, store_stats):
     M, N = x.shape
-    y = x.new_empty((M, N))
-    s = x.new_empty((M, N)) if residual is not None else x.new_empty((0,))
-    rstd = x.new_empty((M,), dtype=torch.float32) if store_stats else x.new_empty((0,))
-    mean = x.new_empty((M,), dtype=torch.float32) if store_stats and op == "layer_norm" else x.new_empty((0,))
-    return y, s, mean, rstd
+    specs = OPS[op].fwd_buffers(M, N, dtype_name(x.dtype), store_stats)
+    return [x.new_empty(specs[name][0], dtype=TORCH_DTYPES[specs[name][1]]) if name in specs else _absent(x)
+            for name in ("Y", "S", "MEAN", "RSTD")]
 
 
 @torch.library.custom_op("normkit::norm_bwd", mutates_args=())
 def _norm_bwd_op(x: torch.Tensor, weight: Optional[torch.Tensor], dy: torch.Tensor, dres: Optional[torch.Tensor],
-                 mean: Optional[torch.Tensor], rstd: torch.Tensor, op: str, offset: float, casting: str,
-                 need_dx: bool, need_dw: bool, need_db: bool, w_dtype: torch.dtype,
-                 b_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    outs = _norm_bwd(x, weight, dy, dres, mean, rstd, op, offset, casting, need_dx, need_dw, need_db, w_dtype,
-                     b_dtype)
-    return tuple(_empty_if_none(t, x) for t in outs)
+                 mean: Optional[torch.Tensor], rstd: torch.Tensor, op: str, offset: float, casting: int,
+                 dx: bool, dw: bool, db: bool, b_dtype: torch.dtype) -> list[torch.Tensor]:
+    outs = driver.backward(BACKEND, OPS[op], x, weight, dy, dres, mean, rstd, Options(0.0, offset, Casting(casting)),
+                           Grads(dx, dw, db), dtype_name(b_dtype))
+    return [t if t is not None else _absent(x) for t in outs]
 
 
 @_norm_bwd_op.register_fake
-def _(x, weight, dy, dres, mean, rstd, op, offset, casting, need_dx, need_dw, need_db, w_dtype, b_dtype):
+def _(x, weight, dy, dres, mean, rstd, op, offset, casting, dx, dw, db, b_dtype):
     M, N = x.shape
-    dx = x.new_empty((M, N)) if need_dx else x.new_empty((0,))
-    dw = x.new_empty((N,), dtype=w_dtype) if need_dw else x.new_empty((0,))
-    db = x.new_empty((N,), dtype=b_dtype) if need_db else x.new_empty((0,))
-    return dx, dw, db
+    w_dtype = dtype_name(weight.dtype) if weight is not None else None
+    specs = OPS[op].bwd_buffers(M, N, dtype_name(x.dtype), Grads(dx, dw, db), w_dtype, dtype_name(b_dtype))
+    return [x.new_empty(specs[name][0], dtype=TORCH_DTYPES[specs[name][1]]) if name in specs else _absent(x)
+            for name in ("DX", "DW", "DB")]
 
 
-def _fwd(x, residual, weight, bias, op, eps, offset, casting, store_stats):
-    if not torch.compiler.is_compiling():
-        return _norm_fwd(x, residual, weight, bias, op, eps, offset, casting, store_stats)
-    y, s, mean, rstd = torch.ops.normkit.norm_fwd(x, residual, weight, bias, op, eps, offset, casting, store_stats)
-    return (y, s if residual is not None else None, mean if store_stats and op == "layer_norm" else None,
-            rstd if store_stats else None)
+def _forward(op: Op, x, residual, weight, bias, opts: Options, store_stats: bool):
+    if not _use_custom_ops(x, residual, weight, bias):
+        return driver.forward(BACKEND, op, x, residual, weight, bias, opts, store_stats)
+    outs = torch.ops.normkit.norm_fwd(x, residual, weight, bias, op.name, opts.eps, opts.offset, int(opts.casting),
+                                      store_stats)
+    specs = op.fwd_buffers(*x.shape, dtype_name(x.dtype), store_stats)
+    return tuple(t if name in specs else None for name, t in zip(("Y", "S", "MEAN", "RSTD"), outs))
 
 
-def _bwd(x, weight, dy, dres, mean, rstd, op, offset, casting, need_dx, need_dw, need_db, w_dtype, b_dtype):
-    if not torch.compiler.is_compiling():
-        return _norm_bwd(x, weight, dy, dres, mean, rstd, op, offset, casting, need_dx, need_dw, need_db,
-                         w_dtype, b_dtype)
-    dx, dw, db = torch.ops.normkit.norm_bwd(x, weight, dy, dres, mean, rstd, op, offset, casting, need_dx, need_dw,
-                                            need_db, w_dtype, b_dtype)
-    return dx if need_dx else None, dw if need_dw else None, db if need_db else None
+def _backward(op: Op, x, weight, dy, dres, mean, rstd, opts: Options, grads: Grads, b_dtype: torch.dtype):
+    if not _use_custom_ops(x, weight, dy, dres):
+        return driver.backward(BACKEND, op, x, weight, dy, dres, mean, rstd, opts, grads, dtype_name(b_dtype))
+    outs = torch.ops.normkit.norm_bwd(x, weight, dy, dres, mean, rstd, op.name, opts.offset, int(opts.casting),
+                                      grads.dx, grads.dw, grads.db, b_dtype)
+    return tuple(t if want else None for t, want in zip(outs, (grads.dx, grads.dw, grads.db)))
 
 
 # ---------------------------------------------------------------------------------------------
-# One autograd.Function per op.
+# The autograd.Function.
 
-_F32 = torch.float32
+DOUBLE_BACKWARD_ERROR = (
+    "normkit: differentiating normkit's gradient (double backward, e.g. a gradient penalty built with "
+    "create_graph=True) is not supported: the backward kernels have no derivative of their own. Use "
+    "torch.nn.functional's norms for that part of the model.")
 
 
-class RMSNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps, offset, casting, store_stats):
-        y, _, _, rstd = _fwd(x, None, weight, None, "rms_norm", eps, offset, casting, store_stats)
-        ctx.save_for_backward(x, weight, rstd)
-        ctx.offset, ctx.casting = offset, casting
-        return y
+class NormFunction(torch.autograd.Function):
+    """``forward(op, opts, store_stats, x, residual, weight, bias)`` over any leading shape."""
 
     @staticmethod
-    def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx, dw, _ = _bwd(x, weight, dy, None, None, rstd, "rms_norm", ctx.offset, ctx.casting, need_dx, need_dw,
-                         False, weight.dtype if weight is not None else _F32, _F32)
-        return dx, dw, None, None, None, None
-
-
-class LayerNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps, store_stats):
-        y, _, mean, rstd = _fwd(x, None, weight, bias, "layer_norm", eps, 0.0, "gemma", store_stats)
-        ctx.save_for_backward(x, weight, mean, rstd)
-        ctx.b_dtype = bias.dtype if bias is not None else _F32
-        return y
+    def forward(ctx, op: Op, opts: Options, store_stats: bool, x, residual, weight, bias):
+        shape = x.shape
+        x2d = _as_rows(x, "x")
+        r2d = _as_rows(residual, "residual") if residual is not None else None
+        y, s, mean, rstd = _forward(op, x2d, r2d, weight, bias, opts, store_stats)
+        ctx.op, ctx.opts, ctx.shape = op, opts, shape
+        ctx.b_dtype = bias.dtype if bias is not None else torch.float32
+        if op.has_residual:
+            ctx.set_materialize_grads(False)
+            ctx.save_for_backward(s, weight, mean, rstd)
+            return _shaped(y, shape), _shaped(s, shape)
+        ctx.save_for_backward(x2d, weight, mean, rstd)
+        return _shaped(y, shape)
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, ds=None):
+        op = ctx.op
+        needs = ctx.needs_input_grad[3:]  # x, residual, weight, bias
+        grads = Grads(dx=needs[0] or needs[1], dw=needs[2], db=needs[3])
         x, weight, mean, rstd = ctx.saved_tensors
-        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        dx, dw, db = _bwd(x, weight, dy, None, mean, rstd, "layer_norm", 0.0, "gemma", need_dx, need_dw, need_db,
-                          weight.dtype if weight is not None else _F32, ctx.b_dtype)
-        return dx, dw, db, None, None
+        if dy is None and ds is None:
+            return (None,) * 7
+        twice = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (dy, ds, x, weight))
+        with torch.no_grad():
+            if dy is None:  # only residual_out was used: y's gradient is exactly zero
+                dy = torch.zeros_like(x)
+            dy2d = _as_rows(dy, "the output gradient")
+            ds2d = _as_rows(ds, "the residual_out gradient") if ds is not None else None
+            dx, dw, db = _backward(op, x, weight, dy2d, ds2d, mean, rstd, ctx.opts, grads, ctx.b_dtype)
+            dx = dx.view(ctx.shape) if dx is not None else None
+        results = [dx if needs[0] else None, dx if needs[1] else None, dw, db]
+        if twice:
+            results = _delayed_error(results)
+        return (None, None, None, *results)
 
 
-class FusedAddRMSNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, residual, weight, eps, offset, casting, store_stats):
-        ctx.set_materialize_grads(False)
-        y, s, _, rstd = _fwd(x, residual, weight, None, "fused_add_rms_norm", eps, offset, casting, store_stats)
-        ctx.save_for_backward(s, weight, rstd)
-        ctx.offset, ctx.casting = offset, casting
-        return y, s
+def _shaped(t: torch.Tensor, shape) -> torch.Tensor:
+    """Rows ``t`` in the caller's shape, as a tensor of its own rather than a view of a Function-internal
+    buffer (autograd forbids in-place ops on those: ``y *= 2`` after the norm must work)."""
+    return t if t.shape == shape else t.view(shape).detach()
 
-    @staticmethod
-    def backward(ctx, dy, ds):
-        s, weight, rstd = ctx.saved_tensors
-        need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        need_dw = ctx.needs_input_grad[2]
-        if dy is None:
-            if ds is None:
-                return None, None, None, None, None, None, None
-            dy = torch.zeros_like(s)  # only residual_out was used: y's gradient is exactly zero
-        dx, dw, _ = _bwd(s, weight, dy, ds, None, rstd, "fused_add_rms_norm", ctx.offset, ctx.casting, need_dx,
-                         need_dw, False, weight.dtype if weight is not None else _F32, _F32)
-        dres = dx if ctx.needs_input_grad[1] else None
-        dx = dx if ctx.needs_input_grad[0] else None
-        return dx, dres, dw, None, None, None, None
+
+def _delayed_error(results: list) -> list:
+    """Gradients that raise DOUBLE_BACKWARD_ERROR if they are differentiated (instead of silently
+    acting as constants); the values are unchanged."""
+    present = [t for t in results if t is not None]
+    err = torch._C._functions.DelayedError(DOUBLE_BACKWARD_ERROR.encode(), len(present))
+    marked = err(*[t.detach().requires_grad_() for t in present])
+    marked = list(marked) if isinstance(marked, (tuple, list)) else [marked]
+    it = iter(marked)
+    return [next(it) if t is not None else None for t in results]
 
 
 # ---------------------------------------------------------------------------------------------
 # Public functions.
 
 
-def _check(x, *, weight=None, bias=None, residual=None, eps, offset=0.0, casting_mode="gemma"):
-    for name, t in (("x", x), ("weight", weight), ("bias", bias), ("residual", residual)):
+def _check(op: Op, x, *, residual=None, weight=None, bias=None, eps, offset=0.0, casting_mode="llama") -> Options:
+    for name, t in (("x", x), ("residual", residual), ("weight", weight), ("bias", bias)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"normkit: {name} must be a torch.Tensor; got {type(t).__name__}")
-    spec = lambda t: None if t is None else (tuple(t.shape), _launch.dtype_name(t.dtype))  # noqa: E731
-    checks.check(x_shape=tuple(x.shape), x_dtype=_launch.dtype_name(x.dtype), weight=spec(weight), bias=spec(bias),
-                 residual=spec(residual), eps=eps, offset=offset, casting_mode=casting_mode)
-    for name, t in (("weight", weight), ("bias", bias), ("residual", residual)):
+    spec = lambda t: None if t is None else (tuple(t.shape), dtype_name(t.dtype))  # noqa: E731
+    checks.check(op, x_shape=tuple(x.shape), x_dtype=dtype_name(x.dtype), residual=spec(residual),
+                 weight=spec(weight), bias=spec(bias))
+    opts = op.options(eps=eps, offset=offset, casting_mode=casting_mode)
+    for name, t in (("residual", residual), ("weight", weight), ("bias", bias)):
         if t is not None and t.device != x.device:
             raise ValueError(f"normkit: {name} is on {t.device} but x is on {x.device}; all tensors must share a device")
     if x.device.type not in ("cuda", "cpu"):
         raise ValueError(f"normkit: x is on {x.device}; normkit runs on CUDA (compiled) or CPU (interpreted)")
+    return opts
 
 
 def _needs_stats(*tensors) -> bool:
@@ -240,9 +204,11 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float 
     """RMSNorm over the last dimension: ``x / sqrt(mean(x**2) + eps) * (weight + offset)``.
 
     Args:
-        x: ``(..., D)`` float32, bfloat16 or float16; rows may be strided if the last dim is contiguous.
-        weight: ``(D,)`` of any float dtype, or None for no elementwise scale.
-        eps: added to the mean square.
+        x: ``(..., D)`` float32, bfloat16 or float16, any strides (rows are read in place when the last
+            dimension is contiguous or broadcast; other layouts are copied with a ``NormkitCopyWarning``).
+        weight: ``(D,)`` float32, bfloat16, float16 or float64, any stride (sliced and expanded weights
+            are read in place), or None for no elementwise scale.
+        eps: added to the mean square; a Python number.
         offset: added to the weight (Gemma: 1.0).
         casting_mode: ``"llama"`` (normalize in fp32, round to x.dtype, then scale), ``"gemma"`` (all fp32,
             round at the end) or ``"none"`` (products rounded to x.dtype).
@@ -250,10 +216,8 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float 
     Returns:
         ``(..., D)`` in x.dtype. The math is in ``normkit.reference.rms_norm``.
     """
-    _check(x, weight=weight, eps=eps, offset=offset, casting_mode=casting_mode)
-    x2d = _as_rows(x, "x")
-    y = RMSNormFunction.apply(x2d, weight, float(eps), float(offset), casting_mode, _needs_stats(x, weight))
-    return y.view(x.shape)
+    opts = _check(RMS_NORM, x, weight=weight, eps=eps, offset=offset, casting_mode=casting_mode)
+    return NormFunction.apply(RMS_NORM, opts, _needs_stats(x, weight), x, None, weight, None)
 
 
 def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
@@ -261,17 +225,15 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Opt
     """LayerNorm over the last dimension: ``(x - mean) / sqrt(var + eps) * weight + bias``, computed in fp32.
 
     Args:
-        x: ``(..., D)`` float32, bfloat16 or float16.
-        weight, bias: ``(D,)`` of any float dtype, or None.
-        eps: added to the variance.
+        x: ``(..., D)`` float32, bfloat16 or float16 (layouts as in ``rms_norm``).
+        weight, bias: ``(D,)`` float32, bfloat16, float16 or float64, any stride, or None.
+        eps: added to the variance; a Python number.
 
     Returns:
         ``(..., D)`` in x.dtype. The math is in ``normkit.reference.layer_norm``.
     """
-    _check(x, weight=weight, bias=bias, eps=eps)
-    x2d = _as_rows(x, "x")
-    y = LayerNormFunction.apply(x2d, weight, bias, float(eps), _needs_stats(x, weight, bias))
-    return y.view(x.shape)
+    opts = _check(LAYER_NORM, x, weight=weight, bias=bias, eps=eps)
+    return NormFunction.apply(LAYER_NORM, opts, _needs_stats(x, weight, bias), x, None, weight, bias)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor] = None,
@@ -281,10 +243,10 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: Optional
 
     Returns:
         ``(y, residual_out)`` where ``residual_out = s``; both ``(..., D)`` in x.dtype. x and residual
-        must share shape and dtype. See ``rms_norm`` for the options.
+        must share shape and dtype; they receive equal gradients, in separate tensors. See ``rms_norm``
+        for the options.
     """
-    _check(x, weight=weight, residual=residual, eps=eps, offset=offset, casting_mode=casting_mode)
-    x2d, r2d = _as_rows(x, "x"), _as_rows(residual, "residual")
-    y, s = FusedAddRMSNormFunction.apply(x2d, r2d, weight, float(eps), float(offset), casting_mode,
-                                         _needs_stats(x, residual, weight))
-    return y.view(x.shape), s.view(x.shape)
+    opts = _check(FUSED_ADD_RMS_NORM, x, residual=residual, weight=weight, eps=eps, offset=offset,
+                  casting_mode=casting_mode)
+    return NormFunction.apply(FUSED_ADD_RMS_NORM, opts, _needs_stats(x, residual, weight), x, residual, weight,
+                              None)

@@ -33,7 +33,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch import nn
 
-from normkit.launch import MAX_N
+from normkit.ops import MAX_N
 from torch_frontend.modules import FusedAddRMSNorm, LayerNorm, RMSNorm
 
 __all__ = ["patch_model", "unpatch_model", "PatchReport", "HFRMSNorm"]

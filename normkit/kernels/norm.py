@@ -12,17 +12,16 @@ import triton.language as tl
 
 @triton.jit(do_not_specialize=["M"])  # M's value must not change the code: cross-frontend bitwise parity
 def norm_fwd_kernel(
-    X,  # input rows [M, N], row stride stride_x, last dim contiguous
-    R,  # residual rows [M, N] (HAS_RESIDUAL), row stride stride_r
-    W,  # weight [N] (HAS_W), any float dtype
-    B,  # bias [N] (HAS_B)
+    X,  # input rows [M, N], row stride stride_xm, column stride X_COL_STRIDE
+    R,  # residual rows [M, N] (HAS_RESIDUAL), row stride stride_rm, column stride R_COL_STRIDE
+    W,  # weight [N] (HAS_W), any float dtype, element stride W_STRIDE
+    B,  # bias [N] (HAS_B), element stride B_STRIDE
     eps,  # fp32 scalar added to the variance
     offset,  # fp32 scalar added to the weight (Gemma: 1.0)
     M,  # number of rows
-    stride_x,  # row strides, in elements; ignored when ROWS_CONTIGUOUS
-    stride_r,
-    stride_y,
-    Y,  # output rows [M, N], x.dtype
+    stride_xm,  # row strides, in elements; ignored when ROWS_CONTIGUOUS
+    stride_rm,
+    Y,  # output rows [M, N] contiguous, x.dtype
     S,  # residual_out = x + residual, [M, N] contiguous (HAS_RESIDUAL)
     MEAN,  # per-row mean, fp32 [M] (STORE_STATS and not IS_RMS)
     RSTD,  # per-row 1/std, fp32 [M] (STORE_STATS)
@@ -33,7 +32,11 @@ def norm_fwd_kernel(
     HAS_B: tl.constexpr,  # bias present
     CASTING: tl.constexpr,  # 0 none (x.dtype products), 1 llama (round x_hat), 2 gemma (all fp32)
     STORE_STATS: tl.constexpr,  # a backward will run: write MEAN/RSTD
-    ROWS_CONTIGUOUS: tl.constexpr,  # every row stride equals N: use the compile-time N
+    ROWS_CONTIGUOUS: tl.constexpr,  # every input is [M, N] contiguous: use the compile-time N
+    X_COL_STRIDE: tl.constexpr,  # x's column stride: 1, or 0 for a row broadcast along N
+    R_COL_STRIDE: tl.constexpr,  # residual's column stride: 1 or 0
+    W_STRIDE: tl.constexpr,  # the weight's element stride (1; 0 if expanded, k if sliced [::k])
+    B_STRIDE: tl.constexpr,  # the bias's element stride
     BLOCK_M: tl.constexpr,  # rows per tile
     BLOCK_N: tl.constexpr,  # next power of two >= N
     LOOP_STAGES: tl.constexpr,  # software-pipelining depth of the tile loop (1: none)
@@ -43,32 +46,31 @@ def norm_fwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     if HAS_W:
-        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+        w = tl.load(W + cols * W_STRIDE, mask=col_mask, other=0.0).to(tl.float32) + offset
         if CASTING == 0:
             w = w.to(X.dtype.element_ty).to(tl.float32)
     if HAS_B:
-        b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
+        b = tl.load(B + cols * B_STRIDE, mask=col_mask, other=0.0).to(tl.float32)
     num_tiles = (M + BLOCK_M - 1) // BLOCK_M
     for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), num_stages=LOOP_STAGES):
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < M
         mask = row_mask[:, None] & col_mask[None, :]
         rows64 = rows.to(tl.int64)
+        off_y = rows64[:, None] * N + cols[None, :]  # outputs are contiguous
         if ROWS_CONTIGUOUS:
-            off_x = rows64[:, None] * N + cols[None, :]
-            off_r = off_x
-            off_y = off_x
+            off_x = off_y
+            off_r = off_y
         else:
-            off_x = rows64[:, None] * stride_x + cols[None, :]
-            off_r = rows64[:, None] * stride_r + cols[None, :]
-            off_y = rows64[:, None] * stride_y + cols[None, :]
+            off_x = rows64[:, None] * stride_xm + cols[None, :] * X_COL_STRIDE
+            off_r = rows64[:, None] * stride_rm + cols[None, :] * R_COL_STRIDE
 
         x_raw = tl.load(X + off_x, mask=mask, other=0.0)
         if HAS_RESIDUAL:
             r_raw = tl.load(R + off_r, mask=mask, other=0.0)
             # the sum is rounded to x.dtype, exactly as torch's `x + residual`, and normalized as stored
             x_raw = (x_raw.to(tl.float32) + r_raw.to(tl.float32)).to(X.dtype.element_ty)
-            tl.store(S + rows64[:, None] * N + cols[None, :], x_raw, mask=mask)
+            tl.store(S + off_y, x_raw, mask=mask)
         x = x_raw.to(tl.float32)
 
         if IS_RMS:
@@ -101,17 +103,17 @@ def norm_fwd_kernel(
 
 @triton.jit(do_not_specialize=["M"])
 def norm_bwd_kernel(
-    X,  # the normalized input as the forward saw it (s = x + residual for the fused add)
-    W,  # weight [N] (HAS_W)
-    DY,  # gradient of the output [M, N], row stride stride_dy
-    DRES,  # gradient of residual_out [M, N] (HAS_DRES), row stride stride_dres
+    X,  # the normalized input as the forward saw it (s = x + residual for the fused add), row stride stride_xm
+    W,  # weight [N] (HAS_W), element stride W_STRIDE
+    DY,  # gradient of the output [M, N], row stride stride_dym
+    DRES,  # gradient of residual_out [M, N] (HAS_DRES), row stride stride_dresm
     MEAN,  # per-row mean, fp32 [M] (not IS_RMS)
     RSTD,  # per-row 1/std, fp32 [M]
     offset,  # fp32 scalar added to the weight
     M,  # number of rows
-    stride_x,  # row strides, in elements; ignored when ROWS_CONTIGUOUS
-    stride_dy,
-    stride_dres,
+    stride_xm,  # row strides, in elements; ignored when ROWS_CONTIGUOUS
+    stride_dym,
+    stride_dresm,
     DX,  # gradient of x [M, N] contiguous (COMPUTE_DX); for the fused add also that of residual
     DW_PART,  # fp32 [num_programs, N] per-program dW partials (COMPUTE_DW)
     DB_PART,  # fp32 [num_programs, N] per-program dB partials (COMPUTE_DB)
@@ -123,7 +125,11 @@ def norm_bwd_kernel(
     COMPUTE_DX: tl.constexpr,  # x (or residual) needs a gradient
     COMPUTE_DW: tl.constexpr,  # weight needs a gradient: accumulate and write DW_PART
     COMPUTE_DB: tl.constexpr,  # bias needs a gradient: accumulate and write DB_PART
-    ROWS_CONTIGUOUS: tl.constexpr,  # every row stride equals N
+    ROWS_CONTIGUOUS: tl.constexpr,  # every input is [M, N] contiguous: use the compile-time N
+    X_COL_STRIDE: tl.constexpr,  # column strides of x, dy and d_residual: 1, or 0 (broadcast along N)
+    DY_COL_STRIDE: tl.constexpr,
+    DRES_COL_STRIDE: tl.constexpr,
+    W_STRIDE: tl.constexpr,  # the weight's element stride
     BLOCK_M: tl.constexpr,  # rows per tile
     BLOCK_N: tl.constexpr,  # next power of two >= N
     LOOP_STAGES: tl.constexpr,  # software-pipelining depth of the tile loop (1: none)
@@ -135,7 +141,7 @@ def norm_bwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     if HAS_W:
-        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+        w = tl.load(W + cols * W_STRIDE, mask=col_mask, other=0.0).to(tl.float32) + offset
     if COMPUTE_DW:
         dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if COMPUTE_DB:
@@ -146,14 +152,15 @@ def norm_bwd_kernel(
         row_mask = rows < M
         mask = row_mask[:, None] & col_mask[None, :]
         rows64 = rows.to(tl.int64)
+        off_dx = rows64[:, None] * N + cols[None, :]  # DX is contiguous
         if ROWS_CONTIGUOUS:
-            off_x = rows64[:, None] * N + cols[None, :]
-            off_dy = off_x
-            off_dres = off_x
+            off_x = off_dx
+            off_dy = off_dx
+            off_dres = off_dx
         else:
-            off_x = rows64[:, None] * stride_x + cols[None, :]
-            off_dy = rows64[:, None] * stride_dy + cols[None, :]
-            off_dres = rows64[:, None] * stride_dres + cols[None, :]
+            off_x = rows64[:, None] * stride_xm + cols[None, :] * X_COL_STRIDE
+            off_dy = rows64[:, None] * stride_dym + cols[None, :] * DY_COL_STRIDE
+            off_dres = rows64[:, None] * stride_dresm + cols[None, :] * DRES_COL_STRIDE
         x = tl.load(X + off_x, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + off_dy, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + rows64, mask=row_mask, other=0.0)
@@ -175,7 +182,7 @@ def norm_bwd_kernel(
                 dx = (g - c2[:, None] - xn * c1[:, None]) * rstd[:, None]
             if HAS_DRES:
                 dx += tl.load(DRES + off_dres, mask=mask, other=0.0).to(tl.float32)
-            tl.store(DX + rows64[:, None] * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            tl.store(DX + off_dx, dx.to(DX.dtype.element_ty), mask=mask)
         if COMPUTE_DW:
             if CASTING == 1:
                 xn = xn.to(X.dtype.element_ty).to(tl.float32)

@@ -1,0 +1,111 @@
+"""The framework-neutral driver: (op, rows, options, gradients needed) -> kernel launches.
+
+Both frontends run this code: the empty-row cases, the plan, one allocation per result (through the
+backend), the launch, and the reduction of the dW/dB partials. A frontend supplies a ``Backend``,
+the little that differs between frameworks. Because the sequence exists once, the two frontends
+launch identical kernels with identical grids and arguments, and agree bitwise on a GPU.
+
+Arrays are 2-D rows ``[M, N]`` (the frontends flatten leading dimensions) whose column stride is
+0 or 1; parameters are 1-D ``[N]`` with any element stride.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from normkit.launch import plan_backward, plan_forward
+from normkit.ops import Grads, Op, Options
+
+
+class Backend(Protocol):
+    """What a frontend provides to the driver."""
+
+    frontend: str  # the launch records' name: "torch", "jax-gpu", "jax-cpu"
+
+    def num_sms(self, like) -> int:
+        """The SM count of the device ``like`` lives on (the plans' persistent grid sizes)."""
+
+    def dtype(self, a) -> str:
+        """A dtype name of normkit.ops (X_DTYPES / PARAM_DTYPES)."""
+
+    def strides(self, a) -> tuple[int, ...]:
+        """Element strides of ``a``."""
+
+    def zeros(self, shape: tuple, dtype: str, like) -> Any:
+        """A zero-filled array on ``like``'s device (dW/dB of no rows; empty results)."""
+
+    def launch(self, call, arrays: dict) -> dict:
+        """Allocate ``call.out_specs`` once, launch ``call`` reading ``arrays`` (name -> array or None),
+        record it, and return the outputs (name -> array)."""
+
+
+def _dtype(backend: Backend, a) -> str | None:
+    return backend.dtype(a) if a is not None else None
+
+
+def _rows_layout(backend: Backend, a) -> tuple[int, int]:
+    """(row stride, column stride) of 2-D rows; the column stride must be 0 or 1 (frontends copy
+    other layouts first). An absent array reads as contiguous."""
+    if a is None:
+        return 0, 1
+    stride_m, stride_n = backend.strides(a)
+    if a.shape[1] == 1:
+        stride_n = 1  # one column: its stride is never used
+    elif stride_n not in (0, 1):
+        raise ValueError(f"normkit: rows with column stride {stride_n} reached the driver; the frontend must copy them")
+    return stride_m, stride_n
+
+
+def _param_stride(backend: Backend, a) -> int:
+    return backend.strides(a)[0] if a is not None else 1
+
+
+def forward(backend: Backend, op: Op, x, residual, weight, bias, opts: Options, store_stats: bool) -> tuple:
+    """``(Y, S, MEAN, RSTD)`` over rows ``x [M, N]``; an entry the op or ``store_stats`` does not
+    produce is None. S = x + residual (fused add); MEAN, RSTD: fp32 statistics for a backward."""
+    M, N = x.shape
+    x_dtype = backend.dtype(x)
+    if M == 0:
+        out = {name: backend.zeros(shape, dtype, x) for name, (shape, dtype) in
+               op.fwd_buffers(M, N, x_dtype, store_stats).items()}
+    else:
+        layout = (*_rows_layout(backend, x), *_rows_layout(backend, residual if op.has_residual else None),
+                  _param_stride(backend, weight), _param_stride(backend, bias))
+        call = plan_forward(op, M, N, x_dtype, _dtype(backend, weight), _dtype(backend, bias), opts, store_stats,
+                            layout, backend.num_sms(x))
+        out = backend.launch(call, {"X": x, "R": residual, "W": weight, "B": bias})
+    return out["Y"], out.get("S"), out.get("MEAN"), out.get("RSTD")
+
+
+def backward(backend: Backend, op: Op, x, weight, dy, dres, mean, rstd, opts: Options, grads: Grads,
+             b_dtype: str | None = None) -> tuple:
+    """``(DX, DW, DB)``; an entry ``grads`` does not ask for is None.
+
+    ``x`` is what the forward normalized (S for the fused add); ``dres``, the gradient of
+    residual_out, is None when it is zero (then it is not read). dW takes the weight's dtype, dB
+    ``b_dtype`` (the bias's dtype; the bias itself is not needed).
+    """
+    if not grads.any:
+        return None, None, None
+    M, N = x.shape
+    x_dtype = backend.dtype(x)
+    w_dtype = _dtype(backend, weight)
+    for name, a in (("dy", dy), ("the gradient of residual_out", dres)):
+        if a is not None and backend.dtype(a) != x_dtype:
+            raise TypeError(f"normkit: {name} has dtype {backend.dtype(a)}; expected the output's dtype {x_dtype}")
+    if M == 0:  # no rows: dX is empty and dW/dB are sums of nothing
+        out = {name: backend.zeros(shape, dtype, x) for name, (shape, dtype) in
+               op.bwd_buffers(M, N, x_dtype, grads, w_dtype, b_dtype).items()}
+    else:
+        layout = (*_rows_layout(backend, x), *_rows_layout(backend, dy), *_rows_layout(backend, dres),
+                  _param_stride(backend, weight))
+        call, reduce = plan_backward(op, M, N, x_dtype, w_dtype, b_dtype if grads.db else None, dres is not None,
+                                     opts, grads, layout, backend.num_sms(x))
+        out = backend.launch(call, {"X": x, "W": weight, "DY": dy, "DRES": dres, "MEAN": mean, "RSTD": rstd})
+        if reduce is not None:
+            out.update(backend.launch(reduce, out))
+    return out.get("DX"), out.get("DW"), out.get("DB")
+
+
+# Testing aid (normkit.testing.poisoned_outputs): backends fill every output with NaN before the
+# launch, so an element the kernel fails to write shows up as NaN.
+POISON_OUTPUTS = False

@@ -1,0 +1,235 @@
+"""Pallas kernel bodies for the row-wise norms: the math of ``normkit.kernels.norm``, over Refs.
+
+One forward and one backward body serve the three ops, plus the fixed-order column sum of the
+backward's fp32 partials. Flags are static Python arguments (bind them with ``functools.partial``),
+so a flag that is off traces no load, no store and no arithmetic, as a Triton constexpr does. An
+absent input or output is passed as ``None``; the flags say which ones are present.
+
+Rounding follows ``norm.py`` point for point: CASTING 0 (``Casting.INPUT_DTYPE``) rounds rstd, the
+weight and x_hat to x.dtype; 1 (``ROUND_NORMALIZED``) rounds x_hat; 2 (``FP32``) rounds only the
+output. The fused add rounds ``x + residual`` to x.dtype and normalizes the rounded sum.
+
+Row blocks are ``[BLOCK_M, BLOCK_N]`` with BLOCK_N the power of two >= N: every load is masked
+(``other=0``) and every store is masked, so rows past M and columns past N are never read or
+written. The masked ``load``/``store`` are Pallas-Triton primitives; they also run in interpret
+mode (any platform). The pallas_call glue (grid, BlockSpecs, compiler params) is in
+``jax_frontend/_pallas.py``.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+F32 = jnp.float32
+
+
+def _round(v, dtype):
+    """v (fp32) rounded to ``dtype`` and back: the value it takes once stored in that dtype."""
+    return v.astype(dtype).astype(F32)
+
+
+def _masks(row0, M, N, BLOCK_M, BLOCK_N):
+    """(row_mask [BLOCK_M], col_mask [BLOCK_N], mask [BLOCK_M, BLOCK_N]) of the block at row0."""
+    row_mask = row0 + lax.broadcasted_iota(jnp.int32, (BLOCK_M,), 0) < M
+    col_mask = lax.broadcasted_iota(jnp.int32, (BLOCK_N,), 0) < N
+    return row_mask, col_mask, row_mask[:, None] & col_mask[None, :]
+
+
+def _i32(v):
+    """A slice start as int32 (program ids are int32; a bare Python int would be int64 under x64)."""
+    return jnp.asarray(v, jnp.int32)
+
+
+def _load(ref, mask):
+    return pltriton.load(ref, mask=mask, other=0.0)
+
+
+def norm_fwd_kernel(
+    x_ref,  # [BLOCK_M, BLOCK_N] block of the input rows [M, N]
+    r_ref,  # residual block, like x_ref (HAS_RESIDUAL), else None
+    w_ref,  # [BLOCK_N] block of the weight [N] (HAS_W), any float dtype
+    b_ref,  # [BLOCK_N] block of the bias [N] (HAS_B)
+    y_ref,  # out: [BLOCK_M, BLOCK_N] block of y [M, N], x.dtype
+    s_ref,  # out: residual_out = x + residual rounded to x.dtype (HAS_RESIDUAL)
+    mean_ref,  # out: [BLOCK_M] block of the fp32 per-row mean [M] (STORE_STATS and not IS_RMS)
+    rstd_ref,  # out: [BLOCK_M] block of the fp32 per-row 1/std [M] (STORE_STATS)
+    *,
+    M: int,  # number of rows: rows past it are masked
+    N: int,  # row length: columns past it are masked
+    eps: float,  # added to the variance (an fp32 constant)
+    offset: float,  # added to the weight in fp32 (Gemma: 1.0)
+    IS_RMS: bool,  # True: RMSNorm (no mean subtraction); False: LayerNorm
+    HAS_RESIDUAL: bool,  # fused add: normalize s = x + residual and store s
+    HAS_W: bool,  # elementwise weight present
+    HAS_B: bool,  # bias present
+    CASTING: int,  # 0 none (x.dtype products), 1 llama (round x_hat), 2 gemma (all fp32)
+    STORE_STATS: bool,  # a backward will run: write MEAN/RSTD
+    BLOCK_M: int,  # rows per block (one block per program)
+    BLOCK_N: int,  # next power of two >= N
+):
+    dt = x_ref.dtype
+    row_mask, col_mask, mask = _masks(pl.program_id(0) * BLOCK_M, M, N, BLOCK_M, BLOCK_N)
+    if HAS_W:
+        w = _load(w_ref, col_mask).astype(F32) + offset
+        if CASTING == 0:
+            w = _round(w, dt)
+    if HAS_B:
+        b = _load(b_ref, col_mask).astype(F32)
+
+    x_raw = _load(x_ref, mask)
+    if HAS_RESIDUAL:
+        # the sum is rounded to x.dtype, exactly as torch's `x + residual`, and normalized as stored
+        x_raw = (x_raw.astype(F32) + _load(r_ref, mask).astype(F32)).astype(dt)
+        pltriton.store(s_ref, x_raw, mask=mask)
+    x = x_raw.astype(F32)  # zero outside the mask
+
+    if IS_RMS:
+        xc = x
+        var = jnp.sum(x * x, axis=1) * (1.0 / N)
+    else:
+        mean = jnp.sum(x, axis=1) * (1.0 / N)
+        xc = jnp.where(mask, x - mean[:, None], 0.0)
+        var = jnp.sum(xc * xc, axis=1) * (1.0 / N)
+    rstd = 1.0 / jnp.sqrt(var + eps)
+    if STORE_STATS:
+        pltriton.store(rstd_ref, rstd, mask=row_mask)
+        if not IS_RMS:
+            pltriton.store(mean_ref, mean, mask=row_mask)
+
+    if CASTING == 0:  # x.dtype throughout: each product is rounded to x.dtype
+        xn = _round(xc * _round(rstd, dt)[:, None], dt)
+    elif CASTING == 1:
+        xn = _round(xc * rstd[:, None], dt)
+    else:
+        xn = xc * rstd[:, None]
+    y = xn
+    if HAS_W:
+        y = y * w[None, :]
+    if HAS_B:
+        y = y + b[None, :]
+    pltriton.store(y_ref, y.astype(y_ref.dtype), mask=mask)
+
+
+def norm_bwd_kernel(
+    x_ref,  # [M, N] whole: the normalized input as the forward saw it (s = x + residual for the fused add)
+    w_ref,  # [BLOCK_N] block of the weight [N] (HAS_W)
+    dy_ref,  # [M, N] whole: gradient of y
+    dres_ref,  # [M, N] whole: gradient of residual_out (HAS_DRES)
+    mean_ref,  # [M] whole: fp32 per-row mean (not IS_RMS)
+    rstd_ref,  # [M] whole: fp32 per-row 1/std
+    dx_ref,  # out: [M, N] whole, x.dtype (COMPUTE_DX); for the fused add also residual's gradient
+    dw_part_ref,  # out: [BLOCK_N] block of this program's row of the fp32 [NUM_PROGRAMS, N] dW partials (COMPUTE_DW)
+    db_part_ref,  # out: [BLOCK_N] block of this program's row of the fp32 dB partials (COMPUTE_DB)
+    *,
+    M: int,  # number of rows
+    N: int,  # row length
+    offset: float,  # added to the weight in fp32
+    IS_RMS: bool,  # True: RMSNorm; False: LayerNorm
+    HAS_W: bool,  # elementwise weight present
+    HAS_DRES: bool,  # fused add with a gradient flowing into residual_out (read only with COMPUTE_DX)
+    CASTING: int,  # 1 llama: dW sees x_hat rounded to x.dtype, as the forward used it
+    COMPUTE_DX: bool,  # x (or residual) needs a gradient
+    COMPUTE_DW: bool,  # weight needs a gradient: accumulate and write this program's dW partial row
+    COMPUTE_DB: bool,  # bias needs a gradient: accumulate and write this program's dB partial row
+    NUM_PROGRAMS: int,  # grid size: tiles are dealt round-robin to the programs
+    TILES_PER_PROGRAM: int,  # ceil(tiles / NUM_PROGRAMS): 1 when nothing is reduced
+    BLOCK_M: int,  # rows per tile
+    BLOCK_N: int,  # next power of two >= N
+):
+    # Tile t of program p is tile p + t * NUM_PROGRAMS; a tile past the last one is fully masked.
+    # With dW/dB each program owns one partial row, so the reduction order is fixed and the result
+    # bitwise reproducible (no atomics).
+    dt = x_ref.dtype
+    pid = pl.program_id(0)
+    _, col_mask, _ = _masks(0, M, N, BLOCK_M, BLOCK_N)
+    if HAS_W:
+        w = _load(w_ref, col_mask).astype(F32) + offset
+    cols = pl.ds(_i32(0), BLOCK_N)
+
+    def tile_step(t, acc):
+        row0 = _i32((pid + t * NUM_PROGRAMS) * BLOCK_M)
+        row_mask, _, mask = _masks(row0, M, N, BLOCK_M, BLOCK_N)
+        rows = pl.ds(row0, BLOCK_M)
+        x = _load(x_ref.at[rows, cols], mask).astype(F32)
+        dy = _load(dy_ref.at[rows, cols], mask).astype(F32)
+        rstd = _load(rstd_ref.at[rows], row_mask)
+        if IS_RMS:
+            xn = x * rstd[:, None]
+        else:
+            mean = _load(mean_ref.at[rows], row_mask)
+            xn = jnp.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if COMPUTE_DX:
+            g = dy * w[None, :] if HAS_W else dy
+            c1 = jnp.sum(g * xn, axis=1) * (1.0 / N)
+            if IS_RMS:
+                dx = (g - xn * c1[:, None]) * rstd[:, None]
+            else:
+                c2 = jnp.sum(g, axis=1) * (1.0 / N)
+                dx = (g - c2[:, None] - xn * c1[:, None]) * rstd[:, None]
+            if HAS_DRES:
+                dx = dx + _load(dres_ref.at[rows, cols], mask).astype(F32)
+            pltriton.store(dx_ref.at[rows, cols], dx.astype(dx_ref.dtype), mask=mask)
+        dw_acc, db_acc = acc
+        if COMPUTE_DW:
+            if CASTING == 1:
+                xn = _round(xn, dt)
+            dw_acc = dw_acc + dy * xn
+        if COMPUTE_DB:
+            db_acc = db_acc + dy
+        return dw_acc, db_acc
+
+    zeros = jnp.zeros((BLOCK_M, BLOCK_N), F32)
+    acc = (zeros if COMPUTE_DW else None, zeros if COMPUTE_DB else None)
+    if TILES_PER_PROGRAM == 1:
+        acc = tile_step(0, acc)
+    else:
+        acc = lax.fori_loop(0, TILES_PER_PROGRAM, tile_step, acc)
+    dw_acc, db_acc = acc
+    if COMPUTE_DW:
+        pltriton.store(dw_part_ref, jnp.sum(dw_acc, axis=0), mask=col_mask)
+    if COMPUTE_DB:
+        pltriton.store(db_part_ref, jnp.sum(db_acc, axis=0), mask=col_mask)
+
+
+def partial_sum_kernel(
+    dw_part_ref,  # [G, N] whole: fp32 dW partials (HAS_DW)
+    db_part_ref,  # [G, N] whole: fp32 dB partials (HAS_DB)
+    dw_ref,  # out: [BLOCK_N] block of dW [N], the weight's dtype (HAS_DW)
+    db_ref,  # out: [BLOCK_N] block of dB [N], the bias's dtype (HAS_DB)
+    *,
+    G: int,  # number of partial rows
+    N: int,  # row length
+    HAS_DW: bool,  # reduce the dW partials
+    HAS_DB: bool,  # reduce the dB partials
+    BLOCK_G: int,  # partial rows per step
+    BLOCK_N: int,  # columns per program
+):
+    # Fixed-order column sums over the partial rows: deterministic.
+    col0 = _i32(pl.program_id(0) * BLOCK_N)
+    col_mask = col0 + lax.broadcasted_iota(jnp.int32, (BLOCK_N,), 0) < N
+    cols = pl.ds(col0, BLOCK_N)
+
+    def step(k, acc):
+        g0 = _i32(k * BLOCK_G)
+        g_mask = g0 + lax.broadcasted_iota(jnp.int32, (BLOCK_G,), 0) < G
+        mask = g_mask[:, None] & col_mask[None, :]
+        rows = pl.ds(g0, BLOCK_G)
+        dw_acc, db_acc = acc
+        if HAS_DW:
+            dw_acc = dw_acc + _load(dw_part_ref.at[rows, cols], mask)
+        if HAS_DB:
+            db_acc = db_acc + _load(db_part_ref.at[rows, cols], mask)
+        return dw_acc, db_acc
+
+    zeros = jnp.zeros((BLOCK_G, BLOCK_N), F32)
+    steps = -(-G // BLOCK_G)
+    acc = (zeros if HAS_DW else None, zeros if HAS_DB else None)
+    acc = step(0, acc) if steps == 1 else lax.fori_loop(0, steps, step, acc)
+    dw_acc, db_acc = acc
+    if HAS_DW:
+        pltriton.store(dw_ref, jnp.sum(dw_acc, axis=0).astype(dw_ref.dtype), mask=col_mask)
+    if HAS_DB:
+        pltriton.store(db_ref, jnp.sum(db_acc, axis=0).astype(db_ref.dtype), mask=col_mask)

@@ -1,0 +1,124 @@
+"""The Torch backend of ``normkit.driver``: allocate with torch, launch compiled (CUDA) or interpreted (CPU).
+
+Compiled launches skip Triton's ``JITFunction.run`` (which re-binds and re-specializes every argument
+on every call, ~20 us of host time): the compiled kernel is cached on the plan under the same
+specialization Triton would compute (16-byte alignment of the pointers; the plan fixes everything
+else) and launched directly. A launch hook (profilers), or a Triton version this was not written
+for, takes the ordinary path.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from normkit import _interpreter, driver
+from normkit.launch import INTERPRETER_NUM_SMS, KernelCall
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "float64": torch.float64}
+DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _cuda_num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return INTERPRETER_NUM_SMS
+
+
+class TorchBackend:
+    frontend = "torch"
+
+    @staticmethod
+    def num_sms(like: torch.Tensor) -> int:
+        return num_sms(like.device)
+
+    @staticmethod
+    def dtype(a: torch.Tensor) -> str:
+        return dtype_name(a.dtype)
+
+    @staticmethod
+    def strides(a: torch.Tensor) -> tuple[int, ...]:
+        return a.stride()
+
+    @staticmethod
+    def zeros(shape, dtype: str, like: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(shape, dtype=TORCH_DTYPES[dtype], device=like.device)
+
+    @staticmethod
+    def launch(call: KernelCall, arrays: dict) -> dict:
+        prep = call.cache.get("torch")
+        if prep is None:
+            prep = call.cache["torch"] = _Prepared(call)
+        device = arrays[prep.first_input].device
+        outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in prep.allocs]
+        if driver.POISON_OUTPUTS:
+            for t in outs:
+                t.fill_(float("nan"))
+        args = [arrays[name] if present else None for name, present in prep.inputs]
+        args += call.scalars
+        args += [outs[i] if i is not None else None for i in prep.out_slots]
+        if device.type != "cuda" or _interpreter.is_interpreted(call.kernel):
+            _interpreter.interpreted(call.kernel)[call.grid](*args, **call.constexprs, num_warps=call.num_warps,
+                                                            num_stages=call.num_stages)
+            call.record("torch", True)
+        else:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            if index != torch.cuda.current_device():
+                with torch.cuda.device(index):
+                    _launch_compiled(call, args, index)
+            else:
+                _launch_compiled(call, args, index)
+            call.record("torch", False)
+        return dict(zip(prep.out_names, outs))
+
+
+class _Prepared:
+    """What the Torch backend derives once per plan: allocation specs and argument slots."""
+
+    def __init__(self, call: KernelCall):
+        self.first_input = next(name for name in call.inputs if name in call.present_inputs)
+        self.inputs = [(name, name in call.present_inputs) for name in call.inputs]
+        self.out_names = list(call.out_specs)
+        self.allocs = [(tuple(shape), TORCH_DTYPES[dtype]) for shape, dtype in call.out_specs.values()]
+        self.out_slots = [self.out_names.index(name) if name in call.out_specs else None for name in call.outputs]
+
+
+def _launch_compiled(call: KernelCall, args: list, device_index: int) -> None:
+    key = ("torch-compiled", device_index, tuple(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor)))
+    compiled = call.cache.get(key)
+    if compiled is not None and _no_hooks():
+        stream = torch._C._cuda_getCurrentRawStream(device_index)
+        compiled.run(call.grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                     *args, *call.constexprs.values())
+        return
+    compiled = call.kernel[call.grid](*args, **call.constexprs, num_warps=call.num_warps, num_stages=call.num_stages,
+                                      enable_fp_fusion=call.fp_fusion)
+    if _FAST_OK and compiled is not None:
+        call.cache[key] = compiled
+
+
+def _no_hooks() -> bool:
+    hooks = (_knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook)
+    return all(h is None or not getattr(h, "calls", True) for h in hooks)
+
+
+try:  # the direct launch follows Triton 3.6's JITFunction.run; other versions use the ordinary path
+    import triton
+    from triton import knobs as _knobs
+
+    _FAST_OK = triton.__version__.startswith("3.6.")
+except ImportError:  # pragma: no cover
+    _FAST_OK = False
+
+
+BACKEND = TorchBackend()
