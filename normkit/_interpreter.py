@@ -13,10 +13,10 @@ are class and module attributes as well. Two launches interleaved in threads rea
 program ids and restore each other's patches: silently wrong outputs, ``InterpreterError``s, and
 patches left in place for the rest of the process. So every interpreted launch takes ``_LOCK``: the
 Torch frontend's launches on CPU tensors, from any thread, and the JAX frontend's, which run from
-``jax.pure_callback`` on XLA's threads. Interpreted launches are CPU-bound Python, so serializing
-them costs no parallelism worth having (the GIL already serializes most of it). Interpreter launches
-that do not go through this module (someone's own ``TRITON_INTERPRET=1`` kernels in another thread)
-are not serialized with normkit's; nothing here can make those safe.
+``jax.pure_callback`` on XLA's threads. Interpreted launches are mostly Python holding the GIL, so
+serializing them costs little parallelism. Interpreter launches that do not go through this module
+(someone's own ``TRITON_INTERPRET=1`` kernels in another thread) are not serialized with normkit's;
+nothing here can make those safe.
 
 The patches (written against Triton 3.6.x)
 ------------------------------------------
@@ -41,15 +41,19 @@ The patches (written against Triton 3.6.x)
 Other Triton versions
 ---------------------
 The patches reach into private names (``InterpreterBuilder.cast_impl``, ``_patch_lang``,
-``_patch_lang_tensor``, ``_LangPatchScope.set_attr``) that any Triton release may change. Under a
-Triton other than 3.6.x each patch is applied only if its targets still exist with the signature it
-was written for: a patch that no longer fits its target could corrupt results silently, which is
-worse than what skipping it costs (a loud error for a device call or a numpy conversion; bf16
-roundings that differ from a GPU's by an ulp). Patches that do fit still do the right thing on any
-version: round-to-nearest-even is what compiled code does, and a device call is a device call. A
-``NormkitInterpreterWarning`` is then issued once per process and Triton version, naming the version
-and the patches applied and skipped: normkit's CPU results under that Triton are untested, not
-known wrong. The same warning is issued under 3.6.x should a target not look as expected.
+``_patch_lang_tensor``, ``_LangPatchScope.set_attr``) that any Triton release may change. So each
+patch is applied only if its targets still exist with the signature it was written for (checked
+once per process and Triton version): a patch that no longer fits its target could corrupt results
+silently, which is worse than what skipping it costs (a loud error for a device call or a numpy
+conversion; bf16 roundings that differ from a GPU's by an ulp). A patch that fits does the right
+thing on any version: round-to-nearest-even is what compiled code does, a device call is a device
+call, and reading a 1-element array's element is what ``int()`` did (Triton 3.9 fixed
+``__index__`` itself the same way). Under a Triton other than 3.6.x, or should any target not fit,
+a ``NormkitInterpreterWarning`` is issued once per process and version, naming the version and the
+patches applied and skipped: normkit's CPU results there are untested, not known wrong. (Checked by
+hand: under Triton 3.7.1, 3.8.0 and 3.9.0 all three patches fit and scripts/smoke_install.py passes.)
+Refusing to run instead would make every Triton release a breaking change for CPU users, and a CUDA
+torch pins its own Triton; capping ``triton`` in pyproject.toml for the same reason is not done.
 """
 from __future__ import annotations
 
