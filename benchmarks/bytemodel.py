@@ -25,80 +25,53 @@ What is deliberately NOT counted:
 """
 from __future__ import annotations
 
+from normkit.ops import OPS as _OPS, Op
+
 STAT = 4  # bytes per row of an fp32 statistic (mean, rstd)
 MODES = ("fwd", "bwd_full", "bwd_frozen", "fwd_bwd")
-OPS = ("rms_norm", "layer_norm", "fused_add_rms_norm")
+OPS = tuple(_OPS)
 
 
-def rms_norm_fwd(M, N, s, ws, *, stats=False):
-    """Read x, weight; write y (and rstd when training)."""
-    t = {"read x": M * N * s, "read weight": N * ws, "write y": M * N * s}
+def _stats(op: Op) -> tuple[str, ...]:
+    return ("mean", "rstd") if op.saves_mean else ("rstd",)
+
+
+def forward_terms(op: Op, M, N, s, ws, *, stats=False) -> dict[str, int]:
+    """Read the row inputs and the parameters; write the outputs (and the statistics when training)."""
+    t = {f"read {name}": M * N * s for name in op.row_inputs}
+    t.update({f"read {name}": N * ws for name in op.params})
+    t.update({f"write {name}": M * N * s for name in op.outputs})
     if stats:
-        t["write rstd"] = STAT * M
+        t.update({f"write {name}": STAT * M for name in _stats(op)})
     return t
 
 
-def rms_norm_bwd(M, N, s, ws, *, frozen):
-    """Read x, dy, weight, rstd; write dx (and dweight unless frozen)."""
-    t = {"read x": M * N * s, "read dy": M * N * s, "read weight": N * ws, "read rstd": STAT * M,
-         "write dx": M * N * s}
+def backward_terms(op: Op, M, N, s, ws, *, frozen) -> dict[str, int]:
+    """Read what the forward normalized (x, or residual_out for the fused add), dy (and the gradient of
+    residual_out), the weight and the statistics; write dx (one tensor, which the fused add's residual
+    shares) and, unless frozen, each parameter's gradient. The bias is not read."""
+    t = {"read residual_out" if op.has_residual else "read x": M * N * s, "read dy": M * N * s}
+    if op.has_residual:
+        t["read d_residual_out"] = M * N * s
+    t["read weight"] = N * ws
+    t.update({f"read {name}": STAT * M for name in _stats(op)})
+    t["write dx (= d_residual)" if op.has_residual else "write dx"] = M * N * s
     if not frozen:
-        t["write dweight"] = N * ws
+        t.update({f"write d{name}": N * ws for name in op.params})
     return t
-
-
-def layer_norm_fwd(M, N, s, ws, *, stats=False):
-    """Read x, weight, bias; write y (and mean, rstd when training)."""
-    t = {"read x": M * N * s, "read weight": N * ws, "read bias": N * ws, "write y": M * N * s}
-    if stats:
-        t["write mean"] = STAT * M
-        t["write rstd"] = STAT * M
-    return t
-
-
-def layer_norm_bwd(M, N, s, ws, *, frozen):
-    """Read x, dy, weight, mean, rstd; write dx (and dweight, dbias unless frozen). The bias is not read."""
-    t = {"read x": M * N * s, "read dy": M * N * s, "read weight": N * ws, "read mean": STAT * M,
-         "read rstd": STAT * M, "write dx": M * N * s}
-    if not frozen:
-        t["write dweight"] = N * ws
-        t["write dbias"] = N * ws
-    return t
-
-
-def fused_add_rms_norm_fwd(M, N, s, ws, *, stats=False):
-    """Read x, residual, weight; write y and residual_out (and rstd when training)."""
-    t = {"read x": M * N * s, "read residual": M * N * s, "read weight": N * ws, "write y": M * N * s,
-         "write residual_out": M * N * s}
-    if stats:
-        t["write rstd"] = STAT * M
-    return t
-
-
-def fused_add_rms_norm_bwd(M, N, s, ws, *, frozen):
-    """Read residual_out (the saved sum), dy, d(residual_out), weight, rstd; write dx (= d residual, one
-    tensor) and dweight unless frozen."""
-    t = {"read residual_out": M * N * s, "read dy": M * N * s, "read d_residual_out": M * N * s,
-         "read weight": N * ws, "read rstd": STAT * M, "write dx (= d_residual)": M * N * s}
-    if not frozen:
-        t["write dweight"] = N * ws
-    return t
-
-
-_FWD = {"rms_norm": rms_norm_fwd, "layer_norm": layer_norm_fwd, "fused_add_rms_norm": fused_add_rms_norm_fwd}
-_BWD = {"rms_norm": rms_norm_bwd, "layer_norm": layer_norm_bwd, "fused_add_rms_norm": fused_add_rms_norm_bwd}
 
 
 def terms(op: str, mode: str, M: int, N: int, itemsize: int, w_itemsize: int | None = None) -> dict[str, int]:
     """Named byte terms of one (op, mode); their sum is the modelled traffic."""
     ws = itemsize if w_itemsize is None else w_itemsize
+    spec = _OPS[op]
     if mode == "fwd":
-        return _FWD[op](M, N, itemsize, ws)
+        return forward_terms(spec, M, N, itemsize, ws)
     if mode in ("bwd_full", "bwd_frozen"):
-        return _BWD[op](M, N, itemsize, ws, frozen=mode == "bwd_frozen")
+        return backward_terms(spec, M, N, itemsize, ws, frozen=mode == "bwd_frozen")
     if mode == "fwd_bwd":
-        fwd = {f"fwd: {k}": v for k, v in _FWD[op](M, N, itemsize, ws, stats=True).items()}
-        bwd = {f"bwd: {k}": v for k, v in _BWD[op](M, N, itemsize, ws, frozen=False).items()}
+        fwd = {f"fwd: {k}": v for k, v in forward_terms(spec, M, N, itemsize, ws, stats=True).items()}
+        bwd = {f"bwd: {k}": v for k, v in backward_terms(spec, M, N, itemsize, ws, frozen=False).items()}
         return {**fwd, **bwd}
     raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
 

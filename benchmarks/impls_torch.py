@@ -6,7 +6,7 @@ arguments, in the order of ``ARGS[op]``: ``(x, weight)``, ``(x, weight, bias)`` 
 trainable.
 
 - ``normkit``: torch_frontend's public functions (autograd through ``ctx.needs_input_grad``), and,
-  for path ``kernel``, its bare launches ``_norm_fwd`` / ``_norm_bwd``;
+  for path ``kernel``, its bare launches (``normkit.driver`` with ``torch_frontend.backend``);
 - ``liger``: Liger-Kernel's autograd Functions, imported from their submodules so that no backend
   replacement applies (the Triton implementations), with their modules' defaults (RMSNorm
   ``in_place=True``, which writes dx into dy's buffer; fused add ``in_place=False``);
@@ -277,31 +277,31 @@ def time_e2e(f, inp: TorchInputs, mode: str, timer, device, compiled: Compiled |
 
 
 def time_kernel(inp: TorchInputs, mode: str, timer, device) -> dict:
-    """normkit's bare launches (``_norm_fwd`` / ``_norm_bwd``), exactly as the frontend issues them."""
+    """normkit's bare launches (``normkit.driver`` with the Torch backend), exactly as the frontend issues them."""
     import normkit
-    from torch_frontend.functional import _norm_bwd, _norm_fwd
+    from normkit import driver
+    from normkit.ops import OPS, Grads
+    from torch_frontend import backend
 
-    op = inp.op
-    eps = EPS[op]
-    casting = "gemma" if op == "layer_norm" else "llama"  # what torch_frontend passes for each op
+    op = OPS[inp.op]
+    opts = op.options(eps=EPS[inp.op])  # the frontend's defaults (llama casting for the RMS ops)
     k = inp.n_sets
     w, b = inp.weight, inp.bias
-    b_dtype = b.dtype if b is not None else torch.float32
-    has_b = b is not None
+    b_dtype = backend.dtype(b) if b is not None else None
     inp.set_trainable(frozenset())
 
     def fwd(i, stats):
         i %= k
         r = inp.residual[i] if inp.residual is not None else None
-        return _norm_fwd(inp.x[i], r, w, b, op, eps, 0.0, casting, stats)
+        return driver.forward(backend, op, inp.x[i], r, w, b, opts, stats)
 
     def bwd(i, saved, full):
         i %= k
         y, s, mean, rstd = saved
-        xx = s if op == "fused_add_rms_norm" else inp.x[i]
+        xx = s if op.has_residual else inp.x[i]
         dres = inp.ds[i] if inp.ds is not None else None
-        return _norm_bwd(xx, w, inp.dy[i], dres, mean, rstd, op, 0.0, casting, True, full, full and has_b,
-                         w.dtype, b_dtype)
+        grads = Grads(dx=True, dw=full and w is not None, db=full and b is not None)
+        return driver.backward(backend, op, xx, w, inp.dy[i], dres, mean, rstd, opts, grads, b_dtype)
 
     counter = [0]
 

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import normkit
+from normkit.ops import OPS
 
 RNG = np.random.default_rng(1234)
 X = RNG.standard_normal((4, 8)).astype(np.float32)
@@ -11,12 +12,9 @@ W = RNG.standard_normal(8).astype(np.float32)
 
 
 def call(frontend, op, x, *, residual=None, weight=None, bias=None, **kw):
-    m = frontend.module
-    if op == "rms_norm":
-        return m.rms_norm(x, weight, **kw)
-    if op == "layer_norm":
-        return m.layer_norm(x, weight, bias, **kw)
-    return m.fused_add_rms_norm(x, residual if residual is not None else x, weight, **kw)
+    """``op`` from the frontend's module; every public function takes ``op.inputs`` positionally."""
+    given = {"x": x, "residual": residual if residual is not None else x, "weight": weight, "bias": bias}
+    return getattr(frontend.module, op)(*(given[name] for name in OPS[op].inputs), **kw)
 
 
 def raises(frontend, exc, match, op, x, **kw):
@@ -25,10 +23,7 @@ def raises(frontend, exc, match, op, x, **kw):
     assert log.kernels() == [], "an error must come before any launch"
 
 
-OPS = ["rms_norm", "layer_norm", "fused_add_rms_norm"]
-
-
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", list(OPS))
 def test_weight_shape(frontend, op):
     x = frontend.raw(X)
     raises(frontend, ValueError, r"weight has shape \(9,\); expected \(8,\)", op, x, weight=frontend.raw(
@@ -48,7 +43,7 @@ def test_residual_shape_and_dtype(frontend):
            frontend.raw(X), residual=frontend.raw(X.astype(np.float16)))
 
 
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("dtype", [np.int32, np.bool_, np.complex64])
 def test_unsupported_dtypes(frontend, op, dtype):
     bad = (X * 3).astype(dtype)
@@ -62,18 +57,18 @@ def test_unknown_casting_mode(frontend, op):
     raises(frontend, ValueError, r"unknown casting_mode 'fp8'", op, frontend.raw(X), casting_mode="fp8")
 
 
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", list(OPS))
 def test_negative_eps(frontend, op):
     raises(frontend, ValueError, r"eps must be a finite number >= 0; got -1e-06", op, frontend.raw(X), eps=-1e-6)
 
 
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", list(OPS))
 def test_row_length_beyond_the_limit(frontend, op):
     x = frontend.raw(np.ones((2, 65537), np.float32) + RNG.standard_normal((2, 65537)).astype(np.float32))
     raises(frontend, ValueError, r"D=65537 exceeds the supported limit of 65536", op, x)
 
 
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", list(OPS))
 def test_non_finite_eps_and_offset(frontend, op):
     raises(frontend, ValueError, r"eps must be a finite number >= 0; got nan", op, frontend.raw(X), eps=float("nan"))
     if op != "layer_norm":
@@ -81,6 +76,29 @@ def test_non_finite_eps_and_offset(frontend, op):
                offset=float("inf"))
 
 
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", list(OPS))
 def test_zero_dimensional_x(frontend, op):
     raises(frontend, ValueError, r"x must have at least one dimension", op, frontend.raw(np.float32(1.5)))
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_numpy_scalar_options_are_numbers(frontend, op):
+    """eps=np.float32(1e-6) is the number it holds: the same result as the Python float."""
+    x = frontend.raw(X)
+    kw = {"offset": np.float64(0.5)} if OPS[op].has_offset else {}
+    got = np.asarray(call(frontend, op, x, eps=np.float32(1e-6), **kw)[0] if OPS[op].has_residual
+                     else call(frontend, op, x, eps=np.float32(1e-6), **kw))
+    kw = {"offset": 0.5} if OPS[op].has_offset else {}
+    want = np.asarray(call(frontend, op, x, eps=float(np.float32(1e-6)), **kw)[0] if OPS[op].has_residual
+                      else call(frontend, op, x, eps=float(np.float32(1e-6)), **kw))
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_array_options_are_refused_clearly(frontend, op):
+    raises(frontend, TypeError, r"eps must be a static Python float; it is a \w+; pass a Python float", op,
+           frontend.raw(X), eps=frontend.raw(np.float32(1e-6)))
+    raises(frontend, TypeError, r"eps must be a static Python float", op, frontend.raw(X), eps="1e-6")
+    if OPS[op].has_offset:
+        raises(frontend, TypeError, r"offset must be a static Python float", op, frontend.raw(X),
+               offset=frontend.raw(np.float32(1.0)))

@@ -326,3 +326,148 @@ def test_tensors_on_different_devices():
     with pytest.raises(ValueError, match=r"residual is on meta but x is on"):
         tf.fused_add_rms_norm(x, torch.empty(4, 8, device="meta"))
     assert log.kernels() == []
+
+
+# --- layouts and aliasing (each of these gave silently wrong numbers before) ---------------------
+
+
+def test_sliced_and_expanded_parameters_are_read_with_their_strides():
+    x = randn(5, 16, seed=60)
+    w_sliced = randn(32, seed=61)[::2]
+    w_expanded = torch.tensor(1.5, device=DEVICE).expand(16)
+    assert_close(np64(tf.rms_norm(x, w_sliced, casting_mode="gemma")), ref.rms_norm(np64(x), np64(w_sliced)),
+                 "float32", "sliced weight")
+    assert_close(np64(tf.rms_norm(x, w_expanded)), ref.rms_norm(np64(x), np64(w_expanded)), "float32",
+                 "expanded weight")
+    w3, b2 = randn(48, seed=62)[::3], randn(32, seed=63)[1::2]
+    assert_close(np64(tf.layer_norm(x, w3, b2)), ref.layer_norm(np64(x), np64(w3), np64(b2)), "float32",
+                 "sliced weight and bias")
+    # through a module whose Parameter is a strided view, with the backward
+    m = tf.RMSNorm(16, device=DEVICE)
+    m.weight = torch.nn.Parameter(randn(32, seed=64)[::2])
+    xg = randn(5, 16, seed=65).requires_grad_(True)
+    dy = randn(5, 16, seed=66)
+    m(xg).backward(dy)
+    dx, dw = ref.rms_norm_bwd(np64(xg), np64(m.weight), np64(dy))
+    assert_close(np64(xg.grad), dx, "float32", "dx, strided weight")
+    assert_close(np64(m.weight.grad), dw, "float32", "dw, strided weight", reduced_over=5)
+
+
+@pytest.mark.parametrize("shape", [(6, 24), (2, 3, 24)])
+def test_fused_add_gradients_are_separate_tensors(shape):
+    x = randn(*shape, seed=67).requires_grad_(True)
+    r = randn(*shape, seed=68).requires_grad_(True)
+    w = randn(24, seed=69)
+    dy, ds = randn(*shape, seed=70), randn(*shape, seed=71)
+
+    def step():
+        y, s = tf.fused_add_rms_norm(x, r, w)
+        torch.autograd.backward([y, s], [dy, ds])
+
+    step()
+    assert x.grad.data_ptr() != r.grad.data_ptr()
+    once = x.grad.clone()
+    assert torch.equal(r.grad, once)
+    step()  # accumulates: twice the gradient, not three times
+    assert torch.equal(x.grad, 2 * once) and torch.equal(r.grad, 2 * once)
+    x.grad.mul_(0)
+    assert torch.equal(r.grad, 2 * once), "zeroing x.grad must leave residual.grad alone"
+    x.grad = 2 * once.clone()
+    total = torch.nn.utils.clip_grad_norm_([x, r], max_norm=1.0)
+    expect = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(2 * once)] * 2))
+    assert torch.allclose(total, expect)
+    assert torch.allclose(x.grad, r.grad), "clipping must scale each gradient once"
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "fused_add_rms_norm"])
+def test_double_backward_raises_naming_normkit(op):
+    x = randn(4, 16, seed=72).requires_grad_(True)
+    w = randn(16, seed=73).requires_grad_(True)
+    y = {"rms_norm": lambda: tf.rms_norm(x, w), "layer_norm": lambda: tf.layer_norm(x, w),
+         "fused_add_rms_norm": lambda: tf.fused_add_rms_norm(x, randn(4, 16, seed=74), w)[0]}[op]()
+    (g,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)  # a gradient penalty's first step
+    dx, _ = (ref.rms_norm_bwd if op != "layer_norm" else ref.layer_norm_bwd)(
+        *((np64(x) + np64(randn(4, 16, seed=74)),) if op == "fused_add_rms_norm" else (np64(x),)),
+        np64(w), *((None,) if op == "layer_norm" else ()), 2 * np64(y))[:2]
+    assert_close(np64(g), dx, "float32", "first-order gradient under create_graph")
+    assert g.requires_grad, "the gradient must not silently turn into a constant"
+    with pytest.raises(RuntimeError, match="normkit: differentiating normkit's gradient"):
+        g.pow(2).sum().backward()
+
+
+def test_float64_parameters():
+    x = randn(7, 40, seed=75).requires_grad_(True)
+    w = randn(40, dtype=torch.float64, seed=76).requires_grad_(True)
+    b = randn(40, dtype=torch.float64, seed=77).requires_grad_(True)
+    dy = randn(7, 40, seed=78)
+    y = tf.layer_norm(x, w, b)
+    y.backward(dy)
+    assert y.dtype == torch.float32 and w.grad.dtype == torch.float64 and b.grad.dtype == torch.float64
+    dx, dw, db = ref.layer_norm_bwd(np64(x), np64(w), np64(b), np64(dy))
+    assert_close(np64(y), ref.layer_norm(np64(x), np64(w), np64(b)), "float32", "y")
+    assert_close(np64(x.grad), dx, "float32", "dx")
+    assert_close(np64(w.grad), dw, "float32", "dw", reduced_over=7)
+    assert_close(np64(b.grad), db, "float32", "db", reduced_over=7)
+
+
+def test_in_place_ops_on_the_outputs():
+    x = randn(2, 3, 16, seed=79).requires_grad_(True)
+    w = randn(16, seed=80).requires_grad_(True)
+    y = tf.rms_norm(x, w)
+    y.mul_(2)  # HF code scales hidden states in place
+    y.sum().backward()
+    dx, dw = ref.rms_norm_bwd(np64(x), np64(w), np.full((2, 3, 16), 2.0))
+    assert_close(np64(x.grad), dx, "float32", "dx after y *= 2")
+    _, s = tf.fused_add_rms_norm(x, randn(2, 3, 16, seed=81), w)
+    s.add_(1)  # residual_out is saved for the backward: autograd must notice
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        s.sum().backward()
+
+
+# --- allocations --------------------------------------------------------------------------------
+
+
+class _CountAllocations(torch.utils._python_dispatch.TorchDispatchMode):
+    FACTORIES = ("empty.memory_format", "empty_strided.default", "zeros.default", "empty_like.default",
+                 "zeros_like.default", "new_empty.default", "new_zeros.default", "full.default", "clone.default",
+                 "contiguous.default", "_to_copy.default")
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__
+        if name in self.FACTORIES:
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+class _UncountedLaunches:
+    """Triton's interpreter (the CPU path) copies arguments internally: keep those out of the count."""
+
+    def __init__(self, kernel):
+        self.launcher = _INTERPRETED(kernel)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            with torch.utils._python_dispatch._disable_current_modes():
+                return self.launcher[grid](*args, **kwargs)
+        return launch
+
+
+from normkit import _interpreter as _interpreter_mod  # noqa: E402
+
+_INTERPRETED = _interpreter_mod.interpreted
+
+
+@pytest.mark.parametrize("requires_grad, want", [(False, 1), (True, 2)])
+def test_forward_allocates_each_output_once(requires_grad, want, monkeypatch):
+    """y alone without a backward; y and rstd when one will follow (nothing allocated twice)."""
+    monkeypatch.setattr(_interpreter_mod, "interpreted", _UncountedLaunches)
+    x = randn(2, 8, 32, seed=82)
+    w = randn(32, seed=83).requires_grad_(requires_grad)
+    tf.rms_norm(x, w)  # warm the plan cache: counting starts with a known plan
+    with _CountAllocations() as mode:
+        tf.rms_norm(x, w)
+    assert len(mode.calls) == want, mode.calls

@@ -6,7 +6,8 @@ disappear.
 
 Inputs are flattened to 2-D rows *inside* the Function, and its gradients reshaped there: had the
 flattening views been recorded by autograd, the fused add's x and residual (which share one
-gradient) would receive two views of one buffer, and their ``.grad`` would alias.
+gradient) would receive two views of one buffer, and their ``.grad`` would alias. (The custom ops
+take the caller's shape too, so that a DTensor's placements apply to it as the user sees it.)
 """
 from __future__ import annotations
 
@@ -44,8 +45,14 @@ def _as_rows(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# The driver, called directly (eager, plain tensors) or through custom ops: torch.compile sees
-# opaque ops with fake (meta) implementations, and tensor subclasses such as DTensor dispatch them.
+# The driver over any leading shape, called directly (eager, plain tensors) or through the custom
+# ops ``normkit::norm_fwd`` / ``normkit::norm_bwd``: torch.compile sees opaque ops with fake (meta)
+# implementations, and tensor subclasses such as DTensor dispatch them to their local shards
+# (torch_frontend/_dtensor.py registers their sharding). Row tensors keep the caller's shape
+# ``(..., D)``; the per-row statistics have shape ``(...)``.
+
+_FWD_RESULTS = ("Y", "S", "MEAN", "RSTD")
+_BWD_RESULTS = ("DX", "DW", "DB")
 
 
 def _use_custom_ops(*tensors) -> bool:
@@ -56,53 +63,88 @@ def _absent(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty((0,))
 
 
+def _shaped(t: torch.Tensor | None, shape) -> torch.Tensor | None:
+    """Rows ``t`` in the caller's shape, as a tensor of its own rather than a view of an internal
+    buffer (autograd forbids in-place ops on a custom Function's view outputs: ``y *= 2`` must work)."""
+    if t is None or t.shape == shape:
+        return t
+    return t.view(shape).detach()
+
+
+def _nd_shape(name: str, shape: tuple, buffer_shape: tuple) -> tuple:
+    """A buffer's shape over the caller's leading shape: rows (M, N) -> shape, statistics (M,) -> shape[:-1]."""
+    if len(buffer_shape) == 2 and name not in ("DW_PART", "DB_PART"):
+        return tuple(shape)
+    if name in ("MEAN", "RSTD"):
+        return tuple(shape[:-1])
+    return tuple(buffer_shape)
+
+
+def _forward_nd(op: Op, x, residual, weight, bias, opts: Options, store_stats: bool) -> tuple:
+    shape = x.shape
+    r2d = _as_rows(residual, "residual") if residual is not None else None
+    outs = driver.forward(BACKEND, op, _as_rows(x, "x"), r2d, weight, bias, opts, store_stats)
+    lead = shape[:-1]
+    return (_shaped(outs[0], shape), _shaped(outs[1], shape), _shaped(outs[2], lead), _shaped(outs[3], lead))
+
+
+def _backward_nd(op: Op, x, weight, dy, dres, mean, rstd, opts: Options, grads: Grads, b_dtype: str | None) -> tuple:
+    shape = x.shape
+    rows = lambda t: t.reshape(-1) if t is not None else None  # noqa: E731  (statistics: contiguous, a view)
+    dres2d = _as_rows(dres, "the residual_out gradient") if dres is not None else None
+    dx, dw, db = driver.backward(BACKEND, op, _as_rows(x, "x"), weight, _as_rows(dy, "the output gradient"), dres2d,
+                                 rows(mean), rows(rstd), opts, grads, b_dtype)
+    return (dx.view(shape) if dx is not None else None), dw, db
+
+
 @torch.library.custom_op("normkit::norm_fwd", mutates_args=())
 def _norm_fwd_op(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
                  bias: Optional[torch.Tensor], op: str, eps: float, offset: float, casting: int,
                  store_stats: bool) -> list[torch.Tensor]:
-    outs = driver.forward(BACKEND, OPS[op], x, residual, weight, bias, Options(eps, offset, Casting(casting)),
-                          store_stats)
+    """(y, residual_out, mean, rstd); an absent result is an empty (0,) tensor."""
+    outs = _forward_nd(OPS[op], x, residual, weight, bias, Options(eps, offset, Casting(casting)), store_stats)
     return [t if t is not None else _absent(x) for t in outs]
 
 
 @_norm_fwd_op.register_fake
 def _(x, residual, weight, bias, op, eps, offset, casting, store_stats):
-    M, N = x.shape
+    M, N = x.numel() // max(x.shape[-1], 1), x.shape[-1]
     specs = OPS[op].fwd_buffers(M, N, dtype_name(x.dtype), store_stats)
-    return [x.new_empty(specs[name][0], dtype=TORCH_DTYPES[specs[name][1]]) if name in specs else _absent(x)
-            for name in ("Y", "S", "MEAN", "RSTD")]
+    return [x.new_empty(_nd_shape(name, x.shape, specs[name][0]), dtype=TORCH_DTYPES[specs[name][1]])
+            if name in specs else _absent(x) for name in _FWD_RESULTS]
 
 
 @torch.library.custom_op("normkit::norm_bwd", mutates_args=())
 def _norm_bwd_op(x: torch.Tensor, weight: Optional[torch.Tensor], dy: torch.Tensor, dres: Optional[torch.Tensor],
                  mean: Optional[torch.Tensor], rstd: torch.Tensor, op: str, offset: float, casting: int,
                  dx: bool, dw: bool, db: bool, b_dtype: torch.dtype) -> list[torch.Tensor]:
-    outs = driver.backward(BACKEND, OPS[op], x, weight, dy, dres, mean, rstd, Options(0.0, offset, Casting(casting)),
-                           Grads(dx, dw, db), dtype_name(b_dtype))
+    """(dx, dweight, dbias); a result not asked for is an empty (0,) tensor."""
+    outs = _backward_nd(OPS[op], x, weight, dy, dres, mean, rstd, Options(0.0, offset, Casting(casting)),
+                        Grads(dx, dw, db), dtype_name(b_dtype))
     return [t if t is not None else _absent(x) for t in outs]
 
 
 @_norm_bwd_op.register_fake
 def _(x, weight, dy, dres, mean, rstd, op, offset, casting, dx, dw, db, b_dtype):
-    M, N = x.shape
+    M, N = x.numel() // max(x.shape[-1], 1), x.shape[-1]
     w_dtype = dtype_name(weight.dtype) if weight is not None else None
     specs = OPS[op].bwd_buffers(M, N, dtype_name(x.dtype), Grads(dx, dw, db), w_dtype, dtype_name(b_dtype))
-    return [x.new_empty(specs[name][0], dtype=TORCH_DTYPES[specs[name][1]]) if name in specs else _absent(x)
-            for name in ("DX", "DW", "DB")]
+    return [x.new_empty(_nd_shape(name, x.shape, specs[name][0]), dtype=TORCH_DTYPES[specs[name][1]])
+            if name in specs else _absent(x) for name in _BWD_RESULTS]
 
 
-def _forward(op: Op, x, residual, weight, bias, opts: Options, store_stats: bool):
+def _forward(op: Op, x, residual, weight, bias, opts: Options, store_stats: bool) -> tuple:
     if not _use_custom_ops(x, residual, weight, bias):
-        return driver.forward(BACKEND, op, x, residual, weight, bias, opts, store_stats)
+        return _forward_nd(op, x, residual, weight, bias, opts, store_stats)
     outs = torch.ops.normkit.norm_fwd(x, residual, weight, bias, op.name, opts.eps, opts.offset, int(opts.casting),
                                       store_stats)
-    specs = op.fwd_buffers(*x.shape, dtype_name(x.dtype), store_stats)
-    return tuple(t if name in specs else None for name, t in zip(("Y", "S", "MEAN", "RSTD"), outs))
+    present = op.fwd_buffers(1, 1, "float32", store_stats)
+    return tuple(t if name in present else None for name, t in zip(_FWD_RESULTS, outs))
 
 
-def _backward(op: Op, x, weight, dy, dres, mean, rstd, opts: Options, grads: Grads, b_dtype: torch.dtype):
+def _backward(op: Op, x, weight, dy, dres, mean, rstd, opts: Options, grads: Grads, b_dtype: torch.dtype) -> tuple:
     if not _use_custom_ops(x, weight, dy, dres):
-        return driver.backward(BACKEND, op, x, weight, dy, dres, mean, rstd, opts, grads, dtype_name(b_dtype))
+        return _backward_nd(op, x, weight, dy, dres, mean, rstd, opts, grads, dtype_name(b_dtype))
     outs = torch.ops.normkit.norm_bwd(x, weight, dy, dres, mean, rstd, op.name, opts.offset, int(opts.casting),
                                       grads.dx, grads.dw, grads.db, b_dtype)
     return tuple(t if want else None for t, want in zip(outs, (grads.dx, grads.dw, grads.db)))
@@ -122,18 +164,15 @@ class NormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, op: Op, opts: Options, store_stats: bool, x, residual, weight, bias):
-        shape = x.shape
-        x2d = _as_rows(x, "x")
-        r2d = _as_rows(residual, "residual") if residual is not None else None
-        y, s, mean, rstd = _forward(op, x2d, r2d, weight, bias, opts, store_stats)
-        ctx.op, ctx.opts, ctx.shape = op, opts, shape
+        y, s, mean, rstd = _forward(op, x, residual, weight, bias, opts, store_stats)
+        ctx.op, ctx.opts = op, opts
         ctx.b_dtype = bias.dtype if bias is not None else torch.float32
         if op.has_residual:
             ctx.set_materialize_grads(False)
             ctx.save_for_backward(s, weight, mean, rstd)
-            return _shaped(y, shape), _shaped(s, shape)
-        ctx.save_for_backward(x2d, weight, mean, rstd)
-        return _shaped(y, shape)
+            return y, s
+        ctx.save_for_backward(x, weight, mean, rstd)
+        return y
 
     @staticmethod
     def backward(ctx, dy, ds=None):
@@ -148,20 +187,11 @@ class NormFunction(torch.autograd.Function):
         with torch.no_grad():
             if dy is None:  # only residual_out was used: y's gradient is exactly zero
                 dy = torch.zeros_like(x)
-            dy2d = _as_rows(dy, "the output gradient")
-            ds2d = _as_rows(ds, "the residual_out gradient") if ds is not None else None
-            dx, dw, db = _backward(op, x, weight, dy2d, ds2d, mean, rstd, ctx.opts, grads, ctx.b_dtype)
-            dx = dx.view(ctx.shape) if dx is not None else None
+            dx, dw, db = _backward(op, x, weight, dy, ds, mean, rstd, ctx.opts, grads, ctx.b_dtype)
         results = [dx if needs[0] else None, dx if needs[1] else None, dw, db]
         if twice:
             results = _delayed_error(results)
         return (None, None, None, *results)
-
-
-def _shaped(t: torch.Tensor, shape) -> torch.Tensor:
-    """Rows ``t`` in the caller's shape, as a tensor of its own rather than a view of a Function-internal
-    buffer (autograd forbids in-place ops on those: ``y *= 2`` after the norm must work)."""
-    return t if t.shape == shape else t.view(shape).detach()
 
 
 def _delayed_error(results: list) -> list:

@@ -1,0 +1,156 @@
+"""Host time per call, as a training loop pays it: normkit through autograd against its peers.
+
+A CPU-timed loop of many calls, synchronized once at the end, at a shape whose GPU work is short
+(default 4096x1024 bf16, about 8 MB per tensor): the time per call is then the host path's (Python,
+autograd, dispatch, allocation, launch), since the GPU keeps up. Modes:
+
+- ``fwd``: forward only, nothing requires grad;
+- ``fwd_bwd_frozen``: forward + ``torch.autograd.grad`` with respect to x (weight frozen);
+- ``fwd_bwd_full``: forward + gradients of x and the weight.
+
+Only public APIs are used, so the same script times another checkout of normkit (``PYTHONPATH``)
+for a before/after comparison. ``--profile`` prints a torch.profiler table (CPU and CUDA
+activities) of normkit's fwd + frozen bwd.
+
+    python benchmarks/host_time.py [--shape 4096x1024] [--dtype bfloat16] [--iters 2000] [--profile]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+MODES = ("fwd", "fwd_bwd_frozen", "fwd_bwd_full")
+
+
+def _impls(op: str, eps: float):
+    """name -> f(x, w, b, r) -> output tensor (the first output)."""
+    impls = {}
+    import torch_frontend as tf
+
+    impls["normkit"] = {
+        "rms_norm": lambda x, w, b, r: tf.rms_norm(x, w, eps),
+        "layer_norm": lambda x, w, b, r: tf.layer_norm(x, w, b, eps),
+        "fused_add_rms_norm": lambda x, w, b, r: tf.fused_add_rms_norm(x, r, w, eps)[0],
+    }[op]
+    impls["torch_eager"] = {
+        "rms_norm": lambda x, w, b, r: F.rms_norm(x, (x.shape[-1],), w, eps),
+        "layer_norm": lambda x, w, b, r: F.layer_norm(x, (x.shape[-1],), w, b, eps),
+        "fused_add_rms_norm": lambda x, w, b, r: F.rms_norm(x + r, (x.shape[-1],), w, eps),
+    }[op]
+    try:
+        if op == "rms_norm":
+            from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+            impls["liger"] = lambda x, w, b, r: LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", True, None)
+        elif op == "layer_norm":
+            from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+
+            impls["liger"] = lambda x, w, b, r: LigerLayerNormFunction.apply(x, w, b, eps)
+        else:
+            from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
+
+            impls["liger"] = lambda x, w, b, r: LigerFusedAddRMSNormFunction.apply(x, r, w, eps, 0.0, "llama",
+                                                                                   False)[0]
+    except ImportError:
+        pass
+    return impls
+
+
+def host_us(fn, iters: int, sync) -> float:
+    """Median over 5 batches of ``iters // 5`` calls, each batch synchronized once at its end."""
+    fn()
+    sync()
+    per = max(1, iters // 5)
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(per):
+            fn()
+        sync()
+        times.append((time.perf_counter() - t) / per * 1e6)
+    return statistics.median(times)
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="4096x1024")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--ops", default="rms_norm,layer_norm,fused_add_rms_norm")
+    p.add_argument("--iters", type=int, default=2000)
+    p.add_argument("--label", default="", help="a name for this checkout in the output (e.g. 'before')")
+    p.add_argument("--json", default=None, help="append the records to this JSON-lines file")
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args(argv)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    dtype = getattr(torch, args.dtype)
+    M, N = map(int, args.shape.split("x"))
+    g = torch.Generator(device="cpu").manual_seed(0)
+    rand = lambda *s: torch.randn(*s, generator=g).to(dev, dtype)  # noqa: E731
+    x, r, dy = rand(M, N), rand(M, N), rand(M, N)
+    records = []
+    print(f"host time per call (us), {M}x{N} {args.dtype} on {dev}; {args.label or 'this checkout'}")
+    for op in args.ops.split(","):
+        eps = 1e-5 if op == "layer_norm" else 1e-6
+        for mode in MODES:
+            row = []
+            for name, f in _impls(op, eps).items():
+                w = rand(N).requires_grad_(mode == "fwd_bwd_full")
+                b = rand(N).requires_grad_(mode == "fwd_bwd_full") if op == "layer_norm" else None
+                xg = x.clone().requires_grad_(mode != "fwd")
+                wrt = [xg] + ([w] + ([b] if b is not None else []) if mode == "fwd_bwd_full" else [])
+
+                def call(f=f, xg=xg, w=w, b=b, wrt=wrt):
+                    y = f(xg, w, b, r)
+                    if mode != "fwd":
+                        torch.autograd.grad(y, wrt, dy)
+
+                try:
+                    us = host_us(call, args.iters, sync)
+                except Exception as e:  # a peer that cannot run this case: say so, keep going
+                    print(f"  {op} {mode} {name}: {type(e).__name__}: {str(e)[:100]}")
+                    continue
+                records.append({"label": args.label, "op": op, "mode": mode, "impl": name, "shape": args.shape,
+                                "dtype": args.dtype, "host_us": us})
+                row.append(f"{name} {us:7.1f}")
+            print(f"  {op:19s} {mode:15s} " + " | ".join(row), flush=True)
+    if args.json:
+        with open(args.json, "a") as fh:
+            for rec in records:
+                fh.write(json.dumps(rec) + "\n")
+    if args.profile:
+        _profile(x, dy, N, dev, rand)
+    return records
+
+
+def _profile(x, dy, N, dev, rand):
+    import torch_frontend as tf
+    from torch.profiler import ProfilerActivity, profile
+
+    w = rand(N)
+    xg = x.clone().requires_grad_(True)
+
+    def step():
+        torch.autograd.grad(tf.rms_norm(xg, w), xg, dy)
+
+    for _ in range(20):
+        step()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(200):
+            step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    main()
