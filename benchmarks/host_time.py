@@ -152,5 +152,5 @@ def _profile(x, dy, N, dev, rand):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: a before/after run can pick the checkout
     main()

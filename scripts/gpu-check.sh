@@ -34,8 +34,11 @@ if [ "$what" = notebooks ] || [ "$what" = all ]; then
   done
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  NORMKIT_TEST_SHAPES=gpu timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -n 8 -p no:cacheprovider -p no:benchmark \
-    --durations=5 --ignore=tests/test_notebooks.py tests "$@" 2>&1 | tee "$OUT/tests.log" | tail -40
+  # Failures are written to $OUT/failures.txt as they happen (tests/conftest.py), so a run cut by
+  # the time limit still names them; the JUnit XML is written at the end.
+  NORMKIT_FAILURE_LOG="$OUT/failures.txt" NORMKIT_TEST_SHAPES=gpu timeout ${TEST_TIMEOUT:-540} \
+    python3 -m pytest -q -n ${TEST_WORKERS:-16} -p no:cacheprovider -p no:benchmark --durations=15 \
+    --junitxml="$OUT/tests.xml" --ignore=tests/test_notebooks.py tests "$@" 2>&1 | tee "$OUT/tests.log" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$what" = timing ]; then
