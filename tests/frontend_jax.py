@@ -85,6 +85,11 @@ class JaxFrontend:
 
         return jax_frontend
 
+    @staticmethod
+    def numpy(a) -> np.ndarray:
+        """A result as a NumPy array (float64 for floating types)."""
+        return _np(a)
+
     def raw(self, a: np.ndarray) -> jax.Array:
         """``a`` as an array of the same dtype (ints, bools and complex included)."""
         return jnp.asarray(np.array(a))  # np.array keeps 0-d arrays 0-d

@@ -36,6 +36,11 @@ class TorchFrontend:
 
         return torch_frontend
 
+    @staticmethod
+    def numpy(t) -> np.ndarray:
+        """A result as a NumPy array (float64 for floating types)."""
+        return _np(t)
+
     def raw(self, a: np.ndarray) -> torch.Tensor:
         """``a`` as a tensor of the same dtype (ints, bools and complex included)."""
         return torch.from_numpy(np.array(a)).to(DEVICE)  # np.array keeps 0-d arrays 0-d

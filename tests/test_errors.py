@@ -86,11 +86,11 @@ def test_numpy_scalar_options_are_numbers(frontend, op):
     """eps=np.float32(1e-6) is the number it holds: the same result as the Python float."""
     x = frontend.raw(X)
     kw = {"offset": np.float64(0.5)} if OPS[op].has_offset else {}
-    got = np.asarray(call(frontend, op, x, eps=np.float32(1e-6), **kw)[0] if OPS[op].has_residual
-                     else call(frontend, op, x, eps=np.float32(1e-6), **kw))
+    got = frontend.numpy(call(frontend, op, x, eps=np.float32(1e-6), **kw)[0] if OPS[op].has_residual
+                         else call(frontend, op, x, eps=np.float32(1e-6), **kw))
     kw = {"offset": 0.5} if OPS[op].has_offset else {}
-    want = np.asarray(call(frontend, op, x, eps=float(np.float32(1e-6)), **kw)[0] if OPS[op].has_residual
-                      else call(frontend, op, x, eps=float(np.float32(1e-6)), **kw))
+    want = frontend.numpy(call(frontend, op, x, eps=float(np.float32(1e-6)), **kw)[0] if OPS[op].has_residual
+                          else call(frontend, op, x, eps=float(np.float32(1e-6)), **kw))
     np.testing.assert_array_equal(got, want)
 
 
