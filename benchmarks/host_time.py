@@ -10,7 +10,8 @@ autograd, dispatch, allocation, launch), since the GPU keeps up. Modes:
 
 Only public APIs are used, so the same script times another checkout of normkit (``PYTHONPATH``)
 for a before/after comparison. ``--profile`` prints a torch.profiler table (CPU and CUDA
-activities) of normkit's fwd + frozen bwd.
+activities) and a cProfile table of normkit's fwd + frozen bwd; ``--breakdown`` times the forward's host
+path layer by layer.
 
     python benchmarks/host_time.py [--shape 4096x1024] [--dtype bfloat16] [--iters 2000] [--profile]
 """
@@ -87,6 +88,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--label", default="", help="a name for this checkout in the output (e.g. 'before')")
     p.add_argument("--json", default=None, help="append the records to this JSON-lines file")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--breakdown", action="store_true", help="time the forward's host path layer by layer")
     args = p.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -125,9 +127,56 @@ def main(argv=None) -> list[dict]:
         with open(args.json, "a") as fh:
             for rec in records:
                 fh.write(json.dumps(rec) + "\n")
+    if args.breakdown:
+        _breakdown(x, dy, N, dev, rand, args.iters, sync)
     if args.profile:
         _profile(x, dy, N, dev, rand)
     return records
+
+
+def _breakdown(x, dy, N, dev, rand, iters: int, sync) -> None:
+    """Where the forward's host time goes, layer by layer (each row includes the rows above it)."""
+    import torch_frontend as tf
+    from normkit import driver
+    from normkit.ops import RMS_NORM
+
+    w = rand(N)
+    opts = RMS_NORM.options(eps=1e-6)
+    backend = tf.backend
+    call = None
+
+    def plan_and_launch():
+        driver.forward(backend, RMS_NORM, x, None, w, None, opts, False)
+
+    plan_and_launch()
+    from normkit.launch import plan_forward
+
+    call = plan_forward(RMS_NORM, *x.shape, backend.dtype(x), backend.dtype(w), None, opts, False,
+                        (x.shape[1], 1, 0, 1, 1, 1), backend.num_sms(x))
+    arrays = {"X": x, "R": None, "W": w, "B": None}
+
+    class Noop(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a.view_as(a)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    xg = x.clone().requires_grad_(True)
+    rows = [
+        ("torch.empty of y", lambda: torch.empty_like(x)),
+        ("an empty autograd.Function apply", lambda: Noop.apply(xg)),
+        ("backend.launch of a planned call", lambda: backend.launch(call, arrays)),
+        ("driver.forward (plan lookup + launch)", plan_and_launch),
+        ("torch_frontend.rms_norm, no grad", lambda: tf.rms_norm(x, w)),
+        ("torch_frontend.rms_norm, x requires grad", lambda: tf.rms_norm(xg, w)),
+        ("F.rms_norm, no grad", lambda: F.rms_norm(x, (N,), w, 1e-6)),
+    ]
+    print("host-time breakdown (us per call):")
+    for name, fn in rows:
+        print(f"  {name:45s} {host_us(fn, iters, sync):8.1f}", flush=True)
 
 
 def _profile(x, dy, N, dev, rand):
@@ -149,6 +198,15 @@ def _profile(x, dy, N, dev, rand):
         if dev.type == "cuda":
             torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    import cProfile
+    import pstats
+
+    with cProfile.Profile() as pr:
+        for _ in range(500):
+            step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":

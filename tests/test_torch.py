@@ -303,6 +303,66 @@ def test_torch_compile_fullgraph_has_no_graph_breaks():
     assert explanation.graph_break_count == 0
 
 
+# --- CUDA graphs: how users remove host overhead entirely (GPU only) ------------------------------
+
+_CUDA_ONLY = pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")
+
+
+def _lora_like_model():
+    """A linear layer (trained) into a normkit RMSNorm with a frozen weight, and a fused add."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(64, 64, device=DEVICE)
+            self.norm = tf.RMSNorm(64, device=DEVICE)
+            self.add_norm = tf.FusedAddRMSNorm(64, device=DEVICE)
+            self.norm.weight.requires_grad_(False)
+
+        def forward(self, x):
+            h = self.norm(self.proj(x))
+            y, _ = self.add_norm(h, x)
+            return y
+
+    torch.manual_seed(0)
+    return Block()
+
+
+def _grads(model, x, dy):
+    x = x.detach().clone().requires_grad_(True)
+    y = model(x)
+    y.backward(dy)
+    return y.detach(), x.grad, [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@_CUDA_ONLY
+def test_make_graphed_callables_matches_eager():
+    model = _lora_like_model()
+    x, dy = randn(32, 64, seed=90), randn(32, 64, seed=91)
+    want = _grads(model, x, dy)
+    model.zero_grad(set_to_none=True)
+    graphed = torch.cuda.make_graphed_callables(model, (x.clone().requires_grad_(True),))
+    for _ in range(3):  # replays
+        model.zero_grad(set_to_none=True)
+        got = _grads(graphed, x, dy)
+    for a, b in zip((want[0], want[1], *want[2]), (got[0], got[1], *got[2])):
+        assert torch.equal(a, b), "a CUDA-graph replay must be bitwise the eager result"
+
+
+@_CUDA_ONLY
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's compile stack warns about its own internals
+def test_compile_reduce_overhead_matches_eager():
+    torch._dynamo.reset()
+    model = _lora_like_model()
+    x, dy = randn(32, 64, seed=92), randn(32, 64, seed=93)
+    want = _grads(model, x, dy)
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):  # warm-up, record, replay
+        model.zero_grad(set_to_none=True)
+        got = _grads(compiled, x, dy)
+    for a, b in zip((want[0], want[1], *want[2]), (got[0], got[1], *got[2])):
+        assert_close(np64(b), np64(a), "float32", "reduce-overhead vs eager")
+
+
 # --- large offsets (GPU only: needs > 4 GiB) -----------------------------------------------------
 
 
