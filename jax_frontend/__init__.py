@@ -56,6 +56,6 @@ launch, as frontend "jax-gpu" or "jax-cpu", when it is issued eagerly or when a 
 compiled (a cached jit call records nothing).
 """
 from jax_frontend._freeze import freeze
-from jax_frontend.functional import fused_add_rms_norm, layer_norm, rms_norm
+from jax_frontend.functional import IMPLEMENTATIONS, fused_add_rms_norm, layer_norm, resolve_implementation, rms_norm
 
-__all__ = ["rms_norm", "layer_norm", "fused_add_rms_norm", "freeze"]
+__all__ = ["rms_norm", "layer_norm", "fused_add_rms_norm", "freeze", "IMPLEMENTATIONS", "resolve_implementation"]

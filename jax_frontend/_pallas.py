@@ -4,12 +4,18 @@ Two entry points with the interface every implementation provides (see ``jax_fro
 ``forward`` and ``backward`` over 2-D rows, returning dicts keyed like ``Op.fwd_buffers`` and
 ``Op.bwd_buffers``. Launches:
 
-- forward: one ``[BLOCK_M, BLOCK_N]`` row block per program, blocked BlockSpecs;
+- forward: one ``[BLOCK_M, BLOCK_N]`` row block per program (a persistent grid for LayerNorm's
+  long rows is available behind ``PERSISTENT_LAYER_NORM_FORWARD``, see ``block_config``);
 - backward without dW/dB (frozen weight and bias): one row block per program, no partial buffer,
   no reduction;
 - backward with dW/dB: a persistent grid of about 1-2 programs per SM, each accumulating one fp32
-  partial row over the tiles dealt to it round-robin, then ``partial_sum_kernel`` sums the
-  ``[G, N]`` partials column-wise in a fixed order: dW/dB are deterministic (no atomics).
+  partial row over the tiles dealt to it round-robin (prefetching the next), then
+  ``partial_sum_kernel`` sums the ``[G, N]`` partials column-wise in a fixed order: dW/dB are
+  deterministic (no atomics).
+
+Row arrays are passed whole (``pl.BlockSpec()``) and the kernels index their tiles, so one body
+serves one-tile and persistent programs; weight and bias are one ``[BLOCK_N]`` block. Under
+``vmap``, ``pallas_call``'s own batching rule adds a grid axis: one launch for the whole batch.
 
 Interpret or compiled is chosen by the platform the computation is *lowered* for, through
 ``jax.lax.platform_dependent``: interpret mode on CPU, the compiled lowering elsewhere, so a
@@ -25,20 +31,23 @@ it generates is the same shape as ``normkit.kernels.norm``'s, which measures 93-
 bandwidth on the H200 (benchmarks/NOTES.md). What the JAX docs say for 0.11 (Pallas changelog,
 "Released with JAX 0.11.0"): "The Triton backend is deprecated and will be removed in a future
 version of JAX. To keep using Pallas on GPU, please migrate to the Mosaic GPU backend"; lowering
-it emits a ``DeprecationWarning`` ("jax-pallas-triton"). It is still present and working in 0.11.
+it emits a ``DeprecationWarning`` ("jax-pallas-triton"). It is still present and working in 0.11:
+checked on an H200 with jax 0.11.2 (tests/test_pallas_impl.py compiled; timings in ``block_config``).
+In 0.11 it no longer needs jax-triton: the Triton IR goes to XLA's own Triton pipeline.
 
 ``"mosaic_gpu"``: not provided for these kernels. Mosaic GPU (the default GPU lowering of a bare
 ``pallas_call`` since ``jax_pallas_use_mosaic_gpu`` defaults to True) is the supported future, but
 (1) in 0.11 reaching it through ``pl.pallas_call`` is itself deprecated ("Using pl.pallas_call for
 Mosaic GPU kernels is deprecated ... Please migrate to plgpu.kernel"), (2) it stages blocks through
-shared memory with TMA, which needs 16-byte-aligned row strides (N % 8 == 0 in bf16) and boxes of at
-most 256 elements a dimension, so odd N needs a padded copy, and it has no masked loads, (3) its
+shared memory with TMA, which needs 16-byte-aligned row strides (N % 8 == 0 in bf16) and copies of
+at most 256 elements a dimension (mosaic/gpu/launch_context.py), so odd N needs a padded copy and
+long rows a [M, N / 256, 256] view, and it has no lowering for the masked loads used here, (3) its
 row reductions need explicit register layouts (``plgpu.load(..., layout=...)``, warpgroup
 tiling). It is a different kernel body, not a different lowering of this one; see the report that
 came with this module for what a port would take. Selecting it raises ``NotImplementedError``.
 
-Note: the compiled Triton path computes offsets in int32, like Pallas-Triton does: M * N must stay
-below 2**31 elements per array.
+Row indices are int32 (M < 2**31); the lowering itself switches element offsets to 64 bits for
+arrays over 4 GiB.
 """
 from __future__ import annotations
 
@@ -51,75 +60,32 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from normkit.kernels import norm_pallas
+from normkit import record
+from normkit.launch import INTERPRETER_NUM_SMS, _next_pow2, pallas_blocks, reduce_blocks
 from normkit.ops import MAX_N, Grads, Op, Options
 
 LOWERINGS = ("triton", "mosaic_gpu")
 GPU_LOWERING = os.environ.get("NORMKIT_PALLAS_LOWERING", "triton")  # read when a call is traced
-NUM_SMS: int | None = None  # programs of the dW/dB backward are sized from this; None: ask the device
-CPU_NUM_SMS = 4  # the "SM" count on CPU (interpret mode): a few partial rows, so the loop is exercised
+NUM_SMS: int | None = None  # sizes the persistent grids (and the [G, N] partials); None: ask the device
+PERSISTENT_LAYER_NORM_FORWARD = False  # LayerNorm forward on >= 8192-wide rows as a persistent grid (slower so far)
 
 
 # ---------------------------------------------------------------------------------------------
-# Block-size heuristic: the one place where Pallas launch shapes are chosen (to move into
-# normkit/launch.py next to the Triton plans).
+# The launch shapes come from normkit.launch (pallas_blocks), the project's one place for them.
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-SMEM_BUDGET = 160 * 1024  # bytes of shared memory that prefetched tiles may take (H100/H200: 228 KB per SM)
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockConfig:
-    block_m: int  # rows per tile
-    block_n: int  # next power of two >= N
-    num_warps: int  # warps per program (Triton lowering)
-    num_programs: int  # grid size
-    tiles_per_program: int  # tiles each program walks (1: one row block per program)
-    num_stages: int  # software-pipelining depth of the tile loop (Triton lowering)
-
-
-@functools.lru_cache(maxsize=4096)
-def block_config(M: int, N: int, *, elem_bytes: int, reduces: bool = False, streams: int = 2,
-                 num_sms: int = 132) -> BlockConfig:
-    """Launch shape of a row-wise pass over M x N (``reduces``: a backward with dW/dB partials).
-
-    The same choices as ``normkit.launch`` (measured on an H200 for the Triton kernels):
-    - a tile of BLOCK_M rows x BLOCK_N (next power of two >= N) columns, ~4096 elements, with
-      about 8-16 elements per thread (4 warps per 4096, 8 per 8192, 16 per 16384, up to 32);
-    - forward and dx-only backward: one tile per program, no pipelining;
-    - dW/dB backward: min(tiles, 1 program per SM for tiles >= 8192 elements, else 2), each walking
-      its tiles with the next ones prefetched (3-4 stages, fewer when ``streams`` prefetched
-      tiles of ``elem_bytes`` would overflow shared memory).
-    """
-    block_n = _next_pow2(N)
-    block_m = max(1, min(16, 4096 // block_n, _next_pow2(max(M, 1))))
-    num_warps = min(32, max(4, block_m * block_n // 1024))
-    tiles = -(-M // block_m)
-    if not reduces:
-        return BlockConfig(block_m, block_n, num_warps, tiles, 1, 1)
-    big = block_m * block_n >= 8192
-    programs = max(1, min(tiles, (1 if big else 2) * num_sms))
-    per_stage = block_m * block_n * elem_bytes * streams
-    stages = max(1, min(4 if big else 3, SMEM_BUDGET // per_stage))
-    return BlockConfig(block_m, block_n, num_warps, programs, -(-tiles // programs), stages)
-
-
-def reduce_config(G: int, N: int) -> tuple[int, int]:
-    """(BLOCK_G, BLOCK_N) of the partial-sum reduction: 64 columns per program, 32 partial rows a step."""
-    return min(_next_pow2(G), 32), min(_next_pow2(N), 64)
+def persistent_forward(op: Op, N: int) -> bool:
+    """Whether the forward runs a persistent grid: only LayerNorm's on rows of >= 8192 elements, and
+    only with ``PERSISTENT_LAYER_NORM_FORWARD`` (off: measured slower, see ``block_config``)."""
+    return PERSISTENT_LAYER_NORM_FORWARD and not op.is_rms and _next_pow2(N) >= 8192
 
 
 # ---------------------------------------------------------------------------------------------
 # Platform: interpret on CPU, compiled elsewhere, decided at lowering.
 
 
-def _num_sms() -> int:
-    if NUM_SMS is not None:
-        return NUM_SMS
-    return _default_num_sms()
+def num_sms() -> int:
+    return NUM_SMS if NUM_SMS is not None else _default_num_sms()
 
 
 @functools.lru_cache(maxsize=None)
@@ -129,15 +95,15 @@ def _default_num_sms() -> int:
         cores = getattr(device, "core_count", None)
         if device.platform != "cpu" and cores:
             return int(cores)
-    return CPU_NUM_SMS
+    return INTERPRETER_NUM_SMS
 
 
-def _compiler_params(cfg_warps: int, stages: int):
+def _compiler_params(num_warps: int, num_stages: int = 1):
     lowering = GPU_LOWERING
     if lowering == "triton":
         from jax.experimental.pallas import triton as pltriton
 
-        return pltriton.CompilerParams(num_warps=cfg_warps, num_stages=stages)
+        return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     if lowering == "mosaic_gpu":
         raise NotImplementedError(
             "normkit: the Pallas kernels use masked loads (Pallas-Triton primitives) and have no Mosaic GPU "
@@ -161,7 +127,20 @@ def _with_names(kernel, in_names, out_names, all_names):
     return body
 
 
+def _record(kernel: functools.partial, grid: int, num_warps: int, partials: tuple = ()) -> None:
+    """A launch record (normkit.record_launches), made when the call is traced."""
+    if record.active():
+        cpu = jax.default_backend() == "cpu"
+        record.emit(record.Launch(kernel=kernel.func.__name__, frontend="jax-cpu" if cpu else "jax-gpu",
+                                  grid=(grid,), num_warps=num_warps, flags=dict(kernel.keywords),
+                                  partial_buffers=partials, interpreted=cpu, implementation="pallas"))
+
+
 _WHOLE = pl.BlockSpec()  # the whole array for every program (its tiles are indexed in the kernel)
+
+
+def _col_block(block_n: int):
+    return pl.BlockSpec((block_n,), lambda i: (0,))  # weight / bias: [BLOCK_N], columns past N masked
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,25 +151,19 @@ def forward(op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bo
     """Y (and S, MEAN, RSTD) for rows x [M, N]; keys exactly those of ``op.fwd_buffers``."""
     M, N = x.shape
     assert 1 <= N <= MAX_N, N
-    x_dtype = jnp.dtype(x.dtype).name
-    cfg = block_config(M, N, elem_bytes=jnp.dtype(x.dtype).itemsize)
-    bm, bn = cfg.block_m, cfg.block_n
-    buffers = op.fwd_buffers(M, N, x_dtype, store_stats)
-    has_w, has_b = weight is not None, bias is not None
+    buffers = op.fwd_buffers(M, N, jnp.dtype(x.dtype).name, store_stats)
+    cfg = pallas_blocks(M, N, persistent=persistent_forward(op, N), num_sms=num_sms())
     inputs = {"x_ref": x, "r_ref": residual if op.has_residual else None, "w_ref": weight, "b_ref": bias}
     inputs = {k: v for k, v in inputs.items() if v is not None}
-    row_block = pl.BlockSpec((bm, bn), lambda i: (i, 0))
-    col_block = pl.BlockSpec((bn,), lambda i: (0,))
-    stat_block = pl.BlockSpec((bm,), lambda i: (i,))
-    in_spec = {"x_ref": row_block, "r_ref": row_block, "w_ref": col_block, "b_ref": col_block}
+    in_spec = {"x_ref": _WHOLE, "r_ref": _WHOLE, "w_ref": _col_block(cfg.block_n), "b_ref": _col_block(cfg.block_n)}
     ref_of = {"Y": "y_ref", "S": "s_ref", "MEAN": "mean_ref", "RSTD": "rstd_ref"}
-    out_spec = {"Y": row_block, "S": row_block, "MEAN": stat_block, "RSTD": stat_block}
     kernel = functools.partial(
         norm_pallas.norm_fwd_kernel, M=M, N=N, eps=opts.eps, offset=opts.offset, IS_RMS=op.is_rms,
-        HAS_RESIDUAL=op.has_residual, HAS_W=has_w, HAS_B=has_b, CASTING=int(opts.casting),
-        STORE_STATS=store_stats, BLOCK_M=bm, BLOCK_N=bn)
-    in_names = list(inputs)
-    out_names = list(buffers)
+        HAS_RESIDUAL=op.has_residual, HAS_W=weight is not None, HAS_B=bias is not None,
+        CASTING=int(opts.casting), STORE_STATS=store_stats, NUM_PROGRAMS=cfg.num_programs,
+        TILES_PER_PROGRAM=cfg.tiles_per_program, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
+    _record(kernel, cfg.num_programs, cfg.num_warps)
+    in_names, out_names = list(inputs), list(buffers)
     body = _with_names(kernel, in_names, [ref_of[n] for n in out_names],
                        ("x_ref", "r_ref", "w_ref", "b_ref", "y_ref", "s_ref", "mean_ref", "rstd_ref"))
 
@@ -200,38 +173,34 @@ def forward(op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bo
             out_shape=tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in buffers.values()),
             grid=(cfg.num_programs,),
             in_specs=[in_spec[n] for n in in_names],
-            out_specs=tuple(out_spec[n] for n in out_names),
+            out_specs=tuple(_WHOLE for _ in out_names),
             interpret=interpret,
-            compiler_params=None if interpret else _compiler_params(cfg.num_warps, 1),
+            compiler_params=None if interpret else _compiler_params(cfg.num_warps, cfg.num_stages),
             name=f"normkit_{op.name}_fwd",
         )(*args)
 
-    outs = _run(launch, list(inputs.values()))
-    return dict(zip(out_names, outs))
+    return dict(zip(out_names, _run(launch, list(inputs.values()))))
 
 
 def backward(op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: Grads,
-             w_dtype: str | None, b_dtype: str | None) -> dict:
-    """DX (with + dres for the fused op), DW, DB as ``grads`` asks; keys exactly those of ``op.bwd_buffers``."""
+             b_dtype: str | None, w_dtype: str | None = None) -> dict:
+    """DX (with + dres for the fused op), DW, DB as ``grads`` asks; keys exactly those of ``op.bwd_buffers``.
+    dW takes ``w_dtype`` (default: the weight's dtype), dB ``b_dtype``."""
     M, N = x.shape
+    w_dtype = w_dtype or (jnp.dtype(weight.dtype).name if weight is not None else None)
     assert 1 <= N <= MAX_N, N
-    x_dtype = jnp.dtype(x.dtype).name
-    buffers = op.bwd_buffers(M, N, x_dtype, grads, w_dtype, b_dtype)
+    buffers = op.bwd_buffers(M, N, jnp.dtype(x.dtype).name, grads, w_dtype, b_dtype)
     if not buffers:
         return {}
-    has_w = weight is not None
     has_dres = dres is not None and grads.dx  # without dX it would not be read: leave it out
-    streams = 2 + has_dres
-    cfg = block_config(M, N, elem_bytes=jnp.dtype(x.dtype).itemsize, reduces=grads.reduces, streams=streams,
-                       num_sms=_num_sms())
-    bm, bn, G = cfg.block_m, cfg.block_n, cfg.num_programs
+    cfg = pallas_blocks(M, N, reduces=grads.reduces, num_sms=num_sms())
+    G = cfg.num_programs
     inputs = {"x_ref": x, "w_ref": weight, "dy_ref": dy, "dres_ref": dres if has_dres else None,
               "mean_ref": None if op.is_rms else mean, "rstd_ref": rstd}
     inputs = {k: v for k, v in inputs.items() if v is not None}
-    col_block = pl.BlockSpec((bn,), lambda i: (0,))
-    part_row = pl.BlockSpec((None, bn), lambda i: (i, 0))  # this program's row of the [G, N] partials
-    in_spec = {"x_ref": _WHOLE, "w_ref": col_block, "dy_ref": _WHOLE, "dres_ref": _WHOLE, "mean_ref": _WHOLE,
-               "rstd_ref": _WHOLE}
+    in_spec = {name: _WHOLE for name in inputs}
+    in_spec["w_ref"] = _col_block(cfg.block_n)
+    part_row = pl.BlockSpec((None, cfg.block_n), lambda i: (i, 0))  # this program's row of the [G, N] partials
     outs = {}  # kernel ref name -> (ShapeDtypeStruct, BlockSpec)
     if grads.dx:
         outs["dx_ref"] = (jax.ShapeDtypeStruct((M, N), x.dtype), _WHOLE)
@@ -240,9 +209,12 @@ def backward(op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: G
     if grads.db:
         outs["db_part_ref"] = (jax.ShapeDtypeStruct((G, N), jnp.float32), part_row)
     kernel = functools.partial(
-        norm_pallas.norm_bwd_kernel, M=M, N=N, offset=opts.offset, IS_RMS=op.is_rms, HAS_W=has_w,
+        norm_pallas.norm_bwd_kernel, M=M, N=N, offset=opts.offset, IS_RMS=op.is_rms, HAS_W=weight is not None,
         HAS_DRES=has_dres, CASTING=int(opts.casting), COMPUTE_DX=grads.dx, COMPUTE_DW=grads.dw,
-        COMPUTE_DB=grads.db, NUM_PROGRAMS=G, TILES_PER_PROGRAM=cfg.tiles_per_program, BLOCK_M=bm, BLOCK_N=bn)
+        COMPUTE_DB=grads.db, NUM_PROGRAMS=G, TILES_PER_PROGRAM=cfg.tiles_per_program, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n)
+    _record(kernel, G, cfg.num_warps, tuple((name.upper().removesuffix("_REF"), (G, N), "float32")
+                                            for name in outs if name.endswith("_part_ref")))
     in_names, out_names = list(inputs), list(outs)
     body = _with_names(kernel, in_names, out_names,
                        ("x_ref", "w_ref", "dy_ref", "dres_ref", "mean_ref", "rstd_ref", "dx_ref", "dw_part_ref",
@@ -261,9 +233,7 @@ def backward(op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: G
             name=f"normkit_{op.name}_bwd",
         )(*args)
         res = dict(zip(out_names, res))
-        out = {}
-        if grads.dx:
-            out["DX"] = res["dx_ref"]
+        out = {"DX": res["dx_ref"]} if grads.dx else {}
         if red is not None:
             out.update(red(interpret, res.get("dw_part_ref"), res.get("db_part_ref")))
         return tuple(out[name] for name in buffers)
@@ -274,7 +244,7 @@ def backward(op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: G
 def _reduce_call(G: int, N: int, buffers: dict):
     """``red(interpret, dw_part, db_part) -> {"DW": ..., "DB": ...}``: the fixed-order column sums."""
     has_dw, has_db = "DW" in buffers, "DB" in buffers
-    block_g, block_n = reduce_config(G, N)
+    block_g, block_n = reduce_blocks(G, N)
     kernel = functools.partial(norm_pallas.partial_sum_kernel, G=G, N=N, HAS_DW=has_dw, HAS_DB=has_db,
                                BLOCK_G=block_g, BLOCK_N=block_n)
     in_names = ["dw_part_ref"] * has_dw + ["db_part_ref"] * has_db
@@ -283,6 +253,8 @@ def _reduce_call(G: int, N: int, buffers: dict):
     body = _with_names(kernel, in_names, [ref_of[n] for n in out_names],
                        ("dw_part_ref", "db_part_ref", "dw_ref", "db_ref"))
     col_block = pl.BlockSpec((block_n,), lambda j: (j,))
+    num_warps = 4 if block_g * block_n >= 1024 else 1
+    _record(kernel, -(-N // block_n), num_warps)
 
     def red(interpret, dw_part, db_part):
         args = [a for a in (dw_part, db_part) if a is not None]
@@ -293,7 +265,7 @@ def _reduce_call(G: int, N: int, buffers: dict):
             in_specs=[_WHOLE] * len(args),
             out_specs=tuple(col_block for _ in out_names),
             interpret=interpret,
-            compiler_params=None if interpret else _compiler_params(4 if block_g * block_n >= 1024 else 1, 1),
+            compiler_params=None if interpret else _compiler_params(num_warps),
             name="normkit_partial_sum",
         )(*args)
         return dict(zip(out_names, res))

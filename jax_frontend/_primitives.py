@@ -240,8 +240,11 @@ def forward(op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bo
     return dict(zip(spec.outputs, norm_fwd_p.bind(*args, spec=spec)))
 
 
-def backward(op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: Grads, b_dtype: str | None) -> dict:
-    """The backward's results by name (op.bwd_buffers): DX, DW, DB as ``grads`` asks."""
+def backward(op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: Grads, b_dtype: str | None,
+             w_dtype: str | None = None) -> dict:
+    """The backward's results by name (op.bwd_buffers): DX, DW, DB as ``grads`` asks (dW in the weight's
+    dtype; ``w_dtype`` is accepted for the shared interface and must be that dtype)."""
+    assert w_dtype is None or weight is None or w_dtype == _launch.dtype_name(weight.dtype), w_dtype
     spec = BwdSpec(op=op, opts=opts, grads=grads, has_w=weight is not None, has_dres=dres is not None,
                    b_dtype=b_dtype if grads.db else None)
     args = [x] + [weight] * spec.has_w + [dy] + [dres] * spec.has_dres + [mean] * op.saves_mean + [rstd]

@@ -13,12 +13,22 @@ zero, so those (|v| < 2**-14) are rounded on the 2**-24 grid explicitly.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
+from normkit import record
 from normkit.ops import Casting, Grads, Op, Options
 
 F32 = jnp.float32
+
+
+def _record(name: str, **flags) -> None:
+    """A launch record (normkit.record_launches) of the XLA computation, made when it is traced."""
+    if record.active():
+        cpu = jax.default_backend() == "cpu"
+        record.emit(record.Launch(kernel=name, frontend="jax-cpu" if cpu else "jax-gpu", grid=(), num_warps=0,
+                                  flags=flags, partial_buffers=(), interpreted=False, implementation="xla"))
 
 
 def _round(v, dtype):
@@ -38,6 +48,8 @@ def forward(op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bo
     """Y (and S, MEAN, RSTD) for rows x [M, N]; keys exactly those of ``op.fwd_buffers``."""
     M, N = x.shape
     dt = x.dtype
+    _record("xla_norm_fwd", **op.fwd_flags, HAS_W=weight is not None, HAS_B=bias is not None,
+            CASTING=int(opts.casting), STORE_STATS=store_stats)
     out = {}
     x32 = x.astype(F32)
     s = None
@@ -79,10 +91,14 @@ def forward(op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bo
 
 
 def backward(op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: Grads,
-             w_dtype: str | None, b_dtype: str | None) -> dict:
-    """DX (with + dres for the fused op), DW, DB as ``grads`` asks; keys exactly those of ``op.bwd_buffers``."""
+             b_dtype: str | None, w_dtype: str | None = None) -> dict:
+    """DX (with + dres for the fused op), DW, DB as ``grads`` asks; keys exactly those of ``op.bwd_buffers``.
+    dW takes ``w_dtype`` (default: the weight's dtype), dB ``b_dtype``."""
     M, N = x.shape
+    w_dtype = w_dtype or (jnp.dtype(weight.dtype).name if weight is not None else None)
     dt = x.dtype
+    _record("xla_norm_bwd", IS_RMS=op.is_rms, HAS_W=weight is not None, HAS_DRES=dres is not None,
+            CASTING=int(opts.casting), COMPUTE_DX=grads.dx, COMPUTE_DW=grads.dw, COMPUTE_DB=grads.db)
     out = {}
     dy32 = dy.astype(F32)
     if grads.dx or grads.dw:

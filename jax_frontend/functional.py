@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -19,10 +20,63 @@ from jax.custom_derivatives import SymbolicZero
 
 from jax_frontend import _launch
 from jax_frontend import _primitives as triton_impl
+from jax_frontend import _sharding  # issue 12: sharded inputs (shard_map inside the op)
 from normkit import checks
 from normkit.ops import FUSED_ADD_RMS_NORM, LAYER_NORM, RMS_NORM, Grads, Op, Options
 
-__all__ = ["rms_norm", "layer_norm", "fused_add_rms_norm"]
+__all__ = ["rms_norm", "layer_norm", "fused_add_rms_norm", "IMPLEMENTATIONS", "resolve_implementation"]
+
+# ---------------------------------------------------------------------------------------------
+# Implementations: the same op, its frozen semantics and its custom_vjp, over three sets of kernels.
+
+IMPLEMENTATIONS = ("triton", "pallas", "xla")
+
+
+def _implementation_module(name: str):
+    if name == "triton":  # normkit.kernels.norm through jax-triton (GPU) or Triton's interpreter (CPU)
+        return triton_impl
+    if name == "pallas":  # normkit.kernels.norm_pallas through pallas_call
+        from jax_frontend import _pallas
+
+        return _pallas
+    from jax_frontend import _xla  # plain jax.numpy
+
+    return _xla
+
+
+@functools.lru_cache(maxsize=None)
+def _unavailable(name: str, platform: str) -> str | None:
+    """Why implementation ``name`` cannot run on ``platform`` (jax.default_backend()), or None."""
+    if platform not in ("cpu", "gpu") and name != "xla":
+        return f"its kernels run on NVIDIA GPUs (and on CPU in an interpreter), not on {platform}"
+    if name == "triton" and platform == "cpu" and importlib.util.find_spec("torch") is None:
+        return "on CPU it runs the Triton kernels in Triton's interpreter, which needs torch (pip install torch)"
+    if name == "triton" and platform == "gpu":
+        try:
+            _launch._import_jax_triton()
+        except ImportError as err:
+            return str(err)
+    return None
+
+
+def resolve_implementation(implementation: str | None = None) -> str:
+    """The implementation a call with ``implementation=`` runs on the default backend.
+
+    ``None`` (auto) picks ``"triton"`` where it can run (a GPU with jax-triton 0.3.1; on CPU, Triton's
+    interpreter, when torch is installed), else ``"pallas"`` (no jax-triton; a torch-free CPU install),
+    else ``"xla"``. A requested implementation that cannot run raises: never a silent fallback.
+    """
+    platform = jax.default_backend()
+    if implementation is None:
+        return next(name for name in IMPLEMENTATIONS if _unavailable(name, platform) is None)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"normkit: unknown implementation {implementation!r}; expected None or one of "
+                         f"{IMPLEMENTATIONS}")
+    reason = _unavailable(implementation, platform)
+    if reason is not None:
+        raise RuntimeError(f"normkit: implementation={implementation!r} cannot run on the {platform} backend: {reason}")
+    return implementation
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +149,7 @@ def _norm_bwd(cfg: _Config, res, ct):
     if dy is None:  # only residual_out was used: y's gradient is exactly zero
         dy = jnp.zeros_like(x)
     out = cfg.impl.backward(cfg.op, x, w, dy, ds, mean, rstd, opts=cfg.opts, grads=grads, b_dtype=needs.b_dtype)
+    assert set(out) == set(cfg.op.bwd_buffers(1, 1, "float32", grads, "float32", "float32")), out.keys()
     dx = out.get("DX")
     return (dx if needs.x else None, dx if needs.residual else None, out.get("DW"), out.get("DB"))
 
@@ -114,7 +169,8 @@ def _as_array(a, name: str):
     return jnp.asarray(a)
 
 
-def _call(op: Op, x, residual=None, weight=None, bias=None, *, eps, offset=0.0, casting_mode="llama"):
+def _call(op: Op, x, residual=None, weight=None, bias=None, *, eps, offset=0.0, casting_mode="llama",
+          implementation=None):
     """Validate at trace time, before any launch; run the op over rows and restore the shape."""
     x, residual, weight, bias = (_as_array(a, n) for a, n in ((x, "x"), (residual, "residual"),
                                                                 (weight, "weight"), (bias, "bias")))
@@ -122,15 +178,23 @@ def _call(op: Op, x, residual=None, weight=None, bias=None, *, eps, offset=0.0, 
     checks.check(op, x_shape=tuple(x.shape), x_dtype=_launch.dtype_name(x.dtype), residual=spec(residual),
                  weight=spec(weight), bias=spec(bias))
     opts = op.options(eps=eps, offset=offset, casting_mode=casting_mode)
+    impl = _implementation_module(resolve_implementation(implementation))
+    # Distributed (issue 12, jax_frontend/_sharding.py): inside a caller's shard_map, inputs varying alike;
+    # x sharded over Explicit mesh axes runs per device through shard_map, on arrays of the caller's
+    # shape; unsupported shardings raise here.
+    x, residual, weight, bias = _sharding.match_varying(x, residual, weight, bias)
+    sharded = _sharding.sharded_impl(op, impl, x, residual, weight, bias)
+    if sharded is not None:
+        return _norm(_Config(op, opts, sharded), x, residual, weight, bias)
     rows = lambda a: None if a is None else a.reshape(-1, a.shape[-1])  # noqa: E731
-    out = _norm(_Config(op, opts), rows(x), rows(residual), weight, bias)
+    out = _norm(_Config(op, opts, impl), rows(x), rows(residual), weight, bias)
     if op.has_residual:
         return out[0].reshape(x.shape), out[1].reshape(x.shape)
     return out.reshape(x.shape)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None = None, eps: float = 1e-6, *, offset: float = 0.0,
-             casting_mode: str = "llama") -> jax.Array:
+             casting_mode: str = "llama", implementation: str | None = None) -> jax.Array:
     """RMSNorm over the last axis: ``x / sqrt(mean(x**2) + eps) * (weight + offset)``.
 
     Backward: with ``x_hat = x * rstd`` and ``g = dy * (weight + offset)``,
@@ -145,6 +209,9 @@ def rms_norm(x: jax.Array, weight: jax.Array | None = None, eps: float = 1e-6, *
         offset: added to the weight (Gemma: 1.0); static.
         casting_mode: ``"llama"`` (normalize in fp32, round to x.dtype, then scale), ``"gemma"`` (all fp32,
             round at the end) or ``"none"`` (products rounded to x.dtype); static.
+        implementation: ``None`` (auto), ``"triton"``, ``"pallas"`` or ``"xla"``; see
+            ``resolve_implementation``. Every one computes the same function with the same frozen
+            semantics; the launch record names the one that ran.
 
     Returns:
         ``(..., D)`` in x.dtype. The math is in ``normkit.reference.rms_norm``.
@@ -152,11 +219,12 @@ def rms_norm(x: jax.Array, weight: jax.Array | None = None, eps: float = 1e-6, *
     Raises:
         TypeError, ValueError: at trace time, naming the argument, for a bad dtype, shape or option.
     """
-    return _call(RMS_NORM, x, weight=weight, eps=eps, offset=offset, casting_mode=casting_mode)
+    return _call(RMS_NORM, x, weight=weight, eps=eps, offset=offset, casting_mode=casting_mode,
+                 implementation=implementation)
 
 
 def layer_norm(x: jax.Array, weight: jax.Array | None = None, bias: jax.Array | None = None,
-               eps: float = 1e-5) -> jax.Array:
+               eps: float = 1e-5, *, implementation: str | None = None) -> jax.Array:
     """LayerNorm over the last axis: ``(x - mean) / sqrt(var + eps) * weight + bias``, computed in fp32.
 
     Backward: with ``x_hat = (x - mean) * rstd`` and ``g = dy * weight``,
@@ -167,6 +235,7 @@ def layer_norm(x: jax.Array, weight: jax.Array | None = None, bias: jax.Array | 
         x: ``(..., D)`` float32, bfloat16 or float16.
         weight, bias: ``(D,)`` of any float dtype, or None.
         eps: added to the variance; a Python number (static).
+        implementation: as in ``rms_norm``.
 
     Returns:
         ``(..., D)`` in x.dtype. The math is in ``normkit.reference.layer_norm``.
@@ -174,11 +243,12 @@ def layer_norm(x: jax.Array, weight: jax.Array | None = None, bias: jax.Array | 
     Raises:
         TypeError, ValueError: at trace time, naming the argument, for a bad dtype, shape or option.
     """
-    return _call(LAYER_NORM, x, weight=weight, bias=bias, eps=eps)
+    return _call(LAYER_NORM, x, weight=weight, bias=bias, eps=eps, implementation=implementation)
 
 
 def fused_add_rms_norm(x: jax.Array, residual: jax.Array, weight: jax.Array | None = None, eps: float = 1e-6, *,
-                       offset: float = 0.0, casting_mode: str = "llama") -> tuple[jax.Array, jax.Array]:
+                       offset: float = 0.0, casting_mode: str = "llama",
+                       implementation: str | None = None) -> tuple[jax.Array, jax.Array]:
     """``s = x + residual`` (rounded to x.dtype) and ``y = rms_norm(s)``, in one pass.
 
     Backward: x and residual both receive ``ds + drms_norm(s; dy)``, where dy and ds are the
@@ -187,7 +257,7 @@ def fused_add_rms_norm(x: jax.Array, residual: jax.Array, weight: jax.Array | No
 
     Args:
         x, residual: ``(..., D)`` of the same shape and dtype (float32, bfloat16 or float16).
-        weight, eps, offset, casting_mode: as in ``rms_norm``.
+        weight, eps, offset, casting_mode, implementation: as in ``rms_norm``.
 
     Returns:
         ``(y, residual_out)`` where ``residual_out = s``; both ``(..., D)`` in x.dtype.
@@ -195,4 +265,5 @@ def fused_add_rms_norm(x: jax.Array, residual: jax.Array, weight: jax.Array | No
     Raises:
         TypeError, ValueError: at trace time, naming the argument, for a bad dtype, shape or option.
     """
-    return _call(FUSED_ADD_RMS_NORM, x, residual, weight, eps=eps, offset=offset, casting_mode=casting_mode)
+    return _call(FUSED_ADD_RMS_NORM, x, residual, weight, eps=eps, offset=offset, casting_mode=casting_mode,
+                 implementation=implementation)

@@ -17,13 +17,14 @@ from typing import Iterator
 class Launch:
     """One kernel launch as the launcher issued it."""
 
-    kernel: str  # the @triton.jit function's name
+    kernel: str  # the kernel's function name (the @triton.jit or Pallas kernel; "xla_norm_fwd"/"xla_norm_bwd")
     frontend: str  # "torch", "jax-gpu" or "jax-cpu"
     grid: tuple[int, ...]
     num_warps: int
     flags: dict  # every constexpr the kernel was specialized with
     partial_buffers: tuple[tuple[str, tuple[int, ...], str], ...]  # (name, shape, dtype) of fp32 partials
-    interpreted: bool  # ran in Triton's interpreter rather than compiled
+    interpreted: bool  # ran in an interpreter (Triton's, or Pallas's interpret mode) rather than compiled
+    implementation: str = "triton"  # "triton", "pallas" or "xla": which implementation of the op ran
 
     @property
     def partial_bytes(self) -> int:

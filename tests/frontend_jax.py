@@ -25,7 +25,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import functools  # noqa: E402
+
 import normkit  # noqa: E402
+from normkit.ops import OPS  # noqa: E402
 from normkit.testing import poisoned_outputs  # noqa: E402
 from tests.frontends import apply_op as _apply  # noqa: E402
 from tests.harness import Case, Result  # noqa: E402
@@ -42,18 +45,16 @@ def mechanism(case: Case) -> str:
     return ("argnums", "freeze")[zlib.crc32(str(case).encode()) % 2]
 
 
-def apply_op(case: Case, args: dict) -> dict:
+def apply_op(case: Case, args: dict, implementation: str | None = None) -> dict:
     """The op on named arrays; outputs by name."""
-    import jax_frontend as jf
-
-    return _apply(jf, case, args)
+    return _apply(_Bound(implementation), case, args)
 
 
 def _unpad(case: Case, name: str, a):
     return a[..., : case.shape.N] if case.shape.strided and name in ("x", "residual") else a
 
 
-def _run(case: Case, how: str, arrays: dict, cotangents: dict):
+def _run(case: Case, how: str, arrays: dict, cotangents: dict, implementation: str | None = None):
     """Forward + backward of one case; traced afresh each call (launch records come from tracing)."""
     import jax_frontend as jf
 
@@ -61,7 +62,7 @@ def _run(case: Case, how: str, arrays: dict, cotangents: dict):
         args = {name: _unpad(case, name, a) for name, a in {**const, **diff}.items()}
         if how == "freeze":
             args = jf.freeze(args, {name: name in case.trained for name in args})
-        return apply_op(case, args)
+        return apply_op(case, args, implementation)
 
     if how == "freeze":
         diff, const = arrays, {}
@@ -73,17 +74,30 @@ def _run(case: Case, how: str, arrays: dict, cotangents: dict):
     return outs, grads
 
 
-class JaxFrontend:
-    name = "jax"
+class _Bound:
+    """jax_frontend with ``implementation=`` bound on the op functions."""
 
-    def __init__(self, jit: bool = True):
+    def __init__(self, implementation):
+        import jax_frontend
+
+        self._module, self._implementation = jax_frontend, implementation
+
+    def __getattr__(self, name):
+        fn = getattr(self._module, name)
+        if name in OPS:
+            return functools.partial(fn, implementation=self._implementation)
+        return fn
+
+
+class JaxFrontend:
+    def __init__(self, jit: bool = True, implementation: str | None = None):
         self.jit = jit  # False: run eagerly (op by op), e.g. to pick the platform from the arrays
+        self.implementation = implementation  # None: auto (jax_frontend.resolve_implementation)
+        self.name = "jax" if implementation is None else f"jax-{implementation}"
 
     @property
     def module(self):
-        import jax_frontend
-
-        return jax_frontend
+        return _Bound(self.implementation)
 
     @staticmethod
     def numpy(a) -> np.ndarray:
@@ -112,7 +126,7 @@ class JaxFrontend:
         how = mechanism(case)
         with normkit.record_launches() as log, poisoned_outputs(), jax.numpy_dtype_promotion("strict"):
             # A fresh jit per call: the case is traced (and its launches recorded) every time.
-            run = lambda a, c: _run(case, how, a, c)  # noqa: E731
+            run = lambda a, c: _run(case, how, a, c, self.implementation)  # noqa: E731
             outs, grads = (jax.jit(run) if self.jit else run)(arrays, cot)
         report = {}
         for name in case.inputs:

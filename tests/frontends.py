@@ -1,22 +1,13 @@
 """Frontend adapters: run a harness Case through one frontend and hand back NumPy results.
 
-Test bodies take the ``frontend`` fixture and never import a frontend themselves.
+Test bodies take the ``frontend`` fixture and never import a frontend themselves. A frontend whose
+framework is not installed (the torch-free JAX install) is simply not registered.
 """
 from __future__ import annotations
 
-import numpy as np
-import torch
+import importlib.util
 
-import normkit
-from normkit.testing import poisoned_outputs
-from tests.harness import Case, Result
-from torch_frontend._backend import TORCH_DTYPES
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _np(t):
-    return None if t is None else t.detach().to(torch.float64).cpu().numpy()
+from tests.harness import Case
 
 
 def apply_op(module, case: Case, args: dict) -> dict:
@@ -27,65 +18,22 @@ def apply_op(module, case: Case, args: dict) -> dict:
     return dict(zip(case.spec.outputs, out if case.spec.has_residual else (out,)))
 
 
-class TorchFrontend:
-    name = "torch"
-
-    @property
-    def module(self):
-        import torch_frontend
-
-        return torch_frontend
-
-    @staticmethod
-    def numpy(t) -> np.ndarray:
-        """A result as a NumPy array (float64 for floating types)."""
-        return _np(t)
-
-    def raw(self, a: np.ndarray) -> torch.Tensor:
-        """``a`` as a tensor of the same dtype (ints, bools and complex included)."""
-        return torch.from_numpy(np.array(a)).to(DEVICE)  # np.array keeps 0-d arrays 0-d
-
-    def tensor(self, a: np.ndarray, dtype: str, strided: bool = False) -> torch.Tensor:
-        t = torch.from_numpy(np.ascontiguousarray(a)).to(DEVICE, TORCH_DTYPES[dtype])
-        if strided:  # the same values as rows of a wider buffer: row stride D + 13, last dim contiguous
-            wide = torch.full((*t.shape[:-1], t.shape[-1] + 13), float("nan"), dtype=t.dtype, device=DEVICE)
-            wide[..., : t.shape[-1]] = t
-            t = wide[..., : t.shape[-1]]
-        return t
-
-    def call(self, case: Case, inp: dict) -> Result:
-        import torch_frontend as tf
-
-        wd = case.w_dtype or case.dtype
-        args = {}
-        for name in case.inputs:
-            dt = wd if name in ("weight", "bias") else case.dtype
-            strided = case.shape.strided and name in ("x", "residual")
-            t = self.tensor(inp[name], dt, strided)
-            if name in case.trained:
-                t.requires_grad_(True)
-            args[name] = t
-        with normkit.record_launches() as log, poisoned_outputs():
-            outs = apply_op(tf, case, args)
-            grads_out = [self.tensor(inp["dy"], case.dtype)]
-            if case.spec.has_residual:
-                grads_out.append(self.tensor(inp["ds"], case.dtype))
-            if case.trained:
-                torch.autograd.backward(list(outs.values()), grads_out)
-        return Result(
-            outputs={k: _np(v) for k, v in outs.items()},
-            grads={name: _np(args[name].grad) for name in case.inputs},
-            log=log,
-        )
+FRONTENDS = {}
 
 
-FRONTENDS = {"torch": TorchFrontend}
+def _register():
+    import functools
+
+    if importlib.util.find_spec("torch") is not None:
+        from tests.frontend_torch import TorchFrontend
+
+        FRONTENDS["torch"] = TorchFrontend
+    if importlib.util.find_spec("jax") is not None:
+        from tests.frontend_jax import JaxFrontend  # imported here: tests.frontend_jax imports tests.harness
+
+        FRONTENDS["jax"] = JaxFrontend  # auto: Triton (its interpreter on CPU, with torch), else Pallas
+        for implementation in ("pallas", "xla"):
+            FRONTENDS[f"jax-{implementation}"] = functools.partial(JaxFrontend, implementation=implementation)
 
 
-def _register_jax():
-    from tests.frontend_jax import JaxFrontend  # imported here: tests.frontend_jax imports tests.harness
-
-    FRONTENDS["jax"] = JaxFrontend
-
-
-_register_jax()
+_register()

@@ -9,15 +9,20 @@ Rounding follows ``norm.py`` point for point: CASTING 0 (``Casting.INPUT_DTYPE``
 weight and x_hat to x.dtype; 1 (``ROUND_NORMALIZED``) rounds x_hat; 2 (``FP32``) rounds only the
 output. The fused add rounds ``x + residual`` to x.dtype and normalizes the rounded sum.
 
-Row blocks are ``[BLOCK_M, BLOCK_N]`` with BLOCK_N the power of two >= N: every load is masked
+Row tiles are ``[BLOCK_M, BLOCK_N]`` with BLOCK_N the power of two >= N, dealt round-robin to the
+programs (``TILES_PER_PROGRAM`` each; 1 is one row block per program). Every load is masked
 (``other=0``) and every store is masked, so rows past M and columns past N are never read or
-written. The masked ``load``/``store`` are Pallas-Triton primitives; they also run in interpret
-mode (any platform). The pallas_call glue (grid, BlockSpecs, compiler params) is in
-``jax_frontend/_pallas.py``.
+written. A program that walks several tiles issues the next tile's loads before reducing the
+current one (a software prefetch: the Pallas-Triton lowering does not pipeline these loops).
+
+The masked ``load``/``store`` are Pallas-Triton primitives; they also run in interpret mode (any
+platform). LayerNorm's backward computes ``dx = (g - c2 - x_hat * c1) * rstd`` as ``norm.py`` does;
+unlike the Triton launch (``fp_fusion=False``), Pallas cannot turn off FMA contraction, so on GPU
+``g = dy * w`` may be fused into the subtraction. The pallas_call glue (grid, BlockSpecs, compiler
+params) and the launch heuristic are in ``jax_frontend/_pallas.py``.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -48,14 +53,14 @@ def _load(ref, mask):
 
 
 def norm_fwd_kernel(
-    x_ref,  # [BLOCK_M, BLOCK_N] block of the input rows [M, N]
-    r_ref,  # residual block, like x_ref (HAS_RESIDUAL), else None
+    x_ref,  # [M, N] whole: the input rows (its tiles are indexed here)
+    r_ref,  # [M, N] whole: residual rows (HAS_RESIDUAL), else None
     w_ref,  # [BLOCK_N] block of the weight [N] (HAS_W), any float dtype
     b_ref,  # [BLOCK_N] block of the bias [N] (HAS_B)
-    y_ref,  # out: [BLOCK_M, BLOCK_N] block of y [M, N], x.dtype
-    s_ref,  # out: residual_out = x + residual rounded to x.dtype (HAS_RESIDUAL)
-    mean_ref,  # out: [BLOCK_M] block of the fp32 per-row mean [M] (STORE_STATS and not IS_RMS)
-    rstd_ref,  # out: [BLOCK_M] block of the fp32 per-row 1/std [M] (STORE_STATS)
+    y_ref,  # out: [M, N] whole: y, x.dtype
+    s_ref,  # out: [M, N] whole: residual_out = x + residual rounded to x.dtype (HAS_RESIDUAL)
+    mean_ref,  # out: [M] whole: fp32 per-row mean (STORE_STATS and not IS_RMS)
+    rstd_ref,  # out: [M] whole: fp32 per-row 1/std (STORE_STATS)
     *,
     M: int,  # number of rows: rows past it are masked
     N: int,  # row length: columns past it are masked
@@ -67,50 +72,79 @@ def norm_fwd_kernel(
     HAS_B: bool,  # bias present
     CASTING: int,  # 0 none (x.dtype products), 1 llama (round x_hat), 2 gemma (all fp32)
     STORE_STATS: bool,  # a backward will run: write MEAN/RSTD
-    BLOCK_M: int,  # rows per block (one block per program)
+    NUM_PROGRAMS: int,  # grid size: tiles are dealt round-robin to the programs
+    TILES_PER_PROGRAM: int,  # ceil(tiles / NUM_PROGRAMS): 1 is one row block per program
+    BLOCK_M: int,  # rows per tile
     BLOCK_N: int,  # next power of two >= N
 ):
     dt = x_ref.dtype
-    row_mask, col_mask, mask = _masks(pl.program_id(0) * BLOCK_M, M, N, BLOCK_M, BLOCK_N)
+    pid = pl.program_id(0)
+    _, col_mask, _ = _masks(0, M, N, BLOCK_M, BLOCK_N)
     if HAS_W:
         w = _load(w_ref, col_mask).astype(F32) + offset
         if CASTING == 0:
             w = _round(w, dt)
     if HAS_B:
         b = _load(b_ref, col_mask).astype(F32)
+    cols = pl.ds(_i32(0), BLOCK_N)
 
-    x_raw = _load(x_ref, mask)
-    if HAS_RESIDUAL:
-        # the sum is rounded to x.dtype, exactly as torch's `x + residual`, and normalized as stored
-        x_raw = (x_raw.astype(F32) + _load(r_ref, mask).astype(F32)).astype(dt)
-        pltriton.store(s_ref, x_raw, mask=mask)
-    x = x_raw.astype(F32)  # zero outside the mask
+    def tile_rows(t):
+        row0 = _i32((pid + t * NUM_PROGRAMS) * BLOCK_M)
+        row_mask, _, mask = _masks(row0, M, N, BLOCK_M, BLOCK_N)
+        return pl.ds(row0, BLOCK_M), row_mask, mask
 
-    if IS_RMS:
-        xc = x
-        var = jnp.sum(x * x, axis=1) * (1.0 / N)
+    def load_tile(t):
+        rows, _, mask = tile_rows(t)
+        tile = {"x": _load(x_ref.at[rows, cols], mask)}
+        if HAS_RESIDUAL:
+            tile["r"] = _load(r_ref.at[rows, cols], mask)
+        return tile
+
+    def compute_tile(t, tile):
+        rows, row_mask, mask = tile_rows(t)
+        x_raw = tile["x"]
+        if HAS_RESIDUAL:
+            # the sum is rounded to x.dtype, exactly as torch's `x + residual`, and normalized as stored
+            x_raw = (x_raw.astype(F32) + tile["r"].astype(F32)).astype(dt)
+            pltriton.store(s_ref.at[rows, cols], x_raw, mask=mask)
+        x = x_raw.astype(F32)  # zero outside the mask
+
+        if IS_RMS:
+            xc = x
+            var = jnp.sum(x * x, axis=1) * (1.0 / N)
+        else:
+            mean = jnp.sum(x, axis=1) * (1.0 / N)
+            xc = jnp.where(mask, x - mean[:, None], 0.0)
+            var = jnp.sum(xc * xc, axis=1) * (1.0 / N)
+        rstd = 1.0 / jnp.sqrt(var + eps)
+        if STORE_STATS:
+            pltriton.store(rstd_ref.at[rows], rstd, mask=row_mask)
+            if not IS_RMS:
+                pltriton.store(mean_ref.at[rows], mean, mask=row_mask)
+
+        if CASTING == 0:  # x.dtype throughout: each product is rounded to x.dtype
+            xn = _round(xc * _round(rstd, dt)[:, None], dt)
+        elif CASTING == 1:
+            xn = _round(xc * rstd[:, None], dt)
+        else:
+            xn = xc * rstd[:, None]
+        y = xn
+        if HAS_W:
+            y = y * w[None, :]
+        if HAS_B:
+            y = y + b[None, :]
+        pltriton.store(y_ref.at[rows, cols], y.astype(y_ref.dtype), mask=mask)
+
+    if TILES_PER_PROGRAM == 1:
+        compute_tile(0, load_tile(0))
     else:
-        mean = jnp.sum(x, axis=1) * (1.0 / N)
-        xc = jnp.where(mask, x - mean[:, None], 0.0)
-        var = jnp.sum(xc * xc, axis=1) * (1.0 / N)
-    rstd = 1.0 / jnp.sqrt(var + eps)
-    if STORE_STATS:
-        pltriton.store(rstd_ref, rstd, mask=row_mask)
-        if not IS_RMS:
-            pltriton.store(mean_ref, mean, mask=row_mask)
+        # A persistent program: tile t + 1's loads are issued before tile t is reduced.
+        def step(t, tile):
+            nxt = load_tile(t + 1)
+            compute_tile(t, tile)
+            return nxt
 
-    if CASTING == 0:  # x.dtype throughout: each product is rounded to x.dtype
-        xn = _round(xc * _round(rstd, dt)[:, None], dt)
-    elif CASTING == 1:
-        xn = _round(xc * rstd[:, None], dt)
-    else:
-        xn = xc * rstd[:, None]
-    y = xn
-    if HAS_W:
-        y = y * w[None, :]
-    if HAS_B:
-        y = y + b[None, :]
-    pltriton.store(y_ref, y.astype(y_ref.dtype), mask=mask)
+        lax.fori_loop(0, TILES_PER_PROGRAM, step, load_tile(0))
 
 
 def norm_bwd_kernel(
@@ -149,18 +183,31 @@ def norm_bwd_kernel(
         w = _load(w_ref, col_mask).astype(F32) + offset
     cols = pl.ds(_i32(0), BLOCK_N)
 
-    def tile_step(t, acc):
+    def tile_rows(t):
         row0 = _i32((pid + t * NUM_PROGRAMS) * BLOCK_M)
         row_mask, _, mask = _masks(row0, M, N, BLOCK_M, BLOCK_N)
-        rows = pl.ds(row0, BLOCK_M)
-        x = _load(x_ref.at[rows, cols], mask).astype(F32)
-        dy = _load(dy_ref.at[rows, cols], mask).astype(F32)
-        rstd = _load(rstd_ref.at[rows], row_mask)
+        return pl.ds(row0, BLOCK_M), row_mask, mask
+
+    def load_tile(t):
+        """Tile t's inputs as stored (x.dtype, fp32 stats): what a prefetch keeps in registers."""
+        rows, row_mask, mask = tile_rows(t)
+        tile = {"x": _load(x_ref.at[rows, cols], mask), "dy": _load(dy_ref.at[rows, cols], mask),
+                "rstd": _load(rstd_ref.at[rows], row_mask)}
+        if not IS_RMS:
+            tile["mean"] = _load(mean_ref.at[rows], row_mask)
+        if HAS_DRES and COMPUTE_DX:
+            tile["dres"] = _load(dres_ref.at[rows, cols], mask)
+        return tile
+
+    def compute_tile(t, tile, acc):
+        rows, _, mask = tile_rows(t)
+        x = tile["x"].astype(F32)
+        dy = tile["dy"].astype(F32)
+        rstd = tile["rstd"]
         if IS_RMS:
             xn = x * rstd[:, None]
         else:
-            mean = _load(mean_ref.at[rows], row_mask)
-            xn = jnp.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+            xn = jnp.where(mask, (x - tile["mean"][:, None]) * rstd[:, None], 0.0)
         if COMPUTE_DX:
             g = dy * w[None, :] if HAS_W else dy
             c1 = jnp.sum(g * xn, axis=1) * (1.0 / N)
@@ -170,7 +217,7 @@ def norm_bwd_kernel(
                 c2 = jnp.sum(g, axis=1) * (1.0 / N)
                 dx = (g - c2[:, None] - xn * c1[:, None]) * rstd[:, None]
             if HAS_DRES:
-                dx = dx + _load(dres_ref.at[rows, cols], mask).astype(F32)
+                dx = dx + tile["dres"].astype(F32)
             pltriton.store(dx_ref.at[rows, cols], dx.astype(dx_ref.dtype), mask=mask)
         dw_acc, db_acc = acc
         if COMPUTE_DW:
@@ -184,9 +231,16 @@ def norm_bwd_kernel(
     zeros = jnp.zeros((BLOCK_M, BLOCK_N), F32)
     acc = (zeros if COMPUTE_DW else None, zeros if COMPUTE_DB else None)
     if TILES_PER_PROGRAM == 1:
-        acc = tile_step(0, acc)
+        acc = compute_tile(0, load_tile(0), acc)
     else:
-        acc = lax.fori_loop(0, TILES_PER_PROGRAM, tile_step, acc)
+        # Software prefetch: tile t + 1's loads are issued before tile t is reduced, so one program
+        # keeps two tiles in flight (the loop is not pipelined for us). The last prefetch is masked.
+        def step(t, carry):
+            acc, tile = carry
+            nxt = load_tile(t + 1)
+            return compute_tile(t, tile, acc), nxt
+
+        acc, _ = lax.fori_loop(0, TILES_PER_PROGRAM, step, (acc, load_tile(0)))
     dw_acc, db_acc = acc
     if COMPUTE_DW:
         pltriton.store(dw_part_ref, jnp.sum(dw_acc, axis=0), mask=col_mask)

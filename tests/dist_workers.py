@@ -1,0 +1,795 @@
+"""The logic of the distributed tests, shared with ``scripts/multi_gpu.py`` (which runs it compiled on GPUs).
+
+Torch (``torch_cases``): on every rank of an initialized process group of 2 ranks, each op on
+DTensors (sequence parallel ``Shard(1)``, batch ``Shard(0)``, uneven shards, replicated rows) with
+trainable and frozen parameters, against the single-process result on the same device, counting
+collectives with ``CommDebugMode`` per phase (forward, backward, reducing the gradients); the
+placement errors; a ``SequenceParallel`` module; DDP and FSDP2 on a small model with frozen norms.
+
+JAX (``jax_cases``): in one process with 2 devices, each op under ``jit`` on inputs sharded over a
+mesh, against the unsharded run, reading the compiled HLO: all-gathers and the arrays each
+all-reduce reduces.
+
+Every case is a JSON-able dict; ``torch_failures`` / ``jax_failures`` list what is wrong with one
+(empty when it passes), so that the tests and the GPU script judge results the same way.
+
+Command line (each in its own process; the tests run these with a timeout)::
+
+    python -m tests.dist_workers torch --out results.json     # spawns 2 gloo ranks on CPU
+    python -m tests.dist_workers jax --out results.json       # 2 host-platform CPU devices
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import sys
+import tempfile
+import traceback
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from normkit.ops import OPS  # noqa: E402
+from normkit.testing import assert_close  # noqa: E402
+
+TINY = (2, 4, 16)  # B, S, D: the CPU tests' shape (D differs from B and S, so HLO shapes identify params)
+COLLECTIVE_NAMES = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "all_to_all",
+                    "alltoall", "broadcast", "reduce_", "gather_", "scatter_")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _err(actual, ref, dtype: str, what: str, reduced_over: int = 1) -> dict:
+    """{max_abs, ok, message} of ``actual`` against ``ref`` within the tolerance table."""
+    actual, ref = (np.asarray(a.detach().cpu().double() if hasattr(a, "detach") else a, np.float64)
+                   for a in (actual, ref))
+    out = {"max_abs": float(np.abs(actual - ref).max()) if actual.size and actual.shape == ref.shape else None}
+    try:
+        assert_close(actual, ref, dtype, what, reduced_over)
+        out.update(ok=True, message="")
+    except AssertionError as e:
+        out.update(ok=False, message=str(e)[:500])
+    return out
+
+
+def _seed(name: str) -> int:
+    return zlib.crc32(name.encode())
+
+
+# =============================================================================================
+# Torch.
+
+
+def _short(packet) -> str:
+    """``c10d_functional::all_reduce`` -> ``all_reduce``."""
+    name = getattr(packet, "_qualified_op_name", None) or str(packet)
+    return name.split("::")[-1].split(".")[-1]
+
+
+def comm_counts(mode) -> dict:
+    """A CommDebugMode's counts as {short op name: count}."""
+    return {_short(k): int(v) for k, v in mode.get_comm_counts().items() if v}
+
+
+def comm_counter():
+    """A ``CommDebugMode`` that also records (op, bytes of its input) per collective."""
+    import torch
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    class CommCounter(CommDebugMode):
+        def __init__(self):
+            super().__init__()
+            self.records: list[tuple[str, int]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if out is NotImplemented or isinstance(func, torch._ops.HigherOrderOperator):
+                return out
+            qual = getattr(func._overloadpacket, "_qualified_op_name", "")
+            ns, _, name = qual.partition("::")
+            if ns in ("c10d", "c10d_functional", "_c10d_functional", "_c10d_functional_autograd") and any(
+                    c in name for c in COLLECTIVE_NAMES) and "wait" not in name:
+                tensors = [a for a in args if isinstance(a, torch.Tensor)]
+                if not tensors:  # c10d ops take lists of tensors
+                    tensors = [t for a in args if isinstance(a, (list, tuple)) for t in a
+                               if isinstance(t, torch.Tensor)][:1]
+                self.records.append((name, int(tensors[0].numel() * tensors[0].element_size()) if tensors else 0))
+            return out
+
+        def summary(self) -> dict:
+            out: dict = {}
+            for name, nbytes in self.records:
+                entry = out.setdefault(name, {"count": 0, "bytes": 0})
+                entry["count"] += 1
+                entry["bytes"] += nbytes
+            return out
+
+    return CommCounter()
+
+
+def _torch_inputs(op_name: str, shape, dtype, device, seed: int) -> dict:
+    import torch
+
+    from normkit.testing import random_inputs
+
+    arrays = random_inputs(OPS[op_name], tuple(shape), "float32", np.random.default_rng(seed))
+    return {k: torch.tensor(v, dtype=dtype if v.ndim == len(shape) else torch.float32, device=device)
+            for k, v in arrays.items()}
+
+
+def _call_torch(op_name: str, inputs: dict):
+    import torch_frontend as tf
+
+    op = OPS[op_name]
+    out = getattr(tf, op_name)(*(inputs.get(n) for n in op.inputs))
+    return list(out) if op.has_residual else [out]
+
+
+def _placement(spec: str):
+    from torch.distributed.tensor import Replicate, Shard
+
+    return Replicate() if spec == "R" else Shard(int(spec[1:]))
+
+
+def torch_case(mesh, name: str, op_name: str, placement: str, shape, trained: tuple, device: str,
+               dtype_name: str = "float32") -> dict:
+    """One op on DTensors of ``placement`` ("S1", "S0", "R") against the single-process result."""
+    import torch
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    op = OPS[op_name]
+    dtype = getattr(torch, dtype_name)
+    data = _torch_inputs(op_name, shape, dtype, device, _seed(name))
+    cots = [data["dy"]] + ([data["ds"]] if op.has_residual else [])
+    req = {n: n in trained for n in op.inputs}
+
+    ref_in = {n: data[n].clone().requires_grad_(req[n]) for n in op.inputs}
+    ref_out = _call_torch(op_name, ref_in)
+    torch.autograd.backward(ref_out, cots)
+
+    pl = _placement(placement)
+    dist_in = {n: distribute_tensor(data[n], mesh, [pl if n in op.row_inputs else Replicate()]).requires_grad_(req[n])
+               for n in op.inputs}
+    dist_cots = [distribute_tensor(c, mesh, [pl]) for c in cots]
+    with CommDebugMode() as fwd:
+        out = _call_torch(op_name, dist_in)
+    with CommDebugMode() as bwd:
+        torch.autograd.backward(out, dist_cots)
+    grad_placements = {n: (str(tuple(dist_in[n].grad.placements)) if dist_in[n].grad is not None else None)
+                       for n in op.inputs}
+    with CommDebugMode() as red:  # what reducing the parameter gradients costs (Partial -> Replicate)
+        param_grads = {n: dist_in[n].grad.full_tensor() for n in op.params if dist_in[n].grad is not None}
+    tol = dtype_name
+    M = int(np.prod(shape[:-1]))
+    errs = {}
+    for o_name, o, r in zip(op.outputs, out, ref_out):
+        errs[o_name] = _err(o.full_tensor().float().cpu(), r.detach().float().cpu(), tol, o_name)
+        errs[o_name]["placements"] = str(tuple(o.placements))
+    for n in op.inputs:
+        g, rg = dist_in[n].grad, ref_in[n].grad
+        if (g is None) != (rg is None):
+            errs["d" + n] = {"ok": False, "message": f"gradient presence differs: {g is not None} vs {rg is not None}"}
+        elif g is not None:
+            full = param_grads[n] if n in param_grads else g.full_tensor()
+            errs["d" + n] = _err(full.float().cpu(), rg.float().cpu(), tol, "d" + n,
+                                 reduced_over=M if n in op.params else 1)
+    return {"kind": "dtensor", "name": name, "op": op_name, "placement": placement, "shape": list(shape),
+            "trained": list(trained), "params": list(op.params), "errors": errs,
+            "grad_placements": grad_placements,
+            "comms": {"forward": comm_counts(fwd), "backward": comm_counts(bwd), "reduce": comm_counts(red)}}
+
+
+TORCH_CASES = [
+    # name, op, placement, shape (None: the default), trained inputs
+    ("rms_sp_trained", "rms_norm", "S1", None, ("x", "weight")),
+    ("rms_sp_frozen", "rms_norm", "S1", None, ("x",)),
+    ("rms_sp_x_frozen", "rms_norm", "S1", None, ("weight",)),
+    ("rms_batch_trained", "rms_norm", "S0", None, ("x", "weight")),
+    ("rms_uneven_trained", "rms_norm", "S1", "uneven", ("x", "weight")),
+    ("rms_replicated_trained", "rms_norm", "R", None, ("x", "weight")),
+    ("ln_sp_trained", "layer_norm", "S1", None, ("x", "weight", "bias")),
+    ("ln_sp_bias_frozen", "layer_norm", "S1", None, ("x", "weight")),
+    ("ln_sp_frozen", "layer_norm", "S1", None, ("x",)),
+    ("ln_rows_trained", "layer_norm", "S0", "2d", ("x", "weight", "bias")),
+    ("fused_sp_trained", "fused_add_rms_norm", "S1", None, ("x", "residual", "weight")),
+    ("fused_sp_frozen", "fused_add_rms_norm", "S1", None, ("x", "residual")),
+]
+
+
+def _case_shape(kind, shape):
+    B, S, D = shape
+    if kind == "uneven":
+        return (B, S + 1, D)  # S + 1 rows over 2 ranks: shards of different lengths
+    if kind == "2d":
+        return (B * S, D)
+    return (B, S, D)
+
+
+def torch_error_cases(mesh, device: str, shape=TINY) -> list[dict]:
+    """Placements normkit refuses: the error, and that nothing was launched."""
+    import torch
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    import normkit
+    import torch_frontend as tf
+
+    D = shape[-1]
+    x = torch.randn(shape, device=device)
+    w = torch.ones(D, device=device)
+    xs = distribute_tensor(x, mesh, [Shard(1)])
+    wr = distribute_tensor(w, mesh, [Replicate()])
+    cases = {
+        "x_sharded_on_normalized_dim": lambda: tf.rms_norm(distribute_tensor(x, mesh, [Shard(len(shape) - 1)]), wr),
+        "x_partial": lambda: tf.rms_norm(DTensor.from_local(x, mesh, [Partial()], run_check=False), wr),
+        "weight_sharded": lambda: tf.layer_norm(xs, distribute_tensor(w, mesh, [Shard(0)]), wr),
+        "weight_plain_tensor": lambda: tf.rms_norm(xs, w),
+        "residual_sharded_on_normalized_dim": lambda: tf.fused_add_rms_norm(
+            xs, distribute_tensor(x, mesh, [Shard(len(shape) - 1)]), wr),
+    }
+    out = []
+    for name, fn in cases.items():
+        with normkit.record_launches() as log:
+            try:
+                fn()
+                err = None
+            except Exception as e:  # noqa: BLE001  (recorded and judged by torch_failures)
+                err = f"{type(e).__name__}: {e}"
+        out.append({"kind": "error", "name": name, "error": err, "launches": len(log)})
+    return out
+
+
+def torch_sequence_parallel_module(mesh, device: str, shape=TINY) -> list[dict]:
+    """``parallelize_module(tf.RMSNorm, SequenceParallel())`` and an SGD step: the step's collectives."""
+    import torch
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    import torch_frontend as tf
+
+    rank, world = mesh.get_local_rank(), mesh.size()
+    B, S, D = shape
+    out = []
+    for trained in (True, False):
+        torch.manual_seed(0)
+        x = torch.randn(shape, device=device)
+        norm = tf.RMSNorm(D, device=device)
+        ref = tf.RMSNorm(D, device=device)
+        ref.weight.requires_grad_(trained)
+        parallelize_module(norm, mesh, SequenceParallel())
+        # SequenceParallel re-creates the parameters as nn.Parameter(DTensor), which sets requires_grad=True:
+        # freeze *after* parallelizing.
+        norm.weight.requires_grad_(trained)
+        opt = torch.optim.SGD([p for p in norm.parameters() if p.requires_grad] or [torch.zeros(1, requires_grad=True)],
+                              lr=0.1)
+        chunk = S // world
+        local = x[:, rank * chunk:(rank + 1) * chunk].clone().requires_grad_()
+        y = norm(local)
+        with CommDebugMode() as bwd:
+            (y.to_local() ** 2).sum().backward()
+        with CommDebugMode() as step:
+            opt.step()
+        ref_x = x.clone().requires_grad_()
+        (ref(ref_x) ** 2).sum().backward()
+        record = {"kind": "sp_module", "name": f"sequence_parallel_module_{'trained' if trained else 'frozen'}",
+                  "trained": trained, "output_placements": str(tuple(y.placements)),
+                  "comms": {"backward": comm_counts(bwd), "step": comm_counts(step)},
+                  "errors": {"dx": _err(local.grad.cpu(), ref_x.grad[:, rank * chunk:(rank + 1) * chunk].cpu(),
+                                        "float32", "dx")}}
+        if trained:
+            with torch.no_grad():
+                expected = ref.weight - 0.1 * ref.weight.grad
+            record["errors"]["updated_weight"] = _err(norm.weight.full_tensor().detach().cpu(), expected.cpu(),
+                                                      "float32", "weight after the step", reduced_over=B * S)
+        out.append(record)
+    return out
+
+
+def _small_model(device, D: int):
+    import torch
+
+    import torch_frontend as tf
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(D, D), tf.RMSNorm(D), torch.nn.Linear(D, D), tf.LayerNorm(D)).to(device)
+    with torch.no_grad():
+        m[1].weight.uniform_(0.5, 1.5)
+        m[3].weight.uniform_(0.5, 1.5)
+        m[3].bias.uniform_(-0.5, 0.5)
+    m[1].weight.requires_grad_(False)  # a frozen RMSNorm weight
+    m[3].bias.requires_grad_(False)  # a frozen LayerNorm bias next to a trained weight
+    return m
+
+
+def torch_data_parallel(mesh, device: str, shape=TINY) -> list[dict]:
+    """DDP and FSDP2 (fully_shard) over a small model with frozen norm parameters, against one process."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # pragma: no cover  (torch < 2.6)
+        from torch.distributed._composable.fsdp import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    B, S, D = shape
+    torch.manual_seed(1)
+    x = torch.randn(B * world, S, D, device=device)
+    ref = _small_model(device, D)
+    (ref(x) ** 2).mean().backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    local = x[rank * B:(rank + 1) * B]
+    out = []
+
+    ddp = DistributedDataParallel(_small_model(device, D), device_ids=[torch.device(device).index]
+                                  if torch.device(device).type == "cuda" else None)
+    (ddp(local) ** 2).mean().backward()
+    out.append(_dp_record("ddp", {n: p.grad for n, p in ddp.module.named_parameters()}, ref_grads, B * S))
+
+    model = _small_model(device, D)
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    with comm_counter() as comms:
+        (model(local) ** 2).mean().backward()
+    grads = {n: (p.grad.full_tensor() if p.grad is not None else None) for n, p in model.named_parameters()}
+    record = _dp_record("fsdp2", grads, ref_grads, B * S)
+    record["comms"] = comms.summary()
+    out.append(record)
+    return out
+
+
+def _dp_record(name, grads: dict, ref_grads: dict, rows: int) -> dict:
+    errs = {}
+    for n, rg in ref_grads.items():
+        g = grads.get(n)
+        if (g is None) != (rg is None):
+            errs[n] = {"ok": False, "message": f"gradient presence differs: {g is not None} vs {rg is not None}"}
+        elif g is not None:
+            errs[n] = _err(g.detach().float().cpu(), rg.float().cpu(), "float32", n, reduced_over=rows)
+    return {"kind": "data_parallel", "name": name, "errors": errs,
+            "frozen_without_grad": sorted(n for n, g in ref_grads.items() if g is None and grads.get(n) is None)}
+
+
+def torch_cases(device: str, shape=TINY, dtype_name: str = "float32") -> list[dict]:
+    """Every torch case, on this rank of an initialized process group (world size 2)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(torch_device_type(device), (dist.get_world_size(),))
+    out = []
+    for name, op_name, placement, kind, trained in TORCH_CASES:
+        try:
+            out.append(torch_case(mesh, name, op_name, placement, _case_shape(kind, shape), trained, device,
+                                  dtype_name))
+        except Exception:  # noqa: BLE001  (one broken case must not hide the others)
+            out.append({"kind": "dtensor", "name": name, "crash": traceback.format_exc()[-3000:]})
+    for fn in (torch_error_cases, torch_sequence_parallel_module, torch_data_parallel):
+        try:
+            out.extend(fn(mesh, device, shape))
+        except Exception:  # noqa: BLE001
+            out.append({"kind": fn.__name__, "name": fn.__name__, "crash": traceback.format_exc()[-3000:]})
+    return out
+
+
+def torch_device_type(device: str) -> str:
+    return device.split(":")[0]
+
+
+ERROR_EXPECTATIONS = {  # case -> (exception type, words the message must contain)
+    "x_sharded_on_normalized_dim": ("ValueError", ("x has placements", "Shard(dim=2)", "normalized")),
+    "x_partial": ("ValueError", ("x has placements", "Partial", "partial sum")),
+    "weight_sharded": ("ValueError", ("weight has placements", "Shard(dim=0)", "tensor-parallel")),
+    "weight_plain_tensor": ("TypeError", ("weight is a plain torch.Tensor", "DTensor")),
+    "residual_sharded_on_normalized_dim": ("ValueError", ("residual has placements", "normalized")),
+}
+
+
+def torch_failures(case: dict) -> list[str]:
+    """What is wrong with one torch case's result (empty: it passes)."""
+    name = case["name"]
+    if "crash" in case:
+        return [f"{name} crashed:\n{case['crash']}"]
+    bad = [f"{name}: {k}: {v.get('message')}" for k, v in case.get("errors", {}).items() if not v.get("ok")]
+    kind = case["kind"]
+    if kind == "dtensor":
+        sharded = case["placement"] != "R"
+        trained_params = [p for p in case["params"] if p in case["trained"]]
+        if case["comms"]["forward"] or case["comms"]["backward"]:
+            bad.append(f"{name}: collectives in the forward/backward: {case['comms']}")
+        expect = {"all_reduce": len(trained_params)} if sharded and trained_params else {}
+        if case["comms"]["reduce"] != expect:
+            bad.append(f"{name}: reducing the gradients ran {case['comms']['reduce']}, expected {expect}")
+        for p in case["params"]:
+            got = case["grad_placements"][p]
+            want = None if p not in case["trained"] else "(Partial(sum),)" if sharded else "(Replicate(),)"
+            if got != want:
+                bad.append(f"{name}: {p}.grad placements {got}, expected {want}")
+        for o in ("y", "residual_out"):
+            if o in case["errors"] and case["errors"][o]["placements"] != str((_placement(case["placement"]),)):
+                bad.append(f"{name}: {o} placements {case['errors'][o]['placements']}")
+    elif kind == "error":
+        want_type, words = ERROR_EXPECTATIONS[name]
+        err = case["error"] or ""
+        if not err.startswith(want_type + ":") or not all(w in err for w in words):
+            bad.append(f"{name}: expected {want_type} mentioning {words}; got {err or 'no error'}")
+        if case["launches"]:
+            bad.append(f"{name}: {case['launches']} kernel launches before the error")
+    elif kind == "sp_module":
+        expect = {"all_reduce": 1} if case["trained"] else {}
+        if case["comms"]["backward"] or case["comms"]["step"] != expect:
+            bad.append(f"{name}: collectives {case['comms']}, expected none in backward and {expect} in the step")
+        if case["output_placements"] != "(Shard(dim=1),)":
+            bad.append(f"{name}: output placements {case['output_placements']}")
+    elif kind == "data_parallel":
+        frozen = {"1.weight", "3.bias"}
+        if set(case["frozen_without_grad"]) != frozen:
+            bad.append(f"{name}: parameters without gradient {case['frozen_without_grad']}, expected {sorted(frozen)}")
+    return bad
+
+
+def _torch_rank(rank: int, world: int, port: int, out_dir: str, device: str) -> None:
+    """One spawned CPU rank: gloo on 127.0.0.1, the torch cases, results to ``out_dir/rank{rank}.json``."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=180))
+    try:
+        cases = torch_cases(device)
+    finally:
+        dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(cases, indent=1))
+
+
+def spawn_cpu_ranks(fn, world: int, *args) -> None:
+    """``fn(rank, world, port, *args)`` in ``world`` spawned processes (gloo on 127.0.0.1)."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=True, start_method="spawn")
+
+
+def run_torch_cpu(out: Path, world: int = 2) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        spawn_cpu_ranks(_torch_rank, world, tmp, "cpu")
+        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+    cases = ranks[0]
+    for r, other in enumerate(ranks[1:], 1):  # every rank judges its own results
+        for case, theirs in zip(cases, other):
+            case.setdefault("other_ranks_failures", []).extend(
+                f"rank {r}: {f}" for f in torch_failures(theirs))
+    out.write_text(json.dumps(cases, indent=1))
+    return cases
+
+
+# =============================================================================================
+# JAX.
+
+# name, op, mesh shape + axis names, x's PartitionSpec entries, trained inputs, under jax.set_mesh
+# [, implementation= (default: auto)]
+JAX_CASES = [
+    ("rms_sp_trained", "rms_norm", ((2,), ("sp",)), (None, "sp", None), ("x", "weight"), True),
+    ("rms_sp_frozen", "rms_norm", ((2,), ("sp",)), (None, "sp", None), ("x",), True),
+    ("rms_sp_trained_no_set_mesh", "rms_norm", ((2,), ("sp",)), (None, "sp", None), ("x", "weight"), False),
+    ("rms_batch_trained", "rms_norm", ((2,), ("data",)), ("data", None, None), ("x", "weight"), True),
+    ("rms_sp_x_frozen", "rms_norm", ((2,), ("sp",)), (None, "sp", None), ("weight",), True),
+    ("ln_batch_trained", "layer_norm", ((2,), ("data",)), ("data", None, None), ("x", "weight", "bias"), True),
+    ("ln_batch_bias_frozen", "layer_norm", ((2,), ("data",)), ("data", None, None), ("x", "weight"), True),
+    ("ln_batch_frozen", "layer_norm", ((2,), ("data",)), ("data", None, None), ("x",), True),
+    ("fused_sp_trained", "fused_add_rms_norm", ((2,), ("sp",)), (None, "sp", None), ("x", "residual", "weight"),
+     True),
+    ("fused_sp_frozen", "fused_add_rms_norm", ((2,), ("sp",)), (None, "sp", None), ("x", "residual"), True),
+    ("rms_2d_mesh_data_model", "rms_norm", ((2, 1), ("data", "model")), ("data", None, None), ("x", "weight"), True),
+    ("rms_2d_mesh_data_sp", "rms_norm", ((1, 2), ("data", "sp")), ("data", "sp", None), ("x", "weight"), True),
+    # The other JAX implementations (jax_frontend.functional.IMPLEMENTATIONS) under the same sharding.
+    ("ln_batch_trained_xla", "layer_norm", ((2,), ("data",)), ("data", None, None), ("x", "weight", "bias"), True,
+     "xla"),
+    ("fused_sp_trained_pallas", "fused_add_rms_norm", ((2,), ("sp",)), (None, "sp", None),
+     ("x", "residual", "weight"), True, "pallas"),
+]
+
+
+def hlo_collectives(hlo: str, param_shape: tuple) -> dict:
+    """Collectives in compiled HLO text: all-gathers / all-to-alls, and per all-reduce the shapes it
+    reduces (async ``-start`` forms included); ``param_reductions`` counts arrays of ``param_shape``."""
+    import re
+
+    dims = ",".join(str(d) for d in param_shape)
+    reduces = []
+    for m in re.finditer(r"=\s*(\(.*?\)|\S+)\s+all-reduce(?:-start)?\(", hlo):
+        reduces.append(re.findall(r"[a-z]+\d*\[[\d,]*\]", m.group(1)))
+    flat = [s for r in reduces for s in r]
+    return {
+        "all_gather": len(re.findall(r"\sall-gather(?:-start)?\(", hlo)),
+        "all_to_all": len(re.findall(r"\sall-to-all\(", hlo)),
+        "collective_permute": len(re.findall(r"\scollective-permute(?:-start)?\(", hlo)),
+        "all_reduce_ops": len(reduces),
+        "all_reduce_arrays": flat,
+        "param_reductions": sum(1 for s in flat if s.endswith(f"[{dims}]")),
+    }
+
+
+def _jax_op(op_name: str, implementation=None):
+    import jax_frontend as jf
+
+    fn = getattr(jf, op_name)
+    if implementation is None:
+        return fn
+    return lambda *args: fn(*args, implementation=implementation)
+
+
+def _jax_loss(op_name: str, trained: tuple, cots, implementation=None):
+    """f(inputs by name) -> scalar."""
+    import jax.numpy as jnp
+
+    op = OPS[op_name]
+    fn = _jax_op(op_name, implementation)
+
+    def loss(args: dict):
+        out = fn(*(args.get(n) for n in op.inputs))
+        out = out if op.has_residual else (out,)
+        return sum(jnp.sum(o * c) for o, c in zip(out, cots))
+
+    return loss
+
+
+def jax_case(name: str, op_name: str, mesh_def, spec, trained: tuple, use_set_mesh: bool, implementation=None,
+             shape=TINY, devices=None) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from normkit.testing import random_inputs
+
+    op = OPS[op_name]
+    data = {k: jnp.asarray(v, jnp.float32) for k, v in
+            random_inputs(op, tuple(shape), "float32", np.random.default_rng(_seed(name))).items()}
+    cots = [data["dy"]] + ([data["ds"]] if op.has_residual else [])
+    fn = _jax_op(op_name, implementation)
+
+    def grads_of(inputs: dict, cot_arrays):  # the untrained inputs are closed over: frozen
+        fixed = {n: inputs[n] for n in op.inputs if n not in trained}
+
+        def f(train):
+            return _jax_loss(op_name, trained, cot_arrays, implementation)({**fixed, **train})
+        return jax.grad(f)({n: inputs[n] for n in trained})
+
+    ref_out = fn(*(data[n] for n in op.inputs))  # unsharded, on one device
+    ref_out = ref_out if op.has_residual else (ref_out,)
+    ref_grads = grads_of(data, cots)
+
+    mesh = jax.make_mesh(*mesh_def, devices=devices)
+    row = NamedSharding(mesh, P(*spec))
+    put = {n: jax.device_put(data[n], row if n in op.row_inputs else NamedSharding(mesh, P())) for n in op.inputs}
+    cots_s = [jax.device_put(c, row) for c in cots]
+
+    def run():
+        fwd = jax.jit(lambda a: fn(*(a.get(n) for n in op.inputs)))
+        out = fwd(put)
+        fwd_hlo = fwd.lower(put).compile().as_text()
+        g = jax.jit(grads_of)
+        grads = g(put, cots_s)
+        hlo = g.lower(put, cots_s).compile().as_text()
+        return (out if op.has_residual else (out,)), grads, fwd_hlo, hlo
+
+    if use_set_mesh:
+        with jax.set_mesh(mesh):
+            out, grads, fwd_hlo, hlo = run()
+    else:
+        out, grads, fwd_hlo, hlo = run()
+    M = int(np.prod(shape[:-1]))
+    errs = {}
+    for o_name, o, r in zip(op.outputs, out, ref_out):
+        errs[o_name] = _err(np.asarray(o), np.asarray(r), "float32", o_name)
+        errs[o_name]["spec"] = str(o.sharding.spec)
+    for n in trained:
+        errs["d" + n] = _err(np.asarray(grads[n]), np.asarray(ref_grads[n]), "float32", "d" + n,
+                             reduced_over=M if n in op.params else 1)
+        errs["d" + n]["spec"] = str(grads[n].sharding.spec)
+    D = shape[-1]
+    return {"kind": "sharded", "name": name, "op": op_name, "implementation": implementation,
+            "mesh": [list(mesh_def[0]), list(mesh_def[1])],
+            "spec": [s for s in spec], "trained": list(trained), "params": list(op.params), "errors": errs,
+            "forward_hlo": hlo_collectives(fwd_hlo, (D,)), "backward_hlo": hlo_collectives(hlo, (D,))}
+
+
+def jax_user_shard_map(shape=TINY, devices=None) -> list[dict]:
+    """normkit inside the caller's own shard_map on an Auto mesh (the rows are local there)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jax_frontend as jf
+
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,), devices=devices)
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    w = jnp.asarray(rng.uniform(0.5, 1.5, shape[-1]), jnp.float32)
+
+    def loss_local(x, w):
+        return jax.lax.psum(jnp.sum(jf.rms_norm(x, w) ** 2), "data")
+
+    out = []
+    for trained in (True, False):
+        argnums = (0, 1) if trained else (0,)
+        sm = jax.shard_map(loss_local, mesh=mesh, in_specs=(P("data"), P()), out_specs=P())
+        f = jax.jit(jax.grad(sm, argnums=argnums))
+        xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+        ws = jax.device_put(w, NamedSharding(mesh, P()))
+        grads = f(xs, ws)
+        ref = jax.grad(lambda x, w: jnp.sum(jf.rms_norm(x, w) ** 2), argnums=argnums)(x, w)
+        errs = {"dx": _err(np.asarray(grads[0]), np.asarray(ref[0]), "float32", "dx")}
+        if trained:
+            errs["dweight"] = _err(np.asarray(grads[1]), np.asarray(ref[1]), "float32", "dweight",
+                                   reduced_over=int(np.prod(shape[:-1])))
+        out.append({"kind": "user_shard_map", "name": f"user_shard_map_{'trained' if trained else 'frozen'}",
+                    "trained": ["x", "weight"] if trained else ["x"], "errors": errs,
+                    "backward_hlo": hlo_collectives(f.lower(xs, ws).compile().as_text(), (shape[-1],))})
+    return out
+
+
+def jax_auto_mesh(shape=TINY, devices=None) -> list[dict]:
+    """An Auto mesh outside shard_map: normkit cannot see the sharding, warns, and stays correct."""
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jax_frontend as jf
+    from jax_frontend import _sharding
+
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,), devices=devices)
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    w = jnp.asarray(rng.uniform(0.5, 1.5, shape[-1]), jnp.float32)
+    _sharding._WARNED_AUTO = False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        f = jax.jit(jax.grad(lambda x, w: jnp.sum(jf.rms_norm(x, w) ** 2), argnums=(0, 1)))
+        g = f(jax.device_put(x, NamedSharding(mesh, P("data"))), jax.device_put(w, NamedSharding(mesh, P())))
+    ref = jax.grad(lambda x, w: jnp.sum(jf.rms_norm(x, w) ** 2), argnums=(0, 1))(x, w)
+    return [{"kind": "auto_mesh", "name": "auto_mesh_unsharded_fallback",
+             "warnings": [str(m.message) for m in caught if m.category is _sharding.NormkitShardingWarning],
+             "errors": {"dx": _err(np.asarray(g[0]), np.asarray(ref[0]), "float32", "dx"),
+                        "dweight": _err(np.asarray(g[1]), np.asarray(ref[1]), "float32", "dweight",
+                                        reduced_over=int(np.prod(shape[:-1])))}}]
+
+
+JAX_ERROR_EXPECTATIONS = {
+    "x_sharded_on_normalized_dim": ("normalized (last) dimension is sharded",),
+    "weight_sharded": ("weight has sharding", "tensor-parallel"),
+    "residual_sharded_differently": ("residual has sharding", "sharded alike"),
+}
+
+
+def jax_error_cases(shape=TINY, devices=None) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    import jax_frontend as jf
+    import normkit
+
+    mesh = jax.make_mesh((2,), ("sp",), devices=devices)
+    x = jnp.ones(shape, jnp.float32)
+    w = jnp.ones(shape[-1], jnp.float32)
+    out = []
+    with jax.set_mesh(mesh):
+        xs, ws = jax.device_put(x, P(None, "sp")), jax.device_put(w, P())
+        cases = {
+            "x_sharded_on_normalized_dim": lambda: jax.jit(jf.rms_norm)(jax.device_put(x, P(None, None, "sp")), ws),
+            "weight_sharded": lambda: jax.jit(jf.rms_norm)(xs, jax.device_put(w, P("sp"))),
+            "residual_sharded_differently": lambda: jax.jit(jf.fused_add_rms_norm)(
+                xs, jax.device_put(x, P("sp")), ws),
+        }
+        for name, fn in cases.items():
+            with normkit.record_launches() as log:
+                try:
+                    fn()
+                    err = None
+                except Exception as e:  # noqa: BLE001
+                    err = f"{type(e).__name__}: {e}"
+            out.append({"kind": "error", "name": name, "error": err, "launches": len(log)})
+    return out
+
+
+def jax_cases(shape=TINY, devices=None) -> list[dict]:
+    out = []
+    for name, op_name, mesh_def, spec, trained, use_set_mesh, *implementation in JAX_CASES:
+        try:
+            out.append(jax_case(name, op_name, mesh_def, spec, trained, use_set_mesh, *implementation, shape=shape,
+                                devices=devices))
+        except Exception:  # noqa: BLE001
+            out.append({"kind": "sharded", "name": name, "crash": traceback.format_exc()[-3000:]})
+    for fn in (jax_user_shard_map, jax_auto_mesh, jax_error_cases):
+        try:
+            out.extend(fn(shape, devices))
+        except Exception:  # noqa: BLE001
+            out.append({"kind": fn.__name__, "name": fn.__name__, "crash": traceback.format_exc()[-3000:]})
+    return out
+
+
+def jax_failures(case: dict) -> list[str]:
+    name = case["name"]
+    if "crash" in case:
+        return [f"{name} crashed:\n{case['crash']}"]
+    bad = [f"{name}: {k}: {v.get('message')}" for k, v in case.get("errors", {}).items() if not v.get("ok")]
+    kind = case["kind"]
+    if kind == "sharded":
+        trained_params = [p for p in case["params"] if p in case["trained"]]
+        for phase in ("forward_hlo", "backward_hlo"):
+            h = case[phase]
+            if h["all_gather"] or h["all_to_all"] or h["collective_permute"]:
+                bad.append(f"{name}: {phase} moves activations: {h}")
+        if case["forward_hlo"]["all_reduce_ops"]:
+            bad.append(f"{name}: all-reduce in the forward: {case['forward_hlo']}")
+        h = case["backward_hlo"]
+        if h["param_reductions"] != len(trained_params) or len(h["all_reduce_arrays"]) != len(trained_params):
+            bad.append(f"{name}: the backward all-reduces {h['all_reduce_arrays']}; expected one array of the "
+                       f"parameter's shape per trained parameter {trained_params}")
+        for o in ("y", "residual_out"):
+            want = str(__import__("jax").sharding.PartitionSpec(*case["spec"]))
+            if o in case["errors"] and case["errors"][o]["spec"] != want:
+                bad.append(f"{name}: {o} sharding {case['errors'][o]['spec']}, expected {want}")
+    elif kind == "user_shard_map":
+        h = case["backward_hlo"]
+        want = 1 if "weight" in case["trained"] else 0
+        if h["all_gather"] or h["param_reductions"] != want:
+            bad.append(f"{name}: backward collectives {h}; expected {want} all-reduce of the weight's shape")
+    elif kind == "auto_mesh":
+        if len(case["warnings"]) != 1:
+            bad.append(f"{name}: expected one NormkitShardingWarning, got {case['warnings']}")
+    elif kind == "error":
+        err = case["error"] or ""
+        words = JAX_ERROR_EXPECTATIONS[name]
+        if not err.startswith("ValueError:") or not all(w in err for w in words):
+            bad.append(f"{name}: expected ValueError mentioning {words}; got {err or 'no error'}")
+        if case["launches"]:
+            bad.append(f"{name}: {case['launches']} kernel launches before the error")
+    return bad
+
+
+# =============================================================================================
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("frontend", choices=("torch", "jax"))
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    if args.frontend == "torch":
+        run_torch_cpu(args.out)
+    else:
+        import jax
+
+        if len(jax.devices()) < 2:
+            raise SystemExit("normkit: the JAX cases need 2 devices: set "
+                             "XLA_FLAGS=--xla_force_host_platform_device_count=2 before starting Python")
+        args.out.write_text(json.dumps(jax_cases(), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "jax":
+        os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.exit(main())
