@@ -136,6 +136,27 @@ def _record(kernel: functools.partial, grid: int, num_warps: int, partials: tupl
                                   partial_buffers=partials, interpreted=cpu, implementation="pallas"))
 
 
+@functools.lru_cache(maxsize=None)
+def _varying_field() -> str | None:
+    """The ShapeDtypeStruct keyword that says over which manual (shard_map) mesh axes an output varies:
+    ``manual_axis_type`` (jax 0.10) or ``vma`` (other versions), or None if it has neither."""
+    import inspect
+
+    params = inspect.signature(jax.ShapeDtypeStruct.__init__).parameters
+    return next((name for name in ("manual_axis_type", "vma") if name in params), None)
+
+
+def _struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
+    """A pallas_call output that varies over the same shard_map axes as ``like`` (under shard_map's
+    check_vma every output must say so; outside shard_map that is "none")."""
+    field = _varying_field()
+    aval = jax.typeof(like)
+    value = getattr(aval, field, None) if field else None
+    if field == "manual_axis_type" and value is None:
+        value = getattr(aval, "mat", None)
+    return jax.ShapeDtypeStruct(shape, dtype, **({field: value} if value is not None else {}))
+
+
 _WHOLE = pl.BlockSpec()  # the whole array for every program (its tiles are indexed in the kernel)
 
 
@@ -170,7 +191,7 @@ def forward(op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bo
     def launch(interpret, *args):
         return pl.pallas_call(
             body,
-            out_shape=tuple(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in buffers.values()),
+            out_shape=tuple(_struct(shape, dtype, x) for shape, dtype in buffers.values()),
             grid=(cfg.num_programs,),
             in_specs=[in_spec[n] for n in in_names],
             out_specs=tuple(_WHOLE for _ in out_names),
@@ -203,11 +224,11 @@ def backward(op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: G
     part_row = pl.BlockSpec((None, cfg.block_n), lambda i: (i, 0))  # this program's row of the [G, N] partials
     outs = {}  # kernel ref name -> (ShapeDtypeStruct, BlockSpec)
     if grads.dx:
-        outs["dx_ref"] = (jax.ShapeDtypeStruct((M, N), x.dtype), _WHOLE)
+        outs["dx_ref"] = (_struct((M, N), x.dtype, x), _WHOLE)
     if grads.dw:
-        outs["dw_part_ref"] = (jax.ShapeDtypeStruct((G, N), jnp.float32), part_row)
+        outs["dw_part_ref"] = (_struct((G, N), jnp.float32, x), part_row)
     if grads.db:
-        outs["db_part_ref"] = (jax.ShapeDtypeStruct((G, N), jnp.float32), part_row)
+        outs["db_part_ref"] = (_struct((G, N), jnp.float32, x), part_row)
     kernel = functools.partial(
         norm_pallas.norm_bwd_kernel, M=M, N=N, offset=opts.offset, IS_RMS=op.is_rms, HAS_W=weight is not None,
         HAS_DRES=has_dres, CASTING=int(opts.casting), COMPUTE_DX=grads.dx, COMPUTE_DW=grads.dw,
@@ -260,7 +281,7 @@ def _reduce_call(G: int, N: int, buffers: dict):
         args = [a for a in (dw_part, db_part) if a is not None]
         res = pl.pallas_call(
             body,
-            out_shape=tuple(jax.ShapeDtypeStruct(*buffers[n]) for n in out_names),
+            out_shape=tuple(_struct(*buffers[n], args[0]) for n in out_names),
             grid=(-(-N // block_n),),
             in_specs=[_WHOLE] * len(args),
             out_specs=tuple(col_block for _ in out_names),

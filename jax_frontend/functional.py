@@ -59,16 +59,20 @@ def _unavailable(name: str, platform: str) -> str | None:
     return None
 
 
-def resolve_implementation(implementation: str | None = None) -> str:
+def resolve_implementation(implementation: str | None = None, like=None) -> str:
     """The implementation a call with ``implementation=`` runs on the default backend.
 
     ``None`` (auto) picks ``"triton"`` where it can run (a GPU with jax-triton 0.3.1; on CPU, Triton's
     interpreter, when torch is installed), else ``"pallas"`` (no jax-triton; a torch-free CPU install),
-    else ``"xla"``. A requested implementation that cannot run raises: never a silent fallback.
+    else ``"xla"``. On CPU inside a ``shard_map`` (``like``, the input, varies over manual mesh axes)
+    auto skips Pallas: Pallas's interpreter cannot type its padding under shard_map's ``check_vma``.
+    A requested implementation that cannot run raises: never a silent fallback. The launch records
+    (``normkit.record_launches``) name the implementation that ran.
     """
     platform = jax.default_backend()
     if implementation is None:
-        return next(name for name in IMPLEMENTATIONS if _unavailable(name, platform) is None)
+        skip = {"pallas"} if platform == "cpu" and like is not None and _sharding._varying(like) else set()
+        return next(name for name in IMPLEMENTATIONS if name not in skip and _unavailable(name, platform) is None)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"normkit: unknown implementation {implementation!r}; expected None or one of "
                          f"{IMPLEMENTATIONS}")
@@ -178,7 +182,7 @@ def _call(op: Op, x, residual=None, weight=None, bias=None, *, eps, offset=0.0, 
     checks.check(op, x_shape=tuple(x.shape), x_dtype=_launch.dtype_name(x.dtype), residual=spec(residual),
                  weight=spec(weight), bias=spec(bias))
     opts = op.options(eps=eps, offset=offset, casting_mode=casting_mode)
-    impl = _implementation_module(resolve_implementation(implementation))
+    impl = _implementation_module(resolve_implementation(implementation, x))
     # Distributed (issue 12, jax_frontend/_sharding.py): inside a caller's shard_map, inputs varying alike;
     # x sharded over Explicit mesh axes runs per device through shard_map, on arrays of the caller's
     # shape; unsupported shardings raise here.
