@@ -112,10 +112,29 @@ def _outputs(cfg: _Config, out: dict):
     return (out["Y"], out["S"]) if cfg.op.has_residual else out["Y"]
 
 
+def _forward(cfg: _Config, x, residual, weight, bias, *, store_stats: bool) -> dict:
+    """The implementation's forward; no rows: empty results (every implementation gets M >= 1)."""
+    M, N = x.shape
+    if M == 0:
+        return {name: jnp.zeros(shape, dtype) for name, (shape, dtype) in
+                cfg.op.fwd_buffers(M, N, _launch.dtype_name(x.dtype), store_stats).items()}
+    return cfg.impl.forward(cfg.op, x, residual, weight, bias, opts=cfg.opts, store_stats=store_stats)
+
+
+def _backward(cfg: _Config, x, weight, dy, dres, mean, rstd, *, grads: Grads, b_dtype) -> dict:
+    """The implementation's backward; no rows: dX empty and dW/dB sums of nothing (zeros)."""
+    M, N = x.shape
+    if M == 0:
+        w_dtype = _launch.dtype_name(weight.dtype) if weight is not None else None
+        return {name: jnp.zeros(shape, dtype) for name, (shape, dtype) in
+                cfg.op.bwd_buffers(M, N, _launch.dtype_name(x.dtype), grads, w_dtype, b_dtype).items()}
+    return cfg.impl.backward(cfg.op, x, weight, dy, dres, mean, rstd, opts=cfg.opts, grads=grads, b_dtype=b_dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _norm(cfg: _Config, x, residual, weight, bias):
     """Rows in, rows out. No backward will run here, so no statistics are stored."""
-    return _outputs(cfg, cfg.impl.forward(cfg.op, x, residual, weight, bias, opts=cfg.opts, store_stats=False))
+    return _outputs(cfg, _forward(cfg, x, residual, weight, bias, store_stats=False))
 
 
 def _value(p):
@@ -131,7 +150,7 @@ def _norm_fwd(cfg: _Config, x, residual, weight, bias):
     needs = _Needs(x=_perturbed(x), residual=_perturbed(residual), weight=_perturbed(weight), bias=_perturbed(bias),
                    b_dtype=None if b is None else _launch.dtype_name(b.dtype))
     store = needs.grads.any
-    out = cfg.impl.forward(cfg.op, _value(x), _value(residual), _value(weight), b, opts=cfg.opts, store_stats=store)
+    out = _forward(cfg, _value(x), _value(residual), _value(weight), b, store_stats=store)
     if not store:  # nothing will be differentiated: keep nothing alive
         return _outputs(cfg, out), (None, None, None, None, needs)
     saved_x = out["S"] if cfg.op.has_residual else _value(x)  # the fused op normalized s = x + residual
@@ -152,7 +171,7 @@ def _norm_bwd(cfg: _Config, res, ct):
         return None, None, None, None
     if dy is None:  # only residual_out was used: y's gradient is exactly zero
         dy = jnp.zeros_like(x)
-    out = cfg.impl.backward(cfg.op, x, w, dy, ds, mean, rstd, opts=cfg.opts, grads=grads, b_dtype=needs.b_dtype)
+    out = _backward(cfg, x, w, dy, ds, mean, rstd, grads=grads, b_dtype=needs.b_dtype)
     assert set(out) == set(cfg.op.bwd_buffers(1, 1, "float32", grads, "float32", "float32")), out.keys()
     dx = out.get("DX")
     return (dx if needs.x else None, dx if needs.residual else None, out.get("DW"), out.get("DB"))

@@ -1,133 +1,139 @@
-"""Smoke test of an installed normkit: forward + backward of each op through ``torch_frontend`` on CPU
-(Triton's interpreter), checked against ``normkit.reference`` (float64) with fresh random inputs.
+"""Smoke test of an installed normkit: forward + backward of each op, checked against the float64
+reference (``normkit.ops.Op.run_reference``) within the tolerance table (``normkit.testing``), with
+fresh random inputs; on CPU (Triton's interpreter for torch, the auto implementation for JAX).
 
-Meant for a fresh venv made with pip alone (``pip install torch==2.13.0 && pip install ".[torch]"``),
-whatever numpy and triton pip picked; ``.ci/run`` runs it that way. It needs nothing from the
-checkout: run it from outside the repository root, or as ``python scripts/smoke_install.py`` (the
-script's folder, not the checkout, is then on sys.path), so that the installed package is tested.
-``--require-installed`` fails if normkit was imported from anywhere but site-packages.
+Meant for a fresh venv made with pip alone, whatever numpy and triton pip picked; ``.ci/run`` runs it
+that way: ``pip install torch==2.13.0 && pip install ".[torch]"`` (default: the Torch frontend), and
+``pip install ".[jax]"`` with no torch (``--jax``: the README's JAX example, then every op through
+``jax_frontend``). Run it from outside the repository root, or as ``python scripts/smoke_install.py``
+(the script's folder, not the checkout, is then on sys.path), so that the installed package is
+tested; ``--require-installed`` fails if normkit was imported from anywhere but site-packages.
 
 Exits 0 when every result is within tolerance, 1 on any mismatch, error or warning (warnings are
-errors here, numpy's array-to-scalar DeprecationWarning for one), except normkit's
-``NormkitInterpreterWarning``: pip may pick a Triton newer than the one normkit's interpreter
-patches were written for, which normkit allows with that warning; it is printed as a note, and the
-results must still match the reference.
+errors here), except normkit's ``NormkitInterpreterWarning``: pip may pick a Triton newer than the
+one normkit's interpreter patches were written for, which normkit allows with that warning; it is
+printed as a note, and the results must still match the reference.
 """
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import traceback
 import warnings
 
-# |actual - ref| <= atol * sqrt(rows summed over) + rtol * |ref|: the table in tests/tolerances.py
-TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (2e-2, 2e-2)}
+SHAPE = (3, 5, 40)  # leading dims folded into 15 rows; D not a power of two
+DTYPES = ("float32", "bfloat16")
 
 
-def _check(name, actual, ref, dtype, reduced_over=1):
-    import numpy as np
-
-    actual = actual.detach().double().numpy()
-    ref = np.asarray(ref, dtype=np.float64)
-    rtol, atol = TOLERANCES[dtype]
-    if actual.shape != ref.shape:
-        return f"{name}: shape {actual.shape} != reference {ref.shape}"
-    err = np.abs(actual - ref)
-    bad = ~(err <= atol * math.sqrt(reduced_over) + rtol * np.abs(ref))  # NaN counts as bad
-    if bad.any():
-        return f"{name}: {int(bad.sum())}/{bad.size} elements off, max |err| {np.nanmax(err):.3g}"
-    return None
-
-
-def _cases(seed: int, dtype_name: str):
-    """Yield (name, failure or None) for a forward + backward of each op."""
+def _torch_case(op, inp: dict, dtype: str):
+    """(outputs, gradients) through torch_frontend, every input trained."""
     import torch
 
     import torch_frontend as tf
-    from normkit import reference as ref
 
-    dtype = getattr(torch, dtype_name)
-    g = torch.Generator().manual_seed(seed)
-    shape, n = (3, 5, 40), 40  # leading dims folded into 15 rows; D not a power of two
-    rows = 15
+    t = {name: torch.tensor(inp[name], dtype=getattr(torch, dtype), requires_grad=True) for name in op.inputs}
+    outs = getattr(tf, op.name)(*(t[name] for name in op.inputs))
+    outs = outs if op.has_residual else (outs,)
+    cots = [torch.tensor(inp[c], dtype=getattr(torch, dtype)) for c in ("dy", "ds")[:len(outs)]]
+    torch.autograd.backward(list(outs), cots)
+    wide = lambda a: a.detach().double().numpy()  # noqa: E731
+    return dict(zip(op.outputs, map(wide, outs))), {name: wide(t[name].grad) for name in op.inputs}
 
-    def rand(*s, scale=1.0):
-        return (torch.randn(*s, generator=g) * scale + 0.1).to(dtype).requires_grad_(True)
 
-    def np64(t):
-        return t.detach().double().numpy()
+def _jax_case(op, inp: dict, dtype: str):
+    """(outputs, gradients) through jax_frontend (its auto implementation), every input trained."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
 
-    x, res, dy, ds = rand(*shape), rand(*shape), rand(*shape), rand(*shape)
-    w, b = rand(n), rand(n)
+    import jax_frontend as jf
 
-    y = tf.rms_norm(x, w, eps=1e-6, offset=0.5, casting_mode="gemma")
-    dx, dw = torch.autograd.grad(y, (x, w), dy)
-    rdx, rdw = ref.rms_norm_bwd(np64(x), np64(w), np64(dy), eps=1e-6, offset=0.5)
-    yield "rms_norm y", _check("y", y, ref.rms_norm(np64(x), np64(w), eps=1e-6, offset=0.5), dtype_name)
-    yield "rms_norm dx", _check("dx", dx, rdx, dtype_name)
-    yield "rms_norm dw", _check("dw", dw, rdw, dtype_name, rows)
+    arrays = [jnp.asarray(inp[name], jnp.float32).astype(dtype) for name in op.inputs]
+    outs, vjp = jax.vjp(getattr(jf, op.name), *arrays)
+    outs = outs if op.has_residual else (outs,)
+    grads = vjp(tuple(jnp.asarray(inp[c], jnp.float32).astype(dtype) for c in ("dy", "ds")[:len(outs)])
+                if op.has_residual else jnp.asarray(inp["dy"], jnp.float32).astype(dtype))
+    wide = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
+    return dict(zip(op.outputs, map(wide, outs))), dict(zip(op.inputs, map(wide, grads)))
 
-    y = tf.layer_norm(x, w, b, eps=1e-5)
-    dx, dw, db = torch.autograd.grad(y, (x, w, b), dy)
-    rdx, rdw, rdb = ref.layer_norm_bwd(np64(x), np64(w), np64(b), np64(dy), eps=1e-5)
-    yield "layer_norm y", _check("y", y, ref.layer_norm(np64(x), np64(w), np64(b), eps=1e-5), dtype_name)
-    yield "layer_norm dx", _check("dx", dx, rdx, dtype_name)
-    yield "layer_norm dw", _check("dw", dw, rdw, dtype_name, rows)
-    yield "layer_norm db", _check("db", db, rdb, dtype_name, rows)
 
-    # bf16 rounds s = x + residual before normalizing; the reference sees that rounded s
-    y, s = tf.fused_add_rms_norm(x, res, w, eps=1e-6)
-    dx, dres, dw = torch.autograd.grad((y, s), (x, res, w), (dy, ds))
-    s_in = np64(s)
-    ry, _ = ref.fused_add_rms_norm(s_in, 0.0 * s_in, np64(w), eps=1e-6)
-    rdx, rdres, rdw = ref.fused_add_rms_norm_bwd(s_in, 0.0 * s_in, np64(w), np64(dy), np64(ds), eps=1e-6)
-    yield "fused_add_rms_norm y", _check("y", y, ry, dtype_name)
-    yield "fused_add_rms_norm s", _check("s", s, ref.fused_add_rms_norm(np64(x), np64(res), np64(w))[1], dtype_name)
-    yield "fused_add_rms_norm dx", _check("dx", dx, rdx, dtype_name)
-    yield "fused_add_rms_norm dresidual", _check("dresidual", dres, rdres, dtype_name)
-    yield "fused_add_rms_norm dw", _check("dw", dw, rdw, dtype_name, rows)
+def _readme_jax_example() -> None:
+    """The README's JAX example: freeze inside the loss; the norm runs its dW-free variant."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_frontend as jf
+    import normkit
+
+    params = {"attn": jnp.eye(8) * 0.5 + 0.1, "norm": jnp.linspace(0.5, 1.5, 8)}
+    batch = jnp.arange(32.0).reshape(4, 8) / 10
+
+    def loss_fn(params, batch):
+        params = jf.freeze(params, {"attn": True, "norm": False})
+        h = jf.rms_norm(batch @ params["attn"], params["norm"], eps=1e-6)
+        return (h ** 2).mean()
+
+    with normkit.record_launches() as log:
+        grads = jax.grad(loss_fn)(params, batch)
+    (bwd,) = [launch for launch in log if launch.kernel.endswith(("norm_bwd_kernel", "norm_bwd"))]
+    assert not bwd.flags["COMPUTE_DW"] and not float(jnp.abs(grads["norm"]).max()), bwd.flags
+    print(f"  README JAX example ok: implementation {bwd.implementation}, frozen norm: COMPUTE_DW off")
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, default=None, help="input seed (default: a fresh one, printed)")
-    parser.add_argument("--require-installed", action="store_true",
-                        help="fail unless normkit is imported from site-packages (not a checkout)")
-    args = parser.parse_args(argv)
-    warnings.simplefilter("error")  # a warning on this path is a broken install: fail loudly
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--jax", action="store_true", help="check jax_frontend instead of torch_frontend")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--require-installed", action="store_true")
+    args = p.parse_args(argv)
+    warnings.simplefilter("error")
     try:
         import numpy as np
-        import torch
-        import triton
 
         import normkit
-        from normkit._interpreter import NormkitInterpreterWarning
+        from normkit.ops import OPS
+        from normkit.testing import assert_close, random_inputs
     except Exception:
         traceback.print_exc()
         return 1
-    seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**31)
-    print(f"normkit smoke: normkit from {normkit.__file__}; torch {torch.__version__}, triton {triton.__version__}, "
-          f"numpy {np.__version__}, python {sys.version.split()[0]}; seed {seed}")
     if args.require_installed and "site-packages" not in normkit.__file__:
-        print("FAIL: normkit was not imported from site-packages")
+        print(f"normkit was imported from {normkit.__file__}, not from an installed copy")
         return 1
+    try:
+        from normkit._interpreter import NormkitInterpreterWarning
+
+        warnings.filterwarnings("default", category=NormkitInterpreterWarning)
+    except ImportError:
+        pass
+    seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**31)
+    frontend = "jax" if args.jax else "torch"
+    print(f"normkit {normkit.__version__} from {normkit.__file__}; {frontend}; numpy {np.__version__}; seed {seed}")
     failures = 0
-    with warnings.catch_warnings(record=True) as notes:
-        warnings.simplefilter("error")
-        warnings.simplefilter("always", NormkitInterpreterWarning)  # recorded, printed below
-        for dtype_name in TOLERANCES:
+    if args.jax:
+        try:
+            _readme_jax_example()
+        except Exception:
+            traceback.print_exc()
+            failures += 1
+    run = _jax_case if args.jax else _torch_case
+    for dtype in DTYPES:
+        for op in OPS.values():
+            inp = random_inputs(op, SHAPE, dtype, np.random.default_rng(seed))
             try:
-                for name, failure in _cases(seed, dtype_name):
-                    failures += failure is not None
-                    print(f"  {'FAIL' if failure else 'ok  '} {dtype_name:8s} {name}" + (f": {failure}" if failure else ""))
+                outs, grads = run(op, inp, dtype)
+                ref_outs, ref_grads = op.run_reference(inp, op.options(eps=op.default_eps),
+                                                       {"y": inp["dy"], "residual_out": inp.get("ds")})
+                for name, r in ref_outs.items():
+                    assert_close(outs[name], r, dtype, f"{op.name} {dtype} {name}")
+                for name, r in ref_grads.items():
+                    rows = 15 if name in op.params else 1
+                    assert_close(grads[name], r, dtype, f"{op.name} {dtype} d{name}", reduced_over=rows)
+                print(f"  {op.name:19s} {dtype:9s} ok")
             except Exception:
                 failures += 1
-                print(f"  FAIL {dtype_name:8s} raised:")
-                traceback.print_exc(file=sys.stdout)
-    for note in {str(n.message) for n in notes}:
-        print(f"  note: {note}")
-    print("normkit smoke: " + ("all ok" if not failures else f"{failures} failure(s)"))
+                print(f"  {op.name:19s} {dtype:9s} FAILED")
+                traceback.print_exc()
+    print("smoke: all ok" if not failures else f"smoke: {failures} failed")
     return 1 if failures else 0
 
 

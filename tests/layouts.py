@@ -231,11 +231,12 @@ class JaxKit:
 
     name = "jax"
 
-    def __init__(self):
+    def __init__(self, module=None):
         import jax
         import jax.numpy as jnp
 
         self.jax, self.jnp = jax, jnp
+        self.module = module  # jax_frontend, or the adapter's view of it with implementation= bound
         self.views = _views(lambda b, shape: jnp.broadcast_to(b, shape), jnp.moveaxis)
         self.dtypes = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
                        "float64": jnp.float64}
@@ -256,8 +257,9 @@ class JaxKit:
         """As TorchKit.run; ``how`` is "argnums" (only the trained inputs are differentiated, and with
         nothing trained there is no backward at all) or "freeze" (every input is differentiated and
         ``jax_frontend.freeze`` stops the frozen ones: their gradients must be exactly zero)."""
-        import jax_frontend as jf
+        import jax_frontend
 
+        jf = self.module or jax_frontend
         jax = self.jax
         wide = any(a.dtype == "float64" for a in {**leaves, **cotangents}.values())
         with jax.enable_x64(True) if wide else contextlib.nullcontext():
@@ -304,3 +306,10 @@ class JaxKit:
 
 
 KITS = {"torch": TorchKit, "jax": JaxKit}
+
+
+def kit(frontend):
+    """The kit for a test adapter (tests/frontends.py): "torch", or "jax" with any implementation."""
+    if frontend.name == "torch":
+        return TorchKit()
+    return JaxKit(frontend.module)
