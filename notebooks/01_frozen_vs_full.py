@@ -43,18 +43,13 @@ import torch
 import jax_frontend as nk
 import normkit
 import torch_frontend as tf
-from normkit import reference as ref
-from tests.tolerances import TOLERANCES, assert_close
+from normkit.ops import OPS
+from normkit.testing import TOLERANCES, assert_close, random_inputs
 
 SIZE = notebook_size()
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 M, N = {"smoke": (48, 256), "full": (4096, 4096)}[SIZE]  # full: Llama-3-8B hidden size, 4k tokens
 DTYPES = ["float32", "bfloat16"]
-OPS = ["rms_norm", "layer_norm", "fused_add_rms_norm"]
-PARAMS = {"rms_norm": ["weight"], "layer_norm": ["weight", "bias"], "fused_add_rms_norm": ["weight"]}
-ACTS = {"rms_norm": ["x"], "layer_norm": ["x"], "fused_add_rms_norm": ["x", "residual"]}
-OUTS = {"rms_norm": ["y"], "layer_norm": ["y"], "fused_add_rms_norm": ["y", "residual_out"]}
-EPS = {"rms_norm": 1e-6, "layer_norm": 1e-5, "fused_add_rms_norm": 1e-6}
 VARIANTS = ["full", "frozen"]  # full: parameters trained; frozen: parameters frozen. x is trained in both.
 TORCH_DT = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 JAX_DT = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -62,43 +57,34 @@ print(f"size: {SIZE}; x is {M} x {N}")
 table([environment()])
 
 # %% [markdown]
+# Every op is a row of normkit's op table (`normkit.ops.OPS`): its inputs in signature order (the row
+# inputs, then the parameters), its outputs and its default `eps`. The code below reads them from there
+# and never tests an op's name; each public function takes the op's inputs positionally in that order.
+
+# %%
+table([{"op": op.name, "inputs": ", ".join(op.inputs), "row inputs": ", ".join(op.row_inputs),
+        "parameters": ", ".join(op.params), "outputs": ", ".join(op.outputs), "default eps": op.default_eps}
+       for op in OPS.values()])
+
+# %% [markdown]
 # ## Inputs and the float64 reference
-# Fresh random inputs, rounded to the dtype once, so every implementation and the reference see the
-# same values. The weight has random signs and magnitudes in [0.5, 1.5]; `dy` (and `ds`, the gradient
-# of the fused op's `residual_out`) are random too.
+# Fresh random inputs (`normkit.testing.random_inputs`), rounded to the dtype once, so every
+# implementation and the reference see the same values. The weight has random signs and magnitudes in
+# [0.5, 1.5]; `dy` (and `ds`, the gradient of the fused op's `residual_out`) are random too. The
+# reference is the op's float64 forward and closed-form backward (`op.run_reference`).
 
 # %%
 rng = np.random.default_rng(2024)
 
 
-def rounded(a, dtype):
-    """a as the float64 values it takes once stored in dtype."""
-    return torch.from_numpy(a.astype(np.float32)).to(TORCH_DT[dtype]).double().numpy()
-
-
 def make_inputs(op, dtype):
-    inp = {"x": rng.standard_normal((M, N)) * 1.5 + 0.3, "dy": rng.standard_normal((M, N)),
-           "weight": rng.uniform(0.5, 1.5, N) * rng.choice([-1.0, 1.0], N)}
-    if op == "layer_norm":
-        inp["bias"] = rng.standard_normal(N) * 0.5
-    if op == "fused_add_rms_norm":
-        inp["residual"] = rng.standard_normal((M, N))
-        inp["ds"] = rng.standard_normal((M, N))
-    return {k: rounded(v, dtype) for k, v in inp.items()}
+    return random_inputs(op, (M, N), dtype, rng)
 
 
 def reference(op, inp):
-    """(outputs, gradients) in float64."""
-    if op == "rms_norm":
-        dx, dw = ref.rms_norm_bwd(inp["x"], inp["weight"], inp["dy"], EPS[op])
-        return {"y": ref.rms_norm(inp["x"], inp["weight"], EPS[op])}, {"x": dx, "weight": dw}
-    if op == "layer_norm":
-        dx, dw, db = ref.layer_norm_bwd(inp["x"], inp["weight"], inp["bias"], inp["dy"], EPS[op])
-        return ({"y": ref.layer_norm(inp["x"], inp["weight"], inp["bias"], EPS[op])},
-                {"x": dx, "weight": dw, "bias": db})
-    y, s = ref.fused_add_rms_norm(inp["x"], inp["residual"], inp["weight"], EPS[op])
-    dx, dres, dw = ref.fused_add_rms_norm_bwd(inp["x"], inp["residual"], inp["weight"], inp["dy"], inp["ds"], EPS[op])
-    return {"y": y, "residual_out": s}, {"x": dx, "residual": dres, "weight": dw}
+    """(outputs, gradients of every input) in float64."""
+    opts = op.options(eps=op.default_eps)
+    return op.run_reference(inp, opts, {"y": inp["dy"], "residual_out": inp.get("ds")})
 
 
 # %% [markdown]
@@ -108,48 +94,40 @@ def reference(op, inp):
 # respect to the outputs is exactly `dy` (and `ds`): the same cotangents Torch's `backward` receives.
 
 # %%
+def apply(module, op, inputs):
+    """``op`` from a frontend's module on named inputs: outputs by name. Every public function takes the
+    op's inputs positionally in ``op.inputs`` order."""
+    out = getattr(module, op.name)(*(inputs[k] for k in op.inputs), eps=op.default_eps)
+    return dict(zip(op.outputs, out if op.has_residual else (out,)))
+
+
 def run_torch(op, dtype, variant, inp):
     t = {k: torch.from_numpy(v).to(DEVICE, TORCH_DT[dtype]) for k, v in inp.items()}
-    for k in ACTS[op]:
+    for k in op.row_inputs:
         t[k].requires_grad_(True)
-    for k in PARAMS[op]:
+    for k in op.params:
         t[k].requires_grad_(variant == "full")
     with normkit.record_launches() as log:
-        if op == "rms_norm":
-            outs = {"y": tf.rms_norm(t["x"], t["weight"], EPS[op])}
-        elif op == "layer_norm":
-            outs = {"y": tf.layer_norm(t["x"], t["weight"], t["bias"], EPS[op])}
-        else:
-            y, s = tf.fused_add_rms_norm(t["x"], t["residual"], t["weight"], EPS[op])
-            outs = {"y": y, "residual_out": s}
-        cts = [t["dy"]] + ([t["ds"]] if op == "fused_add_rms_norm" else [])
-        torch.autograd.backward(list(outs.values()), cts)
+        outs = apply(tf, op, t)
+        cts = {"y": t["dy"], "residual_out": t.get("ds")}
+        torch.autograd.backward(list(outs.values()), [cts[k] for k in outs])
         if DEVICE.type == "cuda":
             torch.cuda.synchronize()
     as_np = lambda a: None if a is None else a.detach().double().cpu().numpy()  # noqa: E731
-    grads = {k: as_np(t[k].grad) for k in ACTS[op] + PARAMS[op]}
+    grads = {k: as_np(t[k].grad) for k in op.inputs}
     return {k: as_np(v) for k, v in outs.items()}, grads, log
-
-
-def jax_forward(op, acts, params):
-    if op == "rms_norm":
-        return {"y": nk.rms_norm(acts["x"], params["weight"], EPS[op])}
-    if op == "layer_norm":
-        return {"y": nk.layer_norm(acts["x"], params["weight"], params["bias"], EPS[op])}
-    y, s = nk.fused_add_rms_norm(acts["x"], acts["residual"], params["weight"], EPS[op])
-    return {"y": y, "residual_out": s}
 
 
 def run_jax(op, dtype, variant, inp):
     arr = {k: jnp.asarray(v, dtype=jnp.float32).astype(JAX_DT[dtype]) for k, v in inp.items()}
-    acts = {k: arr[k] for k in ACTS[op]}
-    params = {k: arr[k] for k in PARAMS[op]}
+    acts = {k: arr[k] for k in op.row_inputs}
+    params = {k: arr[k] for k in op.params}
     cts = {"y": arr["dy"].astype(jnp.float32), "residual_out": arr.get("ds", arr["dy"]).astype(jnp.float32)}
     trainable = {k: variant == "full" for k in params}
 
     def loss(acts, params):
         params = nk.freeze(params, trainable)  # stop_gradient on the frozen leaves
-        outs = jax_forward(op, acts, params)
+        outs = apply(nk, op, {**acts, **params})
         return sum(jnp.sum(o.astype(jnp.float32) * cts[k]) for k, o in outs.items()), outs
 
     with normkit.record_launches() as log:  # under jit, launches are recorded when traced
@@ -167,7 +145,7 @@ FRONTENDS = {"torch": run_torch, "jax": run_jax}
 # For each op, dtype and variant, both frontends run on the same inputs. Only summaries are kept:
 # the launch records, and per array the share of the tolerance used (against the reference) and the
 # largest difference between the frontends. Every comparison is also asserted with the project's one
-# tolerance table (`tests/tolerances.py`), so a disagreement stops the notebook.
+# tolerance table (`normkit.testing.TOLERANCES`), so a disagreement stops the notebook.
 
 # %%
 def tol_share(actual, expected, dtype, reduced_over=1):
@@ -178,38 +156,38 @@ def tol_share(actual, expected, dtype, reduced_over=1):
 
 
 LOGS, AGREE, CROSS = {}, [], []
-for op in OPS:
+for op in OPS.values():
     for dtype in DTYPES:
         inp = make_inputs(op, dtype)
         ref_outs, ref_grads = reference(op, inp)
         for variant in VARIANTS:
             res = {fe: run(op, dtype, variant, inp) for fe, run in FRONTENDS.items()}
             for fe, (outs, grads, log) in res.items():
-                LOGS[fe, op, dtype, variant] = log
-                row = {"frontend": fe, "op": op, "dtype": dtype, "variant": variant}
+                LOGS[fe, op.name, dtype, variant] = log
+                row = {"frontend": fe, "op": op.name, "dtype": dtype, "variant": variant}
                 for k, r in ref_outs.items():
-                    assert_close(outs[k], r, dtype, f"{fe} {op} {dtype} {variant}: {k}")
+                    assert_close(outs[k], r, dtype, f"{fe} {op.name} {dtype} {variant}: {k}")
                     row[k] = tol_share(outs[k], r, dtype)
                 for k, r in ref_grads.items():
-                    what = f"{fe} {op} {dtype} {variant}: d{k}"
-                    if k in PARAMS[op] and variant == "frozen":
+                    what = f"{fe} {op.name} {dtype} {variant}: d{k}"
+                    if k in op.params and variant == "frozen":
                         # Torch: no gradient at all; JAX: a symbolic zero, instantiated as zeros by grad.
                         assert grads[k] is None if fe == "torch" else not np.any(grads[k]), what
                         row[k] = "frozen"
                         continue
-                    reduced = M if k in PARAMS[op] else 1
+                    reduced = M if k in op.params else 1
                     assert_close(grads[k], r, dtype, what, reduced_over=reduced)
                     row[k] = tol_share(grads[k], r, dtype, reduced)
                 AGREE.append(row)
             (t_outs, t_grads, _), (j_outs, j_grads, _) = res["torch"], res["jax"]
-            row, same, n = {"op": op, "dtype": dtype, "variant": variant}, 0, 0
-            for k in OUTS[op] + ACTS[op] + PARAMS[op]:
-                t, j = (t_outs[k], j_outs[k]) if k in OUTS[op] else (t_grads[k], j_grads[k])
+            row, same, n = {"op": op.name, "dtype": dtype, "variant": variant}, 0, 0
+            for k in op.outputs + op.inputs:
+                t, j = (t_outs[k], j_outs[k]) if k in op.outputs else (t_grads[k], j_grads[k])
                 if t is None:
                     row[k] = "frozen"
                     continue
-                assert_close(j, t, dtype, f"jax vs torch {op} {dtype} {variant}: {k}",
-                             reduced_over=M if k in PARAMS[op] else 1)
+                assert_close(j, t, dtype, f"jax vs torch {op.name} {dtype} {variant}: {k}",
+                             reduced_over=M if k in op.params else 1)
                 row[k] = float(np.max(np.abs(t - j)))
                 same, n = same + bool(np.array_equal(t, j)), n + 1
             row["bitwise equal"] = f"{same}/{n}"
@@ -232,7 +210,7 @@ def fmt_partials(launch):
 
 def backward_bytes(op, dtype, log):
     item = torch.finfo(TORCH_DT[dtype]).bits // 8
-    tensors = 3 + (op == "fused_add_rms_norm")  # x, dy, dx (+ ds)
+    tensors = 3 + op.has_residual  # x, dy, dx (+ ds)
     total = tensors * M * N * item + N * item  # + weight read
     for launch in log.of("norm_bwd_kernel"):
         total += 2 * launch.partial_bytes  # written by the backward, read by the reduction
@@ -242,13 +220,14 @@ def backward_bytes(op, dtype, log):
 
 
 launch_rows = []
-for (fe, op, dtype, variant), log in LOGS.items():
+for (fe, name, dtype, variant), log in LOGS.items():
     if dtype != "bfloat16":
         continue  # the variants do not depend on the dtype
+    op = OPS[name]
     (bwd,) = log.of("norm_bwd_kernel")
     f = bwd.flags
     launch_rows.append({
-        "frontend": fe, "op": op, "variant": variant,
+        "frontend": fe, "op": name, "variant": variant,
         "launches": " → ".join(k.removesuffix("_kernel") for k in log.kernels()),
         "DX": f["COMPUTE_DX"], "DW": f["COMPUTE_DW"], "DB": f["COMPUTE_DB"], "bwd grid": bwd.grid[0],
         "partial buffers": fmt_partials(bwd), "partial bytes": bwd.partial_bytes,
@@ -256,9 +235,9 @@ for (fe, op, dtype, variant), log in LOGS.items():
     })
     # The frozen variant must run without dW/dB work, partials or reduction; the full one with them.
     full = variant == "full"
-    assert f["COMPUTE_DW"] == full and f["COMPUTE_DB"] == (full and op == "layer_norm")
+    assert f["COMPUTE_DW"] == full and f["COMPUTE_DB"] == (full and "bias" in op.params)
     assert bool(bwd.partial_buffers) == full and bool(log.of("partial_sum_kernel")) == full
-    assert [l.flags for l in log.of("norm_bwd_kernel")] == [l.flags for l in LOGS["torch", op, dtype, variant].of("norm_bwd_kernel")]
+    assert [l.flags for l in log.of("norm_bwd_kernel")] == [l.flags for l in LOGS["torch", name, dtype, variant].of("norm_bwd_kernel")]
 table(launch_rows)
 
 # %% [markdown]

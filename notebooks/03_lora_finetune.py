@@ -20,8 +20,9 @@
 #
 # - **Torch**: a small `LlamaForCausalLM` built from a config (random init, nothing downloaded), wrapped
 #   in a PEFT LoRA adapter, then `torch_frontend.patch_model(model)`. A few AdamW steps on synthetic
-#   tokens; the losses and LoRA gradients must match the unpatched model, the (frozen) norm weights must
-#   get no gradient, and the launch record must show the dW-free backward.
+#   tokens; at every step the patched model's loss and LoRA gradients must be as accurate as the
+#   unpatched model's (both in float32, measured against the same step in float64), the (frozen) norm
+#   weights must get no gradient, and the launch record must show the dW-free backward.
 # - **JAX**: the same idea on a small transformer block in plain JAX, with `jax_frontend.freeze` masks
 #   and optax; its losses must match a pure-`jnp` reference model.
 #
@@ -30,6 +31,7 @@
 # %%
 import copy
 import time
+import types
 import warnings
 
 import numpy as np
@@ -39,7 +41,6 @@ from _nbutil import environment, notebook_size, table
 
 import normkit
 import torch_frontend as tf
-from tests.tolerances import assert_close
 
 SIZE = notebook_size()
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -85,6 +86,104 @@ report = tf.patch_model(model)
 print(report)
 
 # %% [markdown]
+# ### What "matches" means: accuracy against float64
+#
+# Two float32 models that differ only in how their norms round cannot agree exactly: each has its own
+# rounding error, and comparing them to each other with a fixed tolerance only guesses how large those
+# errors may be (a guess that failed once at full size, by one element in 4096). So both are measured
+# against the exact answer instead: the same step of the **unpatched model in float64**, whose rounding
+# error (about 1e-16 relative) is negligible next to float32's. Its norms are HF's `LlamaRMSNorm` math
+# evaluated in float64 (HF's forward casts its input to float32 first; here it keeps the input's dtype),
+# and every model computes the loss in its own dtype (HF's `labels=` loss casts the logits to float32).
+#
+# For each compared quantity (the loss, each LoRA gradient tensor) with float64 value `g64`, errors are
+# Euclidean norms over the tensor, both models in float32:
+#
+# - `err_nk = ||g_normkit - g64||` and `err_hf = ||g_hf - g64||` (the *reference err* columns below);
+# - their ratio `ratio = err_nk / (err_hf + eps32 * ||g64||)`: normkit's error in units of HF's, with a
+#   floor at float32's own resolution (a float32 result cannot be closer to `g64` than its rounding,
+#   about `0.3 * eps32 * ||g64||`, so a tensor HF happens to get almost exactly right sets no bar lower).
+#
+# Pass when the **median ratio** over the training run's compared gradients is at most `TYPICAL = 2` and
+# **every ratio** at most `CAP = 16`. The reading is "normkit's norms cost no more accuracy than HF's own". Why a median
+# and not one factor per tensor: the two errors are of the same kind (float32 rounding in the norms,
+# matmuls, softmax and loss, propagated through the network) but not the same realization (rounding the
+# norms differently changes every rounding downstream), and a LoRA gradient's error is dominated by a few
+# error components, so one tensor's ratio scatters widely. Measured on the H200 over 20 full-size steps x
+# 40 LoRA gradients: median 0.9, 99th percentile 4.0, largest 5.6 (on the CPU, unfloored: median 1.0,
+# largest 2.5); the errors of one step are correlated, so even the median of one step's 40 ratios reached
+# 3, and only the whole run's median is judged. A real error in the norm is systematic and shifts every
+# ratio at once: scaling normkit's dx by `1 + 1e-6` (8 float32 epsilons) moved the median ratio to 2.1 on
+# the H200, `1 + 1e-5` to 20 (every ratio above 8, the largest 45), `1 + 1e-4` to 200. The cap catches an
+# error confined to a few tensors.
+
+# %%
+EPS32 = float(torch.finfo(torch.float32).eps)  # 2^-23
+TYPICAL, CAP = 2.0, 16.0
+
+
+def _rms_norm_in_input_dtype(self, h):
+    """HF LlamaRMSNorm's forward without its cast to float32."""
+    return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+exact = copy.deepcopy(reference).double()  # the float64 reference: same parameters, same code
+for m in exact.modules():
+    if type(m).__name__ == "LlamaRMSNorm":
+        m.forward = types.MethodType(_rms_norm_in_input_dtype, m)
+
+
+def lm_loss(m, ids):
+    """Next-token cross-entropy in the model's dtype (as HF's ``labels=`` loss, without its float32 cast)."""
+    logits = m(input_ids=ids).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def lora(m):
+    return {n: p for n, p in m.named_parameters() if p.requires_grad}
+
+
+def accuracy(what, got, ref, f64):
+    """normkit's and the float32 reference's (HF's) errors against float64, and their ratio (at most CAP)."""
+    got, ref, f64 = (np.asarray(a, np.float64) for a in (got, ref, f64))
+    err_nk, err_ref = float(np.linalg.norm(got - f64)), float(np.linalg.norm(ref - f64))
+    ratio = err_nk / (err_ref + EPS32 * float(np.linalg.norm(f64)))
+    assert ratio <= CAP, (f"{what}: normkit's float32 error {err_nk:.3g} is {ratio:.1f} x the reference's "
+                          f"{err_ref:.3g} (floored); at most {CAP:g} (against float64)")
+    return {"normkit err": err_nk, "reference err": err_ref, "ratio": ratio}
+
+
+def typical(what, results):
+    """The median ratio of ``accuracy`` results; at most TYPICAL."""
+    median = float(np.median([r["ratio"] for r in results]))
+    assert median <= TYPICAL, (f"{what}: normkit's float32 errors are typically {median:.2f} x the reference's; "
+                               f"at most {TYPICAL:g} (against float64)")
+    return median
+
+
+SECONDS = {"hf": 0.0, "normkit": 0.0, "f64": 0.0}
+
+
+def step_in_three(ids):
+    """Loss and LoRA gradients of one step: patched and unpatched in float32, unpatched in float64, all
+    from the unpatched model's current LoRA parameters. Leaves ``reference``'s gradients in place."""
+    with torch.no_grad():
+        for name, p in lora(reference).items():
+            lora(model)[name].copy_(p)
+            lora(exact)[name].copy_(p)
+    results = {}
+    for key, m in (("hf", reference), ("normkit", model), ("f64", exact)):
+        t = time.perf_counter()
+        loss = lm_loss(m, ids)
+        loss.backward()
+        results[key] = (loss.item(), {n: p.grad.double().cpu().numpy() for n, p in lora(m).items()})
+        SECONDS[key] += time.perf_counter() - t  # .item() and .cpu() synchronize
+    for m in (model, exact):
+        m.zero_grad(set_to_none=True)
+    return results
+
+
+# %% [markdown]
 # `patch_model` kept the very `Parameter` objects (PEFT had frozen them), so nothing about the
 # optimizer setup changes:
 
@@ -98,8 +197,9 @@ table([{"module": n.removeprefix("base_model.model."), "class": type(m).__name__
 
 # %% [markdown]
 # ### One step, looked at closely
-# The same batch through both models: losses, every LoRA gradient, the norm weights' `.grad`, and the
-# launch record of the patched model's forward + backward.
+# The same batch through the three models: losses, every LoRA gradient (each float32 model's error
+# against float64, and their ratio), the norm weights' `.grad`, and the launch record of the patched
+# model's forward + backward.
 
 # %%
 gen = torch.Generator().manual_seed(1)
@@ -111,25 +211,20 @@ def batch():
 
 
 ids = batch()
-out_ref = reference(input_ids=ids, labels=ids)
-out_ref.loss.backward()
-with normkit.record_launches() as log:
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
+with normkit.record_launches() as log:  # only the patched model launches normkit kernels
+    res = step_in_three(ids)
 
-ref_params = dict(reference.named_parameters())
+(loss_hf, g_hf), (loss_nk, g_nk), (loss_64, g_64) = res["hf"], res["normkit"], res["f64"]
+print(f"loss: float64 {loss_64:.9f}   unpatched {loss_hf:.9f}   patched {loss_nk:.9f}")
+accuracy("loss", loss_nk, loss_hf, loss_64)
 rows = []
-for name, p in model.named_parameters():
-    if p.requires_grad:
-        g, g_ref = p.grad.double().cpu().numpy(), ref_params[name].grad.double().cpu().numpy()
-        rows.append({"LoRA parameter": name.removeprefix("base_model.model.model."),
-                     "max abs grad": float(np.abs(g_ref).max()),
-                     "max abs difference": float(np.abs(g - g_ref).max())})
-        assert_close(g, g_ref, "float32", f"grad {name}")
-print(f"loss: unpatched {out_ref.loss.item():.6f}   patched {out.loss.item():.6f}")
-assert_close(out.loss.item(), out_ref.loss.item(), "float32", "loss")
+for name in g_64:
+    rows.append({"LoRA parameter": name.removeprefix("base_model.model.model."),
+                 "norm of grad": float(np.linalg.norm(g_64[name])),
+                 **accuracy(f"grad {name}", g_nk[name], g_hf[name], g_64[name])})
 assert all(m.weight.grad is None for _, m in norms), "a frozen norm weight got a gradient"
-print(f"{len(rows)} LoRA gradients match (float32 tolerance); norm weights' .grad: "
+print(f"{len(rows)} LoRA gradients, error ratio: median {np.median([r['ratio'] for r in rows]):.2f}, max "
+      f"{max(r['ratio'] for r in rows):.2f} (at most {CAP:g}); norm weights' .grad: "
       f"{sorted({str(m.weight.grad) for _, m in norms})}")
 table(rows[:8] + ([{"LoRA parameter": f"... {len(rows) - 8} more"}] if len(rows) > 8 else []))
 
@@ -154,56 +249,58 @@ table(launch_rows)
 
 # %% [markdown]
 # ### A few training steps
-# AdamW on the LoRA parameters, the same synthetic batches. At every step the patched model is given
-# the unpatched model's current LoRA parameters, and both compute the loss and the LoRA gradients on
-# the same batch: they must agree step by step. (Two free-running trajectories would not stay this
-# close: a training loop amplifies float32 differences in reduction order from step to step, which
-# is a property of training, not of the norm.)
+# AdamW on the unpatched model's LoRA parameters, the same synthetic batches. At every step the patched
+# model and the float64 model are given the unpatched model's current LoRA parameters, and the three
+# compute the loss and the LoRA gradients on the same batch: at every step the patched model must be as
+# accurate as the unpatched one. (Two free-running trajectories would drift apart: a training loop
+# amplifies float32 rounding differences from step to step, which is a property of training, not of
+# the norm.) The table shows each step's losses and, over its LoRA gradients, the median and largest
+# error ratio; the median over all steps must be at most `TYPICAL`.
 
 # %%
-def lora(m):
-    return {n: p for n, p in m.named_parameters() if p.requires_grad}
-
-
 gen.manual_seed(2)
 batches = [batch() for _ in range(CFG["steps"])]
-for m in (model, reference):
-    m.zero_grad(set_to_none=True)
-opt = torch.optim.AdamW(list(lora(reference).values()), lr=3e-3)
-rows, worst_grad = [], 0.0
-t_ref = t_patched = 0.0
-for step, ids in enumerate(batches):
+
+
+def mean_loss(m):
     with torch.no_grad():
-        for name, p in lora(model).items():
-            p.copy_(lora(reference)[name])
-    t = time.perf_counter()
-    loss_ref = reference(input_ids=ids, labels=ids).loss
-    loss_ref.backward()
-    t_ref += time.perf_counter() - t
-    t = time.perf_counter()
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    t_patched += time.perf_counter() - t
-    assert_close(loss.item(), loss_ref.item(), "float32", f"loss at step {step}")
-    for name, p in lora(model).items():
-        g, g_ref = p.grad.double().cpu().numpy(), lora(reference)[name].grad.double().cpu().numpy()
-        assert_close(g, g_ref, "float32", f"step {step}: grad {name}")
-        worst_grad = max(worst_grad, float(np.abs(g - g_ref).max()))
-    rows.append({"step": step, "unpatched loss": loss_ref.item(), "patched loss": loss.item(),
-                 "abs difference": abs(loss.item() - loss_ref.item())})
+        return float(np.mean([lm_loss(m, ids).item() for ids in batches]))
+
+
+reference.zero_grad(set_to_none=True)
+loss_before = mean_loss(reference)
+opt = torch.optim.AdamW(list(lora(reference).values()), lr=3e-3)
+rows, compared = [], []
+SECONDS.update(hf=0.0, normkit=0.0, f64=0.0)
+for step, ids in enumerate(batches):
+    res = step_in_three(ids)
+    (loss_hf, g_hf), (loss_nk, g_nk), (loss_64, g_64) = res["hf"], res["normkit"], res["f64"]
+    acc = [accuracy(f"step {step}: loss", loss_nk, loss_hf, loss_64)]
+    acc += [accuracy(f"step {step}: grad {name}", g_nk[name], g_hf[name], g_64[name]) for name in g_64]
+    compared += acc[1:]
+    rows.append({"step": step, "float64 loss": loss_64, "unpatched loss": loss_hf, "patched loss": loss_nk,
+                 "loss err: unpatched": acc[0]["reference err"], "loss err: patched": acc[0]["normkit err"],
+                 "grad err ratio: median": float(np.median([a["ratio"] for a in acc[1:]])),
+                 "grad err ratio: max": max(a["ratio"] for a in acc[1:])})
     opt.step()
-    for m in (model, reference):
-        m.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
 table(rows, floatfmt=".6g")
 
 # %%
-assert rows[-1]["unpatched loss"] < rows[0]["unpatched loss"], "the LoRA adapter did not learn"
+# Random tokens: each batch's loss is noise around ln(vocab); the mean over the training batches shows
+# the learning.
+loss_after = mean_loss(reference)
+print(f"mean loss over the {CFG['steps']} training batches: {loss_before:.5f} before training, "
+      f"{loss_after:.5f} after")
+assert loss_after < loss_before, "the LoRA adapter did not learn"
 assert all(m.weight.grad is None for _, m in norms)
-print(f"{CFG['steps']} steps: max |Δloss| = {max(r['abs difference'] for r in rows):.2e}, "
-      f"max |Δgrad| = {worst_grad:.2e}; norm weights still without gradient")
+median = typical(f"{CFG['steps']} steps", compared)
+print(f"{CFG['steps']} steps x {len(g_64)} LoRA gradients: normkit's float32 error / HF's: median {median:.2f} "
+      f"(at most {TYPICAL:g}), max {max(a['ratio'] for a in compared):.2f} (at most {CAP:g}); "
+      "norm weights still without gradient")
 if DEVICE.type == "cuda":
-    print(f"forward+backward wall time over {CFG['steps']} steps (first calls compile): "
-          f"unpatched {t_ref:.2f} s, patched {t_patched:.2f} s")
+    print(f"forward+backward wall time over {CFG['steps']} steps: unpatched {SECONDS['hf']:.2f} s, "
+          f"patched {SECONDS['normkit']:.2f} s, float64 {SECONDS['f64']:.2f} s")
 
 # %% [markdown]
 # `unpatch_model` puts the original modules back (the same objects), e.g. before saving with code that
@@ -227,8 +324,10 @@ assert all(type(m).__name__ == "LlamaRMSNorm" for n, m in model.named_modules() 
 #   normkit's `custom_vjp`, so the norm kernels skip dW (and their input's dx where nothing upstream trains).
 # - `optax.multi_transform` gives the frozen leaves `set_to_zero`, so AdamW (and its weight decay)
 #   only touches the adapters.
-# - A reference model, identical except that its norms are written in plain `jnp`, trains side by side
-#   from the same initial parameters on the same batches; the losses must agree.
+# - Correctness as in the Torch part: at every step, from the normkit model's current parameters, a
+#   reference model identical except that its norms are written in plain `jnp` computes the loss and
+#   the LoRA gradients in float32 and in float64 (`jax.enable_x64`); normkit's float32 errors against
+#   float64 must be as small as the reference's, by the criterion of the Torch part (`TYPICAL`, `CAP`).
 
 # %%
 import jax
@@ -269,9 +368,8 @@ NORMKIT_NORMS = {"rms_norm": lambda x, w: nk.rms_norm(x, w, EPS),
                  "fused_add_rms_norm": lambda x, r, w: nk.fused_add_rms_norm(x, r, w, EPS)}
 
 
-def _ref_rms(x, w):
-    x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + EPS) * w).astype(x.dtype)
+def _ref_rms(x, w):  # in x's dtype: float32 here, float64 for the float64 reference
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + EPS) * w
 
 
 REF_NORMS = {"rms_norm": _ref_rms, "fused_add_rms_norm": lambda x, r, w: (_ref_rms(x + r, w), x + r)}
@@ -323,43 +421,55 @@ jbatches = [jax.random.randint(k, (JCFG["batch"], JCFG["seq"]), 0, JCFG["vocab"]
 print("parameter tree:", jax.tree.map(lambda a: a.shape, params0))
 
 # %% [markdown]
-# Train both models. The first call of the normkit step is traced and compiled, and that is when its
-# launches are recorded.
+# Train the normkit model. At every step, before the update, the reference computes the same loss and
+# gradients from the same parameters, in float32 and in float64. The first call of the normkit step is
+# traced and compiled, and that is when its launches are recorded.
 
 # %%
-def train_jax(norms, record=False):
-    step, params, opt_state = make_step(norms), params0, optimizer.init(params0)
-    losses, first_grads = [], None
-    with normkit.record_launches() as jlog:
-        for ids in jbatches:
-            params, opt_state, loss, grads = step(params, opt_state, ids)
-            losses.append(float(loss))
-            first_grads = grads if first_grads is None else first_grads
-    return params, losses, first_grads, jlog
+_ref_grad = jax.jit(jax.value_and_grad(lambda params, ids: loss_fn(params, ids, REF_NORMS)))
 
 
-params_nk, losses_nk, grads_nk, jlog = train_jax(NORMKIT_NORMS)
-params_ref, losses_ref_j, grads_ref, _ = train_jax(REF_NORMS)
-table([{"step": i, "pure-jnp reference loss": a, "normkit loss": b, "abs difference": abs(a - b)}
-       for i, (a, b) in enumerate(zip(losses_ref_j, losses_nk))], floatfmt=".6g")
+def reference_step(params, ids, dtype):
+    """(loss, gradients) of the pure-jnp reference model in ``dtype``, as float64 NumPy."""
+    with jax.enable_x64(dtype == jnp.float64):
+        loss, grads = _ref_grad(jax.tree.map(lambda a: jnp.asarray(a, dtype), params), ids)
+        return float(loss), jax.tree.map(lambda a: np.asarray(a, np.float64), grads)
+
+
+def lora_leaves(grads):
+    return {"lora" + jax.tree_util.keystr(path): np.asarray(g, np.float64)
+            for path, g in jax.tree_util.tree_flatten_with_path(grads["lora"])[0]}
+
+
+step_nk, params_nk, opt_state = make_step(NORMKIT_NORMS), params0, optimizer.init(params0)
+rows, jcompared, grads_nk = [], [], None
+with normkit.record_launches() as jlog:
+    for i, ids in enumerate(jbatches):
+        loss32, g32 = reference_step(params_nk, ids, jnp.float32)
+        loss64, g64 = reference_step(params_nk, ids, jnp.float64)
+        params_nk, opt_state, loss, grads = step_nk(params_nk, opt_state, ids)
+        grads_nk = grads if grads_nk is None else grads_nk  # the first step's, for the frozen-leaf check
+        acc = [accuracy(f"step {i}: loss", float(loss), loss32, loss64)]
+        g_nk, g32, g64 = lora_leaves(grads), lora_leaves(g32), lora_leaves(g64)
+        acc += [accuracy(f"step {i}: grad {name}", g_nk[name], g32[name], g64[name]) for name in g64]
+        jcompared += acc[1:]
+        rows.append({"step": i, "float64 loss": loss64, "jnp reference loss": loss32, "normkit loss": float(loss),
+                     "loss err: reference": acc[0]["reference err"], "loss err: normkit": acc[0]["normkit err"],
+                     "grad err ratio: median": float(np.median([a["ratio"] for a in acc[1:]])),
+                     "grad err ratio: max": max(a["ratio"] for a in acc[1:])})
+table(rows, floatfmt=".6g")
 
 # %%
-np.testing.assert_allclose(losses_nk, losses_ref_j, rtol=1e-4, atol=1e-5)
-rows = []
-for (path, g), (_, g_ref) in zip(jax.tree_util.tree_flatten_with_path(grads_nk["lora"])[0],
-                                  jax.tree_util.tree_flatten_with_path(grads_ref["lora"])[0]):
-    g, g_ref = np.asarray(g, np.float64), np.asarray(g_ref, np.float64)
-    assert np.abs(g_ref).max() > 0
-    assert_close(g, g_ref, "float32", f"lora{jax.tree_util.keystr(path)}")
-    rows.append({"LoRA leaf": "lora" + jax.tree_util.keystr(path), "max abs grad": float(np.abs(g_ref).max()),
-                 "max abs difference": float(np.abs(g - g_ref).max())})
 # Frozen leaves: zero gradients (symbolic zeros, instantiated) and, after training, unchanged values.
 for top in ("embed", "block", "final_norm", "head"):
     assert all(not np.any(np.asarray(g)) for g in jax.tree.leaves(grads_nk[top])), top
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params_nk[top]), jax.tree.leaves(params0[top]))), top
-print(f"{JCFG['steps']} steps: losses agree (max |Δ| {max(abs(a - b) for a, b in zip(losses_nk, losses_ref_j)):.2e}); "
+median = typical(f"{JCFG['steps']} steps", jcompared)
+print(f"{JCFG['steps']} steps x {len(g64)} LoRA gradients: normkit's float32 error / the jnp reference's: median "
+      f"{median:.2f} (at most {TYPICAL:g}), max {max(a['ratio'] for a in jcompared):.2f} (at most {CAP:g}); "
       "frozen leaves have zero gradients and did not move")
-table(rows)
+table([{"LoRA leaf": name, "norm of grad": float(np.linalg.norm(g64[name])),
+        **accuracy(name, g_nk[name], g32[name], g64[name])} for name in g64])
 
 # %% [markdown]
 # The norm launches of the normkit model's training step. The attention norm reads the frozen

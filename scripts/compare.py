@@ -1,11 +1,16 @@
 """normkit's main job: frozen against full backward, for every op, on whatever this machine has.
 
 On a CUDA GPU the kernels run compiled at a training-sized shape; on a CPU they run in Triton's
-interpreter at a small one. For each op and frontend it prints which backward variant ran, the
-fp32 partial buffers it allocated, the gradients' agreement with the float64 reference (and x.grad
-of frozen vs full), and median times.
+interpreter at a small one. For each op of the op table (``normkit.ops.OPS``) and each frontend it
+prints which backward variant ran, the bytes of fp32 partial buffers it allocated, the gradients'
+agreement with the float64 reference (and x.grad of frozen vs full), and median times.
 
-    python scripts/compare.py [--shape MxN] [--dtype bfloat16] [--frontends torch,jax]
+*full* trains every input of the op; *frozen* only its row inputs (x, and the fused add's residual):
+the weight and bias are frozen, as in LoRA fine-tuning. Each run is also checked: the backward launch
+must carry exactly the variant's gradient flags, and every gradient must be within the tolerance
+table (``normkit.testing``) of the reference; the exit status is 1 if a check fails.
+
+    python scripts/compare.py [--shape MxN] [--dtype bfloat16] [--frontends torch,jax] [--reps N]
 """
 from __future__ import annotations
 
@@ -21,25 +26,29 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import normkit  # noqa: E402
-from normkit import reference as ref  # noqa: E402
+from normkit.ops import CASTING_MODES, OPS, Grads, Op, Options  # noqa: E402
+from normkit.testing import assert_close, random_inputs  # noqa: E402
 
 CUDA = torch.cuda.is_available()
-OPS = ("rms_norm", "layer_norm", "fused_add_rms_norm")
+CASTING_NAMES = {casting: name for name, casting in CASTING_MODES.items()}
+
+
+def variants(op: Op) -> dict[str, frozenset]:
+    """Backward variant -> the inputs it trains."""
+    return {"full": frozenset(op.inputs), "frozen": frozenset(op.row_inputs)}
+
+
+def call_kwargs(op: Op, opts: Options) -> dict:
+    """The public functions' keyword options for ``opts``."""
+    kw = {"eps": opts.eps}
+    if op.has_offset:
+        kw.update(offset=opts.offset, casting_mode=CASTING_NAMES[opts.casting])
+    return kw
 
 
 def rel_err(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def reference(op, x, r, w, b, dy, ds):
-    if op == "rms_norm":
-        dx, dw = ref.rms_norm_bwd(x, w, dy)
-        return dx, dw, None
-    if op == "layer_norm":
-        return ref.layer_norm_bwd(x, w, b, dy)
-    dx, _, dw = ref.fused_add_rms_norm_bwd(x, r, w, dy, ds)
-    return dx, dw, None
 
 
 def timed(fn, reps):
@@ -56,125 +65,144 @@ def timed(fn, reps):
     return statistics.median(times) * 1e6
 
 
-def torch_runner(op, arrays, dtype, frozen):
+def torch_runner(op: Op, arrays: dict, dtype: str, opts: Options, trained: frozenset):
+    """``(run, to_numpy)``: ``run()`` computes the gradients through torch autograd (what is timed);
+    ``to_numpy(run())`` is ``{input name: gradient as float64 NumPy, or None}``."""
     import torch_frontend as tf
 
     dev = "cuda" if CUDA else "cpu"
-    t = {k: torch.from_numpy(v.astype(np.float32)).to(dev, dtype) for k, v in arrays.items() if v is not None}
+    tdt = getattr(torch, dtype)
+    t = {k: torch.from_numpy(v).to(dev, tdt) for k, v in arrays.items()}
+    fn, kw = getattr(tf, op.name), call_kwargs(op, opts)
+    cotangents = [t["dy"]] + ([t["ds"]] if op.has_residual else [])
 
     def run():
-        x = t["x"].clone().requires_grad_(True)
-        w = t["w"].clone().requires_grad_(not frozen)
-        b = t["b"].clone().requires_grad_(not frozen) if "b" in t else None
-        if op == "rms_norm":
-            outs, grads = [tf.rms_norm(x, w)], [t["dy"]]
-        elif op == "layer_norm":
-            outs, grads = [tf.layer_norm(x, w, b)], [t["dy"]]
-        else:
-            outs, grads = list(tf.fused_add_rms_norm(x, t["r"], w)), [t["dy"], t["ds"]]
-        torch.autograd.backward(outs, grads)
-        return x.grad, w.grad, None if b is None else b.grad
+        leaves = {name: t[name].clone().requires_grad_(name in trained) for name in op.inputs}
+        outs = fn(*(leaves[name] for name in op.inputs), **kw)
+        torch.autograd.backward(list(outs) if op.has_residual else [outs], cotangents)
+        return {name: leaf.grad for name, leaf in leaves.items()}
 
-    def np_(g):
-        return None if g is None else g.detach().double().cpu().numpy()
+    def to_numpy(grads):
+        return {name: None if g is None else g.detach().double().cpu().numpy() for name, g in grads.items()}
 
-    return run, np_
+    return run, to_numpy
 
 
-def jax_runner(op, arrays, dtype, frozen):
+def jax_runner(op: Op, arrays: dict, dtype: str, opts: Options, trained: frozenset):
+    """The same through ``jax.vjp`` under jit, the untrained inputs frozen with ``jax_frontend.freeze``."""
     import jax
     import jax.numpy as jnp
 
     import jax_frontend as jf
 
-    jdt = {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16}[dtype]
-    a = {k: jnp.asarray(v.astype(np.float32)).astype(jdt) for k, v in arrays.items() if v is not None}
-    trainable = {"x": True, "w": not frozen, "b": not frozen}
+    jdt = getattr(jnp, dtype)
+    a = {k: jnp.asarray(v.astype(np.float32)).astype(jdt) for k, v in arrays.items()}
+    fn, kw = getattr(jf, op.name), call_kwargs(op, opts)
+    mask = {name: name in trained for name in op.inputs}
+    primals = {name: a[name] for name in op.inputs}
+    cot = (a["dy"], a["ds"]) if op.has_residual else a["dy"]
 
-    def loss_vjp(params):
-        p = jf.freeze(params, {k: trainable[k] for k in params})
-        if op == "rms_norm":
-            return (jf.rms_norm(p["x"], p["w"]),)
-        if op == "layer_norm":
-            return (jf.layer_norm(p["x"], p["w"], p.get("b")),)
-        return jf.fused_add_rms_norm(p["x"], a["r"], p["w"])
-
-    params = {k: a[k] for k in ("x", "w", "b") if k in a}
-    cot = (a["dy"],) if op != "fused_add_rms_norm" else (a["dy"], a["ds"])
+    def outputs(params):
+        p = jf.freeze(params, mask)
+        return fn(*(p[name] for name in op.inputs), **kw)
 
     @jax.jit
     def step(params):
-        _, vjp = jax.vjp(loss_vjp, params)
+        _, vjp = jax.vjp(outputs, params)
         (g,) = vjp(cot)
-        return g["x"], g["w"], g.get("b")
+        return g
 
     def run():
-        out = step(params)
-        jax.block_until_ready(out)
-        return out
+        return jax.block_until_ready(step(primals))
 
-    def np_(g):
-        if g is None:
-            return None
-        g = np.asarray(jnp.asarray(g, jnp.float32), np.float64)
-        return None if frozen and not np.any(g) and g.ndim == 1 else g
+    def to_numpy(grads):
+        g = {name: np.asarray(v.astype(jnp.float32), np.float64) for name, v in grads.items()}
+        # a frozen input's cotangent is a symbolic zero, instantiated as zeros: None, as in Torch (a
+        # non-zero one stays, and fails the check)
+        return {name: None if name not in trained and not np.any(v) else v for name, v in g.items()}
 
-    return run, np_
+    return run, to_numpy
 
 
-def main():
+RUNNERS = {"torch": torch_runner, "jax": jax_runner}
+
+
+def check(op: Op, dtype: str, M: int, got: dict, want: dict, grads: Grads, log, what: str) -> list[str]:
+    """What is wrong with one run (empty if nothing): the launch flags, then each gradient."""
+    problems = []
+    flags = [(b.flags["COMPUTE_DX"], b.flags["COMPUTE_DW"], b.flags["COMPUTE_DB"]) for b in log.of("norm_bwd_kernel")]
+    if flags != [(grads.dx, grads.dw, grads.db)]:
+        problems.append(f"{what}: backward launches with (COMPUTE_DX, DW, DB) = {flags}, expected "
+                        f"{[(grads.dx, grads.dw, grads.db)]}")
+    if bool(log.of("partial_sum_kernel")) != grads.reduces:
+        problems.append(f"{what}: partial_sum_kernel {'missing' if grads.reduces else 'launched'}")
+    for name in op.inputs:
+        trained = grads.dx if name in op.row_inputs else getattr(grads, "dw" if name == "weight" else "db")
+        if not trained:
+            if got[name] is not None:
+                problems.append(f"{what}: frozen {name} got a gradient")
+            continue
+        try:
+            assert_close(got[name], want[name], dtype, f"{what}: d{name}",
+                         reduced_over=M if name in op.params else 1)
+        except AssertionError as e:
+            problems.append(str(e).splitlines()[0])
+    return problems
+
+
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="8192x4096" if CUDA else "64x512")
     p.add_argument("--dtype", default="bfloat16" if CUDA else "float32", choices=["float32", "bfloat16"])
     p.add_argument("--frontends", default="torch,jax")
     p.add_argument("--reps", type=int, default=50 if CUDA else 3)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     M, N = map(int, args.shape.split("x"))
-    dtype = getattr(torch, args.dtype)
     rng = np.random.default_rng(0)
     where = "compiled on " + torch.cuda.get_device_name() if CUDA else "Triton interpreter on the CPU"
     print(f"normkit {normkit.__version__}: frozen vs full backward, {M}x{N} {args.dtype}, {where}\n")
-    header = (f"{'op':19s} {'frontend':8s} {'backward':8s} {'kernels':34s} {'partials':>9s} {'dx err':>8s} "
+    header = (f"{'op':19s} {'frontend':8s} {'backward':8s} {'kernels':34s} {'partials (B)':>12s} {'dx err':>8s} "
               f"{'dW err':>8s} {'dx frozen==full':>15s} {'fwd+bwd us':>11s}")
     print(header)
     print("-" * len(header))
-    runners = {"torch": torch_runner, "jax": jax_runner}
-    for op in OPS:
-        rounded = lambda a: torch.from_numpy(a.astype(np.float32)).to(dtype).double().numpy()  # noqa: E731
-        arrays = {
-            "x": rounded(rng.standard_normal((M, N))),
-            "r": rounded(rng.standard_normal((M, N))) if op == "fused_add_rms_norm" else None,
-            "w": rounded(rng.uniform(0.5, 1.5, N)),
-            "b": rounded(rng.standard_normal(N) * 0.1) if op == "layer_norm" else None,
-            "dy": rounded(rng.standard_normal((M, N))),
-            "ds": rounded(rng.standard_normal((M, N))) if op == "fused_add_rms_norm" else None,
-        }
-        want_dx, want_dw, _ = reference(op, arrays["x"], arrays["r"], arrays["w"], arrays["b"], arrays["dy"],
-                                        arrays["ds"])
+    problems = []
+    for op in OPS.values():
+        opts = op.options(eps=op.default_eps)  # the frontends' defaults
+        arrays = random_inputs(op, (M, N), args.dtype, rng)  # rounded to the dtype: every side sees the same values
+        inputs = {name: arrays[name] for name in op.inputs}
+        _, want = op.run_reference(inputs, opts, {"y": arrays["dy"], "residual_out": arrays.get("ds")})
         for name in args.frontends.split(","):
             try:
                 results = {}
-                for frozen in (False, True):
-                    run, np_ = runners[name](op, arrays, dtype, frozen)
+                for variant, trained in variants(op).items():
+                    run, to_numpy = RUNNERS[name](op, arrays, args.dtype, opts, trained)
                     with normkit.record_launches() as log:
-                        grads = run()
+                        grads = to_numpy(run())
                     t = timed(run, args.reps)
-                    results[frozen] = (grads, np_, log, t)
+                    results[variant] = (grads, op.grads(trained), log, t)
             except Exception as e:  # report the frontend as unavailable, keep the table going
-                print(f"{op:19s} {name:8s} unavailable: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+                print(f"{op.name:19s} {name:8s} unavailable: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
                 continue
-            dx_same = np.array_equal(results[True][1](results[True][0][0]), results[False][1](results[False][0][0]))
-            for frozen in (False, True):
-                grads, np_, log, t = results[frozen]
+            dx_same = np.array_equal(results["frozen"][0]["x"], results["full"][0]["x"])
+            for variant, (grads, flags, log, t) in results.items():
                 kernels = ",".join(k.replace("_kernel", "") for k in dict.fromkeys(log.kernels()))
                 partial = sum(launch.partial_bytes for launch in log)
-                dw = np_(grads[1])
-                dw_err = "-" if dw is None else f"{rel_err(dw, want_dw):.1e}"
-                print(f"{op:19s} {name:8s} {'frozen' if frozen else 'full':8s} {kernels:34s} {partial:9d} "
-                      f"{rel_err(np_(grads[0]), want_dx):8.1e} {dw_err:>8s} {str(dx_same):>15s} {t:11.1f}")
-    print("\nerr: ||got - ref|| / ||ref|| against the float64 reference (normkit/reference.py).")
+                dw = grads.get("weight")
+                dw_err = "-" if dw is None else f"{rel_err(dw, want['weight']):.1e}"
+                print(f"{op.name:19s} {name:8s} {variant:8s} {kernels:34s} {partial:12d} "
+                      f"{rel_err(grads['x'], want['x']):8.1e} {dw_err:>8s} {str(dx_same):>15s} {t:11.1f}")
+                problems += check(op, args.dtype, M, grads, want, flags, log, f"{op.name} {name} {variant}")
+    print("\nerr: ||got - ref|| / ||ref|| against the float64 reference (normkit/reference.py); partials: bytes of "
+          "fp32 dW/dB partial buffers the backward allocated.")
+    if problems:
+        print(f"\n{len(problems)} check(s) failed:")
+        for line in problems:
+            print("  " + line)
+        return 1
+    print("Checks passed: launch flags as the variant asks; gradients within the tolerance table (normkit.testing).")
     print("Next: notebooks/01_frozen_vs_full.ipynb, and torch_frontend.patch_model(model) for a HF/PEFT model.")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

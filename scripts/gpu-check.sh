@@ -4,8 +4,9 @@
 #   notebooks  every notebook source run as a script at full size;
 #   tests      the whole test suite, compiled, with the larger "gpu" shapes too (the notebook test needs
 #              jupytext/nbclient, which that machine lacks: the notebooks target runs them instead);
-#   timing     a short kernel timing table (scripts/quick_timing.py);
-#   bench      the full benchmark (benchmarks/bench.py); tune: the launch-configuration sweep.
+#   timing     host time per call through autograd, normkit against its peers (benchmarks/host_time.py;
+#              kernel timings come from the bench target);
+#   bench      the full benchmark (benchmarks/bench.py); tune: the launch-configuration sweep (scripts/tune.py).
 # It first installs the carried wheels (jax-triton 0.3.1, liger-kernel 0.8.5) without touching the
 # machine's stack. Logs go to $OUT (or ./gpu-check-out). Usage: bash scripts/gpu-check.sh [target] [args...]
 set -uo pipefail
@@ -42,13 +43,15 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$what" = timing ]; then
-  python3 scripts/quick_timing.py 2>&1 | tee "$OUT/timing.log"
+  python3 benchmarks/host_time.py "$@" 2>&1 | tee "$OUT/timing.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$what" = bench ]; then
   python3 benchmarks/bench.py --out "$OUT/h200.json" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
 if [ "$what" = tune ]; then
   python3 scripts/tune.py "$@" 2>&1 | tee "$OUT/tune.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 echo "gpu-check $what: status $status"
 exit $status

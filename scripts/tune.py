@@ -1,139 +1,411 @@
-"""Launch-configuration sweep on a CUDA GPU (kernel-only, do_bench medians), plus a host-overhead
-breakdown. Prints the best configuration per (op, mode, dtype, shape); feeds normkit.launch."""
+"""Launch-configuration sweep: variants of normkit's real launch plans, timed on a CUDA GPU.
+
+For each (op, mode, dtype, shape) the base plans are the ones ``normkit.driver`` makes for the
+arrays (captured from its launches through the Torch backend, so the sweep starts from exactly what
+the frontends run). Variants of them change only the launch configuration:
+
+- ``BLOCK_M``: rows per tile (around the plan's choice);
+- ``num_warps``: 4, 8, 16 (never fewer than one element per thread);
+- the grid: one program per tile, or a persistent grid of 1-4 programs per SM (the full backward
+  is always persistent: its program count is the number of fp32 dW/dB partial rows, so its
+  ``DW_PART``/``DB_PART`` buffers and the reduction's ``G`` follow the grid);
+- ``LOOP_STAGES``: how many tiles the loop prefetches (only with more tiles than programs).
+
+Each variant is a ``dataclasses.replace`` of the plan's ``KernelCall`` with ``cache={}`` (a fresh
+compiled-kernel cache), and its constexprs are checked against the kernel's ``arg_names``, so no
+unknown constexpr is ever passed. Modes: ``fwd`` (inference forward), ``bwd_frozen`` (dx only),
+``bwd_full`` (dx, dW and dB, with the reduction launch). On CUDA each variant is timed with
+``triton.testing.do_bench`` medians (L2 flushed before each call), checked against the base plan's
+results, and the best per (op, mode, dtype, shape) is printed with its bandwidth under
+``benchmarks/bytemodel.py`` as a share of a device-to-device copy measured in the same run.
+
+``--dry-run`` (CPU, Triton's interpreter): a tiny shape; every variant is launched once and its
+results are checked against the float64 reference (``op.run_reference``); nothing is timed.
+
+    python scripts/tune.py [--shapes 8192x8192,32768x4096] [--ops rms_norm,layer_norm] [--dtypes bfloat16]
+    python scripts/tune.py --dry-run [--shapes 72x48] [--ops ...]
+"""
+from __future__ import annotations
+
+import argparse
 import dataclasses
-import itertools
 import sys
-import time
+from pathlib import Path
 
-import torch
-import triton.testing
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-from normkit import launch as plans
-from torch_frontend import _launch
-from torch_frontend import functional as F
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
-dev = torch.device("cuda")
-SMS = torch.cuda.get_device_properties(0).multi_processor_count
+from benchmarks.bytemodel import bytes_moved  # noqa: E402
+from normkit import driver  # noqa: E402
+from normkit.launch import KernelCall  # noqa: E402
+from normkit.ops import ELEM_BYTES, OPS, Grads, Op  # noqa: E402
+from normkit.testing import TOLERANCES, assert_close, poisoned_outputs, random_inputs  # noqa: E402
+from torch_frontend import backend  # noqa: E402
+from torch_frontend._backend import TORCH_DTYPES  # noqa: E402
 
-
-def bench(fn):
-    return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
-
-
-def variant(call, block_m, warps, mult, stages, **extra):
-    M = call.scalars[[n for n, _ in call.scalars].index("M")][1]
-    tiles = -(-M // block_m)
-    grid = tiles if mult == 0 else min(tiles, mult * SMS)
-    c = dict(call.constexprs, BLOCK_M=block_m, LOOP_STAGES=stages, **extra)
-    specs = dict(call.out_specs)
-    for k in ("DW_PART", "DB_PART"):
-        if k in specs:
-            specs[k] = ((grid, specs[k][0][1]), "float32")
-    return dataclasses.replace(call, grid=(grid,), num_warps=warps, constexprs=c, out_specs=specs)
+MODES = ("fwd", "bwd_frozen", "bwd_full")
+DEFAULT_SHAPES = "8192x8192,32768x4096,65536x2048,4096x1024"
+DRY_RUN_SHAPES = "72x48"  # 3-9 tiles, a ragged row: masks, persistent loops with prefetch, partials
+WARPS = (4, 8, 16)
 
 
-def copy_tbps():
-    a = torch.empty(2**30, dtype=torch.bfloat16, device=dev).normal_()
-    b = torch.empty_like(a)
-    return 4 * a.numel() / (bench(lambda: b.copy_(a)) * 1e-6) / 1e12
+# ---------------------------------------------------------------------------------------------
+# Variants of a plan.
 
 
-COPY = copy_tbps()
-print(f"copy {COPY:.2f} TB/s, {SMS} SMs", flush=True)
+def check_constexprs(call: KernelCall) -> None:
+    """Every constexpr of ``call`` must be a parameter of its kernel, and the kernel's parameters must be
+    bound exactly once, in order: Triton's interpreter silently accepts an unknown keyword."""
+    names = tuple(call.kernel.arg_names)
+    unknown = sorted(set(call.constexprs) - set(names))
+    if unknown:
+        raise ValueError(f"{call.name} has no parameter(s) {unknown}: a variant may only change the kernel's "
+                         f"own constexprs")
+    bound = call.inputs + call.scalar_names + call.outputs + tuple(call.constexprs)
+    if bound != names:
+        raise ValueError(f"{call.name}: arguments {bound} do not bind its parameters {names}")
 
-SHAPES = [tuple(map(int, s.split("x"))) for s in (sys.argv[1] if len(sys.argv) > 1 else
-                                                   "8192x8192,32768x4096,65536x2048,4096x1024").split(",")]
-for (M, N), op, dt in itertools.product(SHAPES, ("rms_norm", "layer_norm"), (torch.bfloat16,)):
-    b = dt.itemsize
-    x = torch.randn(M, N, device=dev, dtype=dt)
-    w = torch.randn(N, device=dev, dtype=dt)
-    bias = torch.randn(N, device=dev, dtype=dt) if op == "layer_norm" else None
-    dy = torch.randn(M, N, device=dev, dtype=dt)
-    cast = "gemma" if op == "layer_norm" else "llama"
-    _, _, mean, rstd = F._norm_fwd(x, None, w, bias, op, 1e-6, 0.0, cast, True)
-    arrays = {"X": x, "W": w, "B": bias, "DY": dy, "MEAN": mean, "RSTD": rstd}
-    dn = _launch.dtype_name(dt)
-    fwd = plans.plan_forward(op=op, M=M, N=N, x_dtype=dn, has_w=True, has_b=bias is not None, eps=1e-6,
-                             casting=cast, store_stats=False)
-    bwd_frozen = plans.plan_backward(op=op, M=M, N=N, x_dtype=dn, has_w=True, has_dres=False, casting=cast,
-                                     compute_dx=True, compute_dw=False, compute_db=False, num_sms=SMS)
-    bwd_full = plans.plan_backward(op=op, M=M, N=N, x_dtype=dn, has_w=True, has_dres=False, casting=cast,
-                                   compute_dx=True, compute_dw=True, compute_db=bias is not None, num_sms=SMS)
-    bn = plans._next_pow2(N)
-    bms = [1] if bn >= 4096 else [max(1, 4096 // bn // 2), 4096 // bn, 8192 // bn]
-    for mode, base, nbytes in (("fwd", fwd, 2 * M * N * b), ("bwd_frozen", bwd_frozen, 3 * M * N * b),
-                               ("bwd_full", bwd_full, 3 * M * N * b)):
-        results = []
-        if mode == "bwd_full":
-            cands = [(bm, wp, mult, st) for bm in bms for wp in (4, 8, 16) for mult in (1, 2, 3) for st in (2, 3, 4)]
-        else:
-            cands = [(bm, wp, 0, 1) for bm in bms for wp in (4, 8, 16)]
-            cands += [(bm, wp, mult, st) for bm in bms[:2] for wp in (4, 8, 16) for mult in (2, 4) for st in (2, 3)]
-        if mode == "fwd" and op == "layer_norm":
-            cands = [c + (wf,) for c in cands for wf in (False, True)]
-        else:
-            cands = [c + (False,) for c in cands]
-        for bm, wp, mult, st, wf in cands:
-            if bm * bn // (32 * wp) < 1:
+
+def variant(call: KernelCall, *, block_m: int, num_warps: int, grid: int, stages: int) -> KernelCall:
+    """``call`` with another launch configuration; fp32 partial buffers get one row per program."""
+    out_specs = {name: (((grid, shape[1]), dtype) if name.endswith("_PART") else (shape, dtype))
+                 for name, (shape, dtype) in call.out_specs.items()}
+    new = dataclasses.replace(call, grid=(grid,), num_warps=num_warps, out_specs=out_specs, cache={},
+                              constexprs=dict(call.constexprs, BLOCK_M=block_m, LOOP_STAGES=stages))
+    check_constexprs(new)
+    return new
+
+
+def reduce_variant(call: KernelCall, partial_rows: int) -> KernelCall:
+    """The reduction ``call`` over ``partial_rows`` partial rows (its loop masks any BLOCK_G)."""
+    scalars = tuple(partial_rows if name == "G" else value for name, value in zip(call.scalar_names, call.scalars))
+    new = dataclasses.replace(call, scalars=scalars, cache={})
+    check_constexprs(new)
+    return new
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    block_m: int
+    num_warps: int
+    per_sm: int  # 0: one program per tile; k: a persistent grid of k programs per SM
+    stages: int
+
+    def __str__(self) -> str:
+        grid = "per-tile" if self.per_sm == 0 else f"{self.per_sm}/SM"
+        return f"bm={self.block_m} w={self.num_warps} grid={grid} st={self.stages}"
+
+
+def configs(call: KernelCall, mode: str) -> list[Config]:
+    """The sweep around ``call``'s own configuration (as in benchmarks/NOTES.md)."""
+    base_m, block_n = call.constexprs["BLOCK_M"], call.constexprs["BLOCK_N"]
+    largest = max(1, 16384 // block_n)  # tiles of at most 16384 elements
+    bms = sorted({max(1, base_m // 2), base_m, min(2 * base_m, largest)})
+    out = []
+    for bm in bms:
+        for w in WARPS:
+            if bm * block_n < 32 * w:  # fewer than one element per thread
                 continue
-            call = variant(base, bm, wp, mult, st, **({"WELFORD": True} if wf else {}))
-            try:
-                def go(call=call):
-                    out = _launch.run(call, arrays, dev)
-                    red = plans.plan_reduce(call, w_dtype=dn, b_dtype=dn if bias is not None else None)
-                    if red is not None:
-                        _launch.run(red, out, dev)
-                t = bench(go)
-            except Exception as e:  # a config that does not compile (e.g. out of shared memory)
-                print(f"  {op} {mode} {M}x{N} bm={bm} w={wp} mult={mult} st={st}: {type(e).__name__}", flush=True)
-                continue
-            results.append((t, bm, wp, mult, st, wf))
-        results.sort()
-        t0 = results[0]
-        tb = nbytes / (t0[0] * 1e-6) / 1e12
-        print(f"{op:11s} {mode:10s} {M}x{N} best {t0[0]:7.1f} us ({100 * tb / COPY:5.1f}% copy) bm={t0[1]} "
-              f"w={t0[2]} mult={t0[3]} st={t0[4]} welford={t0[5]} | top4 " +
-              " ".join(f"{r[0]:.1f}:{r[1]}/{r[2]}/{r[3]}/{r[4]}/{'W' if r[5] else '-'}" for r in results[:4]),
-              flush=True)
-    del x, w, bias, dy, mean, rstd, arrays
+            if mode == "bwd_full":  # the partials need a persistent grid
+                out += [Config(bm, w, k, st) for k in (1, 2, 3) for st in (1, 2, 3, 4)]
+            else:
+                out.append(Config(bm, w, 0, 1))
+                if bm in bms[:2]:
+                    out += [Config(bm, w, k, st) for k in (2, 4) for st in (2, 3)]
+    return out
+
+
+def base_config(call: KernelCall, num_sms: int) -> Config:
+    M = dict(zip(call.scalar_names, call.scalars))["M"]
+    bm = call.constexprs["BLOCK_M"]
+    tiles = -(-M // bm)
+    grid = call.grid[0]
+    per_sm = 0 if grid == tiles and call.constexprs["LOOP_STAGES"] == 1 else -(-grid // num_sms)
+    return Config(bm, call.num_warps, per_sm, call.constexprs["LOOP_STAGES"])
+
+
+def build(plan: list, cfg: Config, M: int, num_sms: int) -> list | None:
+    """The launches of ``plan`` (its ``KernelCall``s: a kernel, then the reduction of its partials, if
+    any) under ``cfg``; None when that is the launch of a smaller configuration (nothing to prefetch)."""
+    call, *rest = plan
+    tiles = -(-M // cfg.block_m)
+    grid = tiles if cfg.per_sm == 0 else min(tiles, cfg.per_sm * num_sms)
+    if cfg.stages > 1 and grid >= tiles:  # one tile per program: the same as stages=1
+        return None
+    first = variant(call, block_m=cfg.block_m, num_warps=cfg.num_warps, grid=grid, stages=cfg.stages)
+    launches = [first] + [reduce_variant(red, grid) for red in rest]
+    check_launches(launches)
+    return launches
+
+
+def check_launches(launches: list) -> None:
+    """A kernel writing fp32 partials writes one row per program, and the reduction after it sums
+    exactly those rows (a wrong count reads or writes past a buffer, silently in the interpreter)."""
+    call, *rest = launches
+    rows = {shape[0] for name, (shape, _) in call.out_specs.items() if name.endswith("_PART")}
+    if rows and rows != {call.grid[0]}:
+        raise ValueError(f"{call.name}: partial buffers of {sorted(rows)} rows for a grid of {call.grid[0]}")
+    for red in rest:
+        G = dict(zip(red.scalar_names, red.scalars))["G"]
+        if rows != {G}:
+            raise ValueError(f"{red.name} sums {G} partial rows; the kernel before it writes {sorted(rows)}")
+
+
+def key(launches: list) -> tuple:
+    return tuple((c.name, c.grid, c.num_warps, tuple(c.constexprs.items()), c.scalars) for c in launches)
+
+
+def run(launches: list, arrays: dict) -> dict:
+    """Launch the calls in order, the first on ``arrays``, each next one (a reduction) on the outputs so
+    far; every output by name."""
+    out = backend.launch(launches[0], arrays)
+    for call in launches[1:]:
+        out.update(backend.launch(call, out))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The base plans, captured from the driver.
+
+
+class _Capture:
+    """The Torch backend, recording each launch's plan and arrays."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getattr__(self, name):
+        return getattr(backend, name)
+
+    def launch(self, call, arrays):
+        self.launches.append((call, dict(arrays)))
+        return backend.launch(call, arrays)
+
+    def plan(self) -> tuple[list, dict]:
+        return [call for call, _ in self.launches], self.launches[0][1]
+
+
+def plans(op: Op, arrays: dict, opts) -> dict:
+    """mode -> (the KernelCalls normkit.driver launches for these arrays, the first one's arrays)."""
+    x, r, w, b = arrays["x"], arrays.get("residual"), arrays.get("weight"), arrays.get("bias")
+    out = {}
+    cap = _Capture()
+    driver.forward(cap, op, x, r, w, b, opts, False)
+    out["fwd"] = cap.plan()
+    _, s, mean, rstd = driver.forward(backend, op, x, r, w, b, opts, True)
+    b_dtype = backend.dtype(b) if b is not None else None
+    for mode, grads in (("bwd_frozen", Grads(dx=True, dw=False)),
+                        ("bwd_full", Grads(dx=True, dw=w is not None, db=b is not None))):
+        cap = _Capture()
+        driver.backward(cap, op, s if op.has_residual else x, w, arrays["dy"], arrays.get("ds"), mean, rstd, opts,
+                        grads, b_dtype)
+        out[mode] = cap.plan()
+    return out
+
+
+# What each mode's results are: (kernel buffer, reference name, reduced over M rows).
+RESULTS = {
+    "fwd": (("Y", "y", False), ("S", "residual_out", False)),
+    "bwd_frozen": (("DX", "x", False),),
+    "bwd_full": (("DX", "x", False), ("DW", "weight", True), ("DB", "bias", True)),
+}
+
+
+def _np(t):
+    return t.detach().to(torch.float64).cpu().numpy()
+
+
+def check_reference(out: dict, mode: str, ref_outs: dict, ref_grads: dict, dtype: str, M: int, what: str) -> None:
+    for buf, name, reduced in RESULTS[mode]:
+        if buf in out:
+            want = ref_outs[name] if mode == "fwd" else ref_grads[name]
+            assert_close(_np(out[buf]), want, dtype, f"{what}: {buf}", reduced_over=M if reduced else 1)
+
+
+def agrees(out: dict, base: dict, dtype: str, M: int) -> bool:
+    """On the device: every result within the tolerance table of the base plan's result."""
+    tol = TOLERANCES[dtype]
+    for name, t in base.items():
+        if name.endswith("_PART") or name in ("MEAN", "RSTD"):
+            continue
+        a, b = out[name].float(), t.float()
+        atol = tol["atol"] * (M ** 0.5 if a.dim() == 1 else 1.0)
+        if not bool(((a - b).abs() <= atol + tol["rtol"] * b.abs()).all()):
+            return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs.
+
+
+def inputs(op: Op, M: int, N: int, dtype: str, device, rng) -> tuple[dict, dict]:
+    """(torch arrays on ``device``, float64 NumPy inputs or None on CUDA, where they are drawn on the device)."""
+    if device.type == "cpu":
+        ref = random_inputs(op, (M, N), dtype, rng)
+        return {k: torch.from_numpy(v).to(TORCH_DTYPES[dtype]) for k, v in ref.items()}, ref
+    tdt = TORCH_DTYPES[dtype]
+    g = torch.Generator(device=device).manual_seed(0)
+    rows = lambda: torch.randn(M, N, device=device, dtype=tdt, generator=g)  # noqa: E731
+    arrays = {"x": rows() * 1.5 + 0.3, "dy": rows()}
+    if op.has_residual:
+        arrays["residual"], arrays["ds"] = rows(), rows()
+    if "weight" in op.params:
+        arrays["weight"] = torch.rand(N, device=device, generator=g).add_(0.5).to(tdt)
+    if "bias" in op.params:
+        arrays["bias"] = (torch.randn(N, device=device, generator=g) * 0.5).to(tdt)
+    return arrays, None
+
+
+# ---------------------------------------------------------------------------------------------
+# The sweep.
+
+
+def do_bench_us(fn, warmup_ms: float, rep_ms: float) -> float:
+    import triton.testing
+
+    return 1e3 * float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def copy_tbps(warmup_ms: float, rep_ms: float) -> float:
+    """A device-to-device copy of 2 GiB of bf16, read + write counted."""
+    src = torch.empty(2**30, dtype=torch.bfloat16, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    us = do_bench_us(lambda: dst.copy_(src), warmup_ms, rep_ms)
+    moved = 2 * src.numel() * src.element_size()
+    del src, dst
     torch.cuda.empty_cache()
-
-# Host overhead: tiny shape, CPU-timed loop of many calls.
-x = torch.randn(4, 128, device=dev, dtype=torch.bfloat16)
-w = torch.randn(128, device=dev, dtype=torch.bfloat16)
+    return moved / (us * 1e-6) / 1e12
 
 
-def host(fn, n=2000):
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1e6
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(v) for v in s.split("x")) for s in text.split(",") if s]
 
 
-call = plans.plan_forward(op="rms_norm", M=4, N=128, x_dtype="bfloat16", has_w=True, has_b=False, eps=1e-6,
-                          casting="llama", store_stats=False)
-y = torch.empty_like(x)
-args = [x, None, w, None, 1e-6, 0.0, 4, 128, 128, 128, y, None, None, None]
-print(f"host us/call: raw kernel[grid] {host(lambda: plans.norm_fwd_kernel[call.grid](*args, **call.constexprs, num_warps=call.num_warps, num_stages=1)):.1f}"
-      f" | plan_forward {host(lambda: plans.plan_forward(op='rms_norm', M=4, N=128, x_dtype='bfloat16', has_w=True, has_b=False, eps=1e-6, casting='llama', store_stats=False)):.1f}"
-      f" | _norm_fwd {host(lambda: F._norm_fwd(x, None, w, None, 'rms_norm', 1e-6, 0.0, 'llama', False)):.1f}"
-      f" | rms_norm {host(lambda: F.rms_norm(x, w)):.1f}"
-      f" | eager F.rms_norm {host(lambda: torch.nn.functional.rms_norm(x, (128,), w, 1e-6)):.1f}", flush=True)
-xg = x.clone().requires_grad_(True)
-wg = w.clone()
-dy = torch.randn_like(x)
-def fb():
-    y = F.rms_norm(xg, wg)
-    torch.autograd.grad(y, xg, dy)
-def fbe():
-    y = torch.nn.functional.rms_norm(xg, (128,), wg, 1e-6)
-    torch.autograd.grad(y, xg, dy)
-print(f"host us fwd+bwd frozen: normkit {host(fb, 500):.1f} eager {host(fbe, 500):.1f}", flush=True)
-import cProfile
-import pstats
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--shapes", default=None, help=f"MxN,... (default {DEFAULT_SHAPES}; dry run {DRY_RUN_SHAPES})")
+    p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--dtypes", default="bfloat16")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--top", type=int, default=4, help="configurations listed after the best")
+    p.add_argument("--warmup-ms", type=float, default=5.0)
+    p.add_argument("--rep-ms", type=float, default=25.0)
+    p.add_argument("--dry-run", action="store_true",
+                   help="CPU: launch every variant once in Triton's interpreter and check it against the "
+                        "float64 reference; no timing")
+    args = p.parse_args(argv)
+    ops = args.ops.split(",")
+    modes = args.modes.split(",")
+    dtypes = args.dtypes.split(",")
+    for name, given, known in (("op", ops, OPS), ("mode", modes, MODES), ("dtype", dtypes, TORCH_DTYPES)):
+        bad = [v for v in given if v not in known]
+        if bad:
+            p.error(f"unknown {name}(s) {bad}; expected some of {list(known)}")
+    shapes = parse_shapes(args.shapes or (DRY_RUN_SHAPES if args.dry_run else DEFAULT_SHAPES))
 
-cProfile.run("for _ in range(300): fb()", "/tmp/fb.prof")
-pstats.Stats("/tmp/fb.prof").sort_stats("tottime").print_stats(14)
+    if args.dry_run:
+        device = torch.device("cpu")
+        copy = None
+        print(f"dry run: Triton interpreter on the CPU ({backend.num_sms(torch.empty(0))} 'SMs'), every variant "
+              "launched once and checked against the float64 reference; nothing timed", flush=True)
+    else:
+        if not torch.cuda.is_available():
+            p.error("no CUDA device: the sweep times compiled kernels (use --dry-run on a CPU)")
+        device = torch.device("cuda")
+        copy = copy_tbps(args.warmup_ms, 4 * args.rep_ms)
+        print(f"{torch.cuda.get_device_name()}: copy {copy:.2f} TB/s (2 GiB bf16, read + write), "
+              f"{backend.num_sms(torch.empty(0, device=device))} SMs", flush=True)
+
+    failures = run_all(shapes, ops, dtypes, modes, device, np.random.default_rng(0), args, copy)
+    if failures:
+        print(f"{failures} variant(s) disagreed with the {'reference' if args.dry_run else 'base plan'}", flush=True)
+    return 1 if failures else 0
+
+
+def run_all(shapes, ops, dtypes, modes, device, rng, args, copy) -> int:
+    failures = 0
+    for (M, N) in shapes:
+        for op_name in ops:
+            op = OPS[op_name]
+            opts = op.options(eps=op.default_eps)  # the frontends' defaults (llama casting for the RMS ops)
+            for dtype in dtypes:
+                arrays, ref_inp = inputs(op, M, N, dtype, device, rng)
+                num_sms = backend.num_sms(arrays["x"])
+                if ref_inp is not None:
+                    ref_outs, ref_grads = op.run_reference(ref_inp, opts, {"y": ref_inp["dy"],
+                                                                           "residual_out": ref_inp.get("ds")})
+                base_plans = plans(op, arrays, opts)
+                for mode in modes:
+                    failures += sweep(op, mode, dtype, M, N, base_plans[mode], num_sms, args, copy,
+                                      (ref_outs, ref_grads) if ref_inp is not None else None)
+                del arrays, base_plans
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return failures
+
+
+def sweep(op: Op, mode: str, dtype: str, M: int, N: int, base_plan: tuple, num_sms: int, args, copy,
+          reference) -> int:
+    """Run every variant of one base plan; print one summary line. Returns the number of failures."""
+    label = f"{op.name:19s} {mode:10s} {dtype:9s} {M}x{N}"
+    plan, arrays = base_plan
+    check_launches(plan)
+    base_cfg = base_config(plan[0], num_sms)
+    seen, variants = set(), []
+    for cfg in [base_cfg] + configs(plan[0], mode):
+        launches = plan if cfg == base_cfg else build(plan, cfg, M, num_sms)
+        if launches is None or key(launches) in seen:
+            continue
+        seen.add(key(launches))
+        variants.append((cfg, launches))
+    with poisoned_outputs():  # the checked runs: every output starts as NaN, so an unwritten element shows
+        base_out = run(plan, arrays)
+    failures, results = 0, []
+    for cfg, launches in variants:
+        what = f"{op.name} {mode} {dtype} {M}x{N} {cfg}"  # assert_close's messages start with it
+        try:
+            with poisoned_outputs():
+                out = run(launches, arrays)
+            if reference is not None:
+                check_reference(out, mode, *reference, dtype, M, what)
+            elif not agrees(out, base_out, dtype, M):
+                raise AssertionError(f"{what}: results differ from the base plan's beyond the tolerance table")
+            us = None if args.dry_run else do_bench_us(lambda launches=launches: run(launches, arrays), args.warmup_ms,
+                                                       args.rep_ms)
+        except AssertionError as e:
+            print(f"  FAIL {str(e).splitlines()[0]}", flush=True)
+            failures += 1
+            continue
+        except Exception as e:  # a configuration that does not compile (e.g. out of shared memory)
+            if args.dry_run:
+                raise
+            print(f"  skip {what}: {type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
+            continue
+        results.append((us, cfg))
+    if args.dry_run:
+        print(f"{label}: {len(results)}/{len(variants)} variants launched, "
+              f"{'all within tolerance of the reference' if not failures else f'{failures} FAILED'}", flush=True)
+        return failures
+    if not results:
+        print(f"{label}: no variant ran", flush=True)
+        return failures
+    nbytes = bytes_moved(op.name, mode, M, N, ELEM_BYTES[dtype])
+    pct = lambda us: 100 * nbytes / (us * 1e-6) / 1e12 / copy  # noqa: E731
+    results.sort(key=lambda r: r[0])
+    best_us, best = results[0]
+    base_us = next(us for us, cfg in results if cfg == base_cfg) if any(c == base_cfg for _, c in results) else None
+    base = f"{base_us:8.1f} us ({pct(base_us):5.1f}%)" if base_us is not None else "did not run"
+    print(f"{label} best {best_us:8.1f} us ({pct(best_us):5.1f}% of copy) {best} | plan {base_cfg}: {base} | "
+          f"{len(results)} variants; next: " +
+          "; ".join(f"{us:.1f} {cfg}" for us, cfg in results[1:1 + args.top]), flush=True)
+    return failures
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -34,6 +34,8 @@ def test_weight_shape(frontend, op):
 def test_bias_shape(frontend):
     raises(frontend, ValueError, r"bias has shape \(7,\); expected \(8,\)", "layer_norm", frontend.raw(X),
            weight=frontend.raw(W), bias=frontend.raw(W[:7]))
+    raises(frontend, ValueError, r"bias has shape \(8, 1\); expected \(8,\)", "layer_norm", frontend.raw(X),
+           bias=frontend.raw(W[:, None]))  # without a weight
 
 
 def test_residual_shape_and_dtype(frontend):
@@ -74,6 +76,13 @@ def test_non_finite_eps_and_offset(frontend, op):
     if op != "layer_norm":
         raises(frontend, ValueError, r"offset must be a finite number; got inf", op, frontend.raw(X),
                offset=float("inf"))
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_not_an_array(frontend, op):
+    raises(frontend, TypeError, r"x must be a (torch\.Tensor|jax\.Array); got list", op, [[1.0, 2.0]])
+    raises(frontend, TypeError, r"weight must be a (torch\.Tensor|jax\.Array); got list", op, frontend.raw(X),
+           weight=W.tolist())
 
 
 @pytest.mark.parametrize("op", list(OPS))

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 import zlib
 
 import jax
@@ -22,9 +23,10 @@ import normkit
 from normkit import launch as plans
 from normkit.shapes import Shape, shapes
 from tests.frontend_jax import JaxFrontend
-from tests.frontends import TorchFrontend
+from tests import test_errors
 from tests.harness import check_against_reference, check_launch_flags, make_inputs, parity_cases
-from normkit.testing import assert_close
+from normkit.ops import OPS
+from normkit.testing import assert_close, random_inputs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ON_GPU = jax.default_backend() == "gpu"
@@ -58,35 +60,37 @@ def ref_fused_add_rms_norm(x, residual, weight=None, eps=1e-6, offset=0.0):
     return ref_rms_norm(s, weight, eps, offset), s
 
 
-# Each op as f(x, p, q, ct) -> scalar loss, for the normkit op and the reference. p, q: the op's other
-# differentiable inputs (weight; weight and bias; residual and weight); ct: output cotangents.
-OPS = {
-    "rms_norm": (lambda x, w, _, ct: jnp.sum(jf.rms_norm(x, w) * ct[0]),
-                 lambda x, w, _, ct: jnp.sum(ref_rms_norm(x, w) * ct[0])),
-    "layer_norm": (lambda x, w, b, ct: jnp.sum(jf.layer_norm(x, w, b) * ct[0]),
-                   lambda x, w, b, ct: jnp.sum(ref_layer_norm(x, w, b) * ct[0])),
-    "fused_add_rms_norm": (
-        lambda x, r, w, ct: sum(jnp.sum(o * c) for o, c in zip(jf.fused_add_rms_norm(x, r, w), ct)),
-        lambda x, r, w, ct: sum(jnp.sum(o * c) for o, c in zip(ref_fused_add_rms_norm(x, r, w), ct))),
-}
+# The jnp reference of each op, with the same positional inputs (op.inputs) as its public function.
+REFS = {"rms_norm": ref_rms_norm, "layer_norm": ref_layer_norm, "fused_add_rms_norm": ref_fused_add_rms_norm}
+
+
+def op_fn(op, impl):
+    """f(x, p, q) of the op's inputs in signature order: (x, p, q) are x followed by the op's other
+    differentiable inputs (weight; weight and bias; residual and weight), None where it has fewer."""
+    n = len(OPS[op].inputs)
+    return lambda x, p, q: impl(*(x, p, q)[:n])
+
+
+def _loss(op, impl):
+    """f(x, p, q, ct) -> sum over outputs of <output, cotangent>."""
+    fn, has_residual = op_fn(op, impl), OPS[op].has_residual
+
+    def loss(x, p, q, ct):
+        outs = fn(x, p, q)
+        return sum(jnp.sum(o * c) for o, c in zip(outs if has_residual else (outs,), ct))
+    return loss
+
+
+# Each op as f(x, p, q, ct) -> scalar loss, for the normkit op and the reference; ct: output cotangents.
+LOSSES = {op: (_loss(op, getattr(jf, op)), _loss(op, REFS[op])) for op in OPS}
 
 
 def op_inputs(op, shape=(3, 5, 40), seed=0):
-    """(x, p, q, ct) in float32; rows over all leading axes."""
-    rng = np.random.default_rng(seed)
-    D = shape[-1]
-    x = jnp.asarray(rng.standard_normal(shape) * 1.5 + 0.3, jnp.float32)
-    w = jnp.asarray(rng.uniform(0.5, 1.5, D) * rng.choice([-1.0, 1.0], D), jnp.float32)
-    if op == "rms_norm":
-        p, q = w, None
-    elif op == "layer_norm":
-        p, q = w, jnp.asarray(rng.standard_normal(D) * 0.5, jnp.float32)
-    else:
-        p, q = jnp.asarray(rng.standard_normal(shape), jnp.float32), w
-    ct = [jnp.asarray(rng.standard_normal(shape), jnp.float32)]
-    if op == "fused_add_rms_norm":
-        ct.append(jnp.asarray(rng.standard_normal(shape), jnp.float32))
-    return x, p, q, tuple(ct)
+    """(x, p, q, ct) in float32 (``normkit.testing.random_inputs``); rows over all leading axes."""
+    inp = random_inputs(OPS[op], shape, "float32", np.random.default_rng(seed))
+    x, p, q = [*(jnp.asarray(inp[name], jnp.float32) for name in OPS[op].inputs), None, None][:3]
+    ct = tuple(jnp.asarray(inp[name], jnp.float32) for name in ("dy", "ds") if name in inp)
+    return x, p, q, ct
 
 
 def close(actual, expected, what, rows=1):
@@ -97,8 +101,8 @@ def close(actual, expected, what, rows=1):
 
 def _reduced(op, i, rows):
     """The reduction length behind gradient i of (x, p, q): parameters are summed over rows."""
-    is_param = (op != "fused_add_rms_norm" and i > 0) or (op == "fused_add_rms_norm" and i == 2)
-    return rows if is_param else 1
+    spec = OPS[op]
+    return rows if i < len(spec.inputs) and spec.inputs[i] in spec.params else 1
 
 
 def close_grads(op, got, want, rows, what):
@@ -115,7 +119,7 @@ ALL_OPS = sorted(OPS)
 
 @pytest.mark.parametrize("op", ALL_OPS)
 def test_grad_and_value_and_grad(op):
-    f, ref = OPS[op]
+    f, ref = LOSSES[op]
     x, p, q, ct = op_inputs(op)
     got = jax.grad(f, argnums=(0, 1, 2))(x, p, q, ct)
     want = jax.grad(ref, argnums=(0, 1, 2))(x, p, q, ct)
@@ -127,7 +131,7 @@ def test_grad_and_value_and_grad(op):
 
 @pytest.mark.parametrize("op", ALL_OPS)
 def test_jit_grad(op):
-    f, ref = OPS[op]
+    f, ref = LOSSES[op]
     x, p, q, ct = op_inputs(op)
     got = jax.jit(jax.grad(f, argnums=(0, 1, 2)))(x, p, q, ct)
     close_grads(op, got, jax.grad(ref, argnums=(0, 1, 2))(x, p, q, ct), 15, f"{op} jit(grad)")
@@ -137,34 +141,29 @@ def test_jit_grad(op):
 
 @pytest.mark.parametrize("op", ALL_OPS)
 def test_vjp(op):
-    _, ref = OPS[op]
     x, p, q, ct = op_inputs(op)
-    fn = {"rms_norm": lambda x, p, q: jf.rms_norm(x, p), "layer_norm": jf.layer_norm,
-          "fused_add_rms_norm": jf.fused_add_rms_norm}[op]
-    rfn = {"rms_norm": lambda x, p, q: ref_rms_norm(x, p), "layer_norm": ref_layer_norm,
-           "fused_add_rms_norm": ref_fused_add_rms_norm}[op]
-    out, vjp = jax.vjp(fn, x, p, q)
-    rout, rvjp = jax.vjp(rfn, x, p, q)
+    out, vjp = jax.vjp(op_fn(op, getattr(jf, op)), x, p, q)
+    rout, rvjp = jax.vjp(op_fn(op, REFS[op]), x, p, q)
     close(out, rout, f"{op} vjp primal")
-    cts = ct if op == "fused_add_rms_norm" else ct[0]
+    cts = ct if OPS[op].has_residual else ct[0]
     close_grads(op, vjp(cts), rvjp(cts), 15, f"{op} vjp")
 
 
 @pytest.mark.parametrize("op", ALL_OPS)
 def test_vmap_folds_into_one_launch(op):
-    f, ref = OPS[op]
     x, p, q, ct = op_inputs(op, shape=(4, 6, 40))
-    fwd = {"rms_norm": lambda x: jf.rms_norm(x, p), "layer_norm": lambda x: jf.layer_norm(x, p, q),
-           "fused_add_rms_norm": lambda x: jf.fused_add_rms_norm(x, p[0], q)}[op]
-    rfwd = {"rms_norm": lambda x: ref_rms_norm(x, p), "layer_norm": lambda x: ref_layer_norm(x, p, q),
-            "fused_add_rms_norm": lambda x: ref_fused_add_rms_norm(x, p[0], q)}[op]
+    # the inputs after x; a row input (the residual) unbatched: one example's rows, broadcast by vmap
+    rest = [a[0] if name in OPS[op].row_inputs else a for name, a in zip(OPS[op].inputs[1:], (p, q))]
+    fwd = lambda x: getattr(jf, op)(x, *rest)  # noqa: E731
+    rfwd = lambda x: REFS[op](x, *rest)  # noqa: E731
     with normkit.record_launches() as log:
         got = jax.vmap(fwd)(x)
     close(got, jax.vmap(rfwd)(x), f"{op} vmap")
     (launch,) = log  # one launch over 4 * 6 rows (the residual, unbatched, is broadcast)
     assert launch.kernel == "norm_fwd_kernel" and launch.frontend == FRONTEND
-    flat_fwd = {"rms_norm": fwd, "layer_norm": fwd,
-                "fused_add_rms_norm": lambda x: jf.fused_add_rms_norm(x, jnp.tile(p[0], (4, 1)), q)}[op]
+    flat_rest = [jnp.tile(a, (4, 1)) if name in OPS[op].row_inputs else a
+                 for name, a in zip(OPS[op].inputs[1:], rest)]
+    flat_fwd = lambda x: getattr(jf, op)(x, *flat_rest)  # noqa: E731
     with normkit.record_launches() as flat:  # the same launch as over the 24 rows given at once
         flat_fwd(x.reshape(24, 40))
     assert (launch.grid, launch.flags) == (flat[0].grid, flat[0].flags)
@@ -177,11 +176,12 @@ def test_vmap_folds_into_one_launch(op):
 
 @pytest.mark.parametrize("op", ALL_OPS)
 def test_grad_of_vmap_and_vmap_of_grad(op):
-    f, ref = OPS[op]
+    f, ref = LOSSES[op]
     x, p, q, ct = op_inputs(op, shape=(4, 6, 40))
     args = (x, p, q, ct)
     # the leading axis is a vmapped batch; parameters shared (the fused op's residual is batched)
-    axes = (0, 0 if op == "fused_add_rms_norm" else None, None, 0)
+    p_is_rows = OPS[op].inputs[1] in OPS[op].row_inputs
+    axes = (0, 0 if p_is_rows else None, None, 0)
     vf = lambda *a: jnp.sum(jax.vmap(f, in_axes=axes)(*a))  # noqa: E731
     vref = lambda *a: jnp.sum(jax.vmap(ref, in_axes=axes)(*a))  # noqa: E731
     close_grads(op, jax.grad(vf, argnums=(0, 1, 2))(*args), jax.grad(vref, argnums=(0, 1, 2))(*args), 24,
@@ -192,7 +192,7 @@ def test_grad_of_vmap_and_vmap_of_grad(op):
     close_grads(op, per, rper, 6, f"{op} vmap(grad)")
     # nested: vmap over two axes of per-example gradients
     x2, ct2 = x.reshape(2, 2, 6, 40), tuple(c.reshape(2, 2, 6, 40) for c in ct)
-    p2 = p.reshape(2, 2, 6, 40) if op == "fused_add_rms_norm" else p
+    p2 = p.reshape(2, 2, 6, 40) if p_is_rows else p
     nested = jax.vmap(jax.vmap(jax.grad(f, argnums=(0, 1, 2)), in_axes=axes), in_axes=axes)
     close_grads(op, nested(x2, p2, q, ct2), jax.vmap(jax.vmap(jax.grad(ref, argnums=(0, 1, 2)), in_axes=axes),
                                                      in_axes=axes)(x2, p2, q, ct2), 6, f"{op} vmap(vmap(grad))")
@@ -229,9 +229,7 @@ def test_scan_over_layers(op):
             return jnp.sum(h * ct[0])
         return loss
 
-    norms = {"rms_norm": (lambda h, p, q: jf.rms_norm(h, p), lambda h, p, q: ref_rms_norm(h, p)),
-             "layer_norm": (jf.layer_norm, ref_layer_norm),
-             "fused_add_rms_norm": (jf.fused_add_rms_norm, ref_fused_add_rms_norm)}[op]
+    norms = (op_fn(op, getattr(jf, op)), op_fn(op, REFS[op]))
     got = jax.jit(jax.grad(net(norms[0]), argnums=(0, 1, 2)))(x, ps, qs)
     want = jax.grad(net(norms[1]), argnums=(0, 1, 2))(x, ps, qs)
     close_grads(op, got, want, 6 * L, f"{op} scan")
@@ -239,7 +237,7 @@ def test_scan_over_layers(op):
 
 @pytest.mark.parametrize("op", ALL_OPS)
 def test_checkpoint(op):
-    f, ref = OPS[op]
+    f, ref = LOSSES[op]
     x, p, q, ct = op_inputs(op)
     with normkit.record_launches() as log:
         got = jax.jit(jax.grad(jax.checkpoint(f), argnums=(0, 1, 2)))(x, p, q, ct)
@@ -252,7 +250,7 @@ def test_checkpoint(op):
 
 @pytest.mark.parametrize("op", ALL_OPS)
 def test_forward_mode_raises(op):
-    f, _ = OPS[op]
+    f, _ = LOSSES[op]
     x, p, q, ct = op_inputs(op, shape=(2, 8))
     with pytest.raises(TypeError, match="forward-mode"):
         jax.jvp(lambda x: f(x, p, q, ct), (x,), (jnp.ones_like(x),))
@@ -415,35 +413,47 @@ def test_fused_unused_outputs():
 
 
 # ---------------------------------------------------------------------------------------------
-# Bad input: the Torch frontend's errors, raised while tracing, before any launch.
+# Bad input. tests/test_errors.py checks every error through both frontends (the ``frontend``
+# fixture). Here its tests run once more on ``TracedJaxFrontend``: each jax_frontend function is
+# traced with ``jax.jit(...).trace()``, its array arguments abstract, and only then lowered and run.
+# So every error must come while tracing, before anything is lowered or launched.
 
 F32 = jnp.float32
 
 
-@pytest.mark.parametrize("call, error, match", [
-    (lambda: jf.rms_norm(jnp.ones((4, 8), F32), jnp.ones((7,), F32)), ValueError, "weight has shape"),
-    (lambda: jf.layer_norm(jnp.ones((4, 8), F32), None, jnp.ones((8, 1), F32)), ValueError, "bias has shape"),
-    (lambda: jf.fused_add_rms_norm(jnp.ones((4, 8), F32), jnp.ones((4, 7), F32)), ValueError, "residual has shape"),
-    (lambda: jf.fused_add_rms_norm(jnp.ones((4, 8), F32), jnp.ones((4, 8), jnp.float16)), TypeError,
-     "residual has dtype"),
-    (lambda: jf.rms_norm(jnp.ones((4, 8), jnp.int32)), TypeError, "x has dtype int32"),
-    (lambda: jf.rms_norm(jnp.ones((4, 8), jnp.bool_)), TypeError, "x has dtype bool"),
-    (lambda: jf.layer_norm(jnp.ones((4, 8), jnp.complex64)), TypeError, "x has dtype complex64"),
-    (lambda: jf.rms_norm(jnp.ones((4, 8), F32), jnp.ones((8,), jnp.int32)), TypeError, "weight has dtype int32"),
-    (lambda: jf.rms_norm(jnp.ones((4, 8), F32), casting_mode="fp8"), ValueError, "unknown casting_mode"),
-    (lambda: jf.rms_norm(jnp.ones((4, 8), F32), eps=-1e-6), ValueError, "eps must be"),
-    (lambda: jf.layer_norm(jnp.ones((4, 8), F32), eps=float("nan")), ValueError, "eps must be"),
-    (lambda: jf.rms_norm(jnp.ones((4, 8), F32), offset=float("inf")), ValueError, "offset must be"),
-    (lambda: jf.rms_norm(jnp.ones((), F32)), ValueError, "at least one dimension"),
-    (lambda: jf.rms_norm([[1.0, 2.0]]), TypeError, "x must be a jax.Array"),
-])
-def test_bad_input(call, error, match):
-    with normkit.record_launches() as log:
-        with pytest.raises(error, match=match):
-            call()
-        with pytest.raises(error, match=match):
-            jax.jit(lambda: call()).trace()  # at trace time
-    assert not log
+def _traced(fn):
+    def call(*args, **kwargs):
+        slots = [i for i, a in enumerate(args) if isinstance(a, jax.Array)]  # the rest (None, lists) as given
+
+        def body(*arrays):
+            full = list(args)
+            for i, a in zip(slots, arrays):
+                full[i] = a
+            return fn(*full, **kwargs)
+
+        arrays = [args[i] for i in slots]
+        traced = jax.jit(body).trace(*arrays)  # a bad input raises here
+        return traced.lower().compile()(*arrays)
+    return call
+
+
+class TracedJaxFrontend(JaxFrontend):
+    name = "jax-traced"
+
+    @property
+    def module(self):
+        return types.SimpleNamespace(**{op: _traced(getattr(jf, op)) for op in OPS})
+
+
+@pytest.fixture
+def frontend():
+    """This module's ``frontend`` (conftest's runs both frontends): the traced JAX frontend."""
+    return TracedJaxFrontend()
+
+
+for _name, _test in vars(test_errors).items():  # test_traced_weight_shape, ...: test_errors' bodies
+    if _name.startswith("test_") and callable(_test):
+        globals()["test_traced_" + _name.removeprefix("test_")] = _test
 
 
 def test_bad_input_abstract():
@@ -479,6 +489,8 @@ def _compare(case, a, b, exact):
 
 
 def _run_both(case):
+    from tests.frontend_torch import TorchFrontend
+
     inp = make_inputs(case, np.random.default_rng(zlib.crc32(str(case).encode())))
     res_jax = JaxFrontend().call(case, inp)
     res_torch = TorchFrontend().call(case, inp)

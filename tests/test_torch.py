@@ -7,7 +7,8 @@ import torch
 import normkit
 import torch_frontend as tf
 from normkit import reference as ref
-from tests.frontends import DEVICE
+from normkit.ops import OPS
+from tests.frontend_torch import DEVICE
 from normkit.testing import assert_close
 
 BF16 = torch.bfloat16
@@ -20,6 +21,13 @@ def randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
 
 def np64(t):
     return t.detach().double().cpu().numpy()
+
+
+def apply(op, inputs):
+    """``op``'s public function on named inputs (every one takes ``op.inputs`` positionally, in that
+    order); its outputs as a tuple (y, and residual_out for the fused add)."""
+    out = getattr(tf, op)(*(inputs.get(name) for name in OPS[op].inputs))
+    return out if OPS[op].has_residual else (out,)
 
 
 # --- modules -------------------------------------------------------------------------------------
@@ -69,7 +77,7 @@ def test_module_defaults_and_options():
 # --- frozen semantics ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "fused_add_rms_norm"])
+@pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 def test_frozen_weight_gives_bitwise_equal_dx_and_no_partials(op, dtype):
     x0 = randn(37, 200, dtype=dtype, seed=8)
@@ -80,14 +88,9 @@ def test_frozen_weight_gives_bitwise_equal_dx_and_no_partials(op, dtype):
     for frozen in (False, True):
         x = x0.clone().requires_grad_(True)
         w = w0.clone().requires_grad_(not frozen)
-        b = randn(200, dtype=dtype, seed=12).requires_grad_(not frozen) if op == "layer_norm" else None
+        b = randn(200, dtype=dtype, seed=12).requires_grad_(not frozen) if "bias" in OPS[op].params else None
         with normkit.record_launches() as log:
-            if op == "rms_norm":
-                y = tf.rms_norm(x, w)
-            elif op == "layer_norm":
-                y = tf.layer_norm(x, w, b)
-            else:
-                y, _ = tf.fused_add_rms_norm(x, r0, w)
+            y = apply(op, {"x": x, "residual": r0, "weight": w, "bias": b})[0]
             y.backward(dy)
         grads[frozen], logs[frozen] = x.grad, log
         if frozen:
@@ -138,20 +141,20 @@ def test_fused_add_gradients_when_only_residual_out_is_used():
 # --- determinism ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+@pytest.mark.parametrize("op", list(OPS))
 def test_weight_gradients_are_bitwise_reproducible(op):
     x = randn(517, 96, dtype=BF16, seed=22)
+    r = randn(517, 96, dtype=BF16, seed=26)
     dy = randn(517, 96, dtype=BF16, seed=23)
     results = []
     for _ in range(2):
-        w = randn(96, dtype=BF16, seed=24).requires_grad_(True)
-        b = randn(96, dtype=BF16, seed=25).requires_grad_(True) if op == "layer_norm" else None
-        y = tf.rms_norm(x, w) if op == "rms_norm" else tf.layer_norm(x, w, b)
-        y.backward(dy)
-        results.append((w.grad.clone(), None if b is None else b.grad.clone()))
-    assert torch.equal(results[0][0], results[1][0])
-    if op == "layer_norm":
-        assert torch.equal(results[0][1], results[1][1])
+        params = {name: randn(96, dtype=BF16, seed=seed).requires_grad_(True)
+                  for name, seed in (("weight", 24), ("bias", 25)) if name in OPS[op].params}
+        apply(op, {"x": x, "residual": r, **params})[0].backward(dy)
+        results.append({name: p.grad.clone() for name, p in params.items()})
+    assert results[0].keys() == set(OPS[op].params)
+    for name in OPS[op].params:
+        assert torch.equal(results[0][name], results[1][name]), name
 
 
 # --- cross-checks --------------------------------------------------------------------------------
@@ -218,24 +221,21 @@ def test_nan_and_inf_reach_the_same_elements_as_the_reference(op):
     x[1, 3] = float("nan")
     x[3, 7] = float("inf")
     w = randn(16, seed=33)
-    y = tf.rms_norm(x, w) if op == "rms_norm" else tf.layer_norm(x, w)
+    y = getattr(tf, op)(x, w)
     with np.errstate(invalid="ignore"):  # the reference meets inf * 0 and NaN too
-        want = ref.rms_norm(np64(x), np64(w), 1e-6) if op == "rms_norm" else ref.layer_norm(np64(x), np64(w))
+        want = OPS[op].reference(np64(x), np64(w), eps=OPS[op].default_eps)
     assert_close(np64(y), want, "float32", f"{op} with NaN/Inf")
     assert np.isnan(np64(y)[1]).all() and np.isfinite(np64(y)[[0, 2, 4]]).all()
 
 
-@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "fused_add_rms_norm"])
+@pytest.mark.parametrize("op", list(OPS))
 def test_zero_rows(op):
     x = torch.empty(0, 3, 32, device=DEVICE).requires_grad_(True)
     w = randn(32, seed=34).requires_grad_(True)
     with normkit.record_launches() as log:
-        if op == "fused_add_rms_norm":
-            y, s = tf.fused_add_rms_norm(x, torch.empty(0, 3, 32, device=DEVICE), w)
-            (y.sum() + s.sum()).backward()
-        else:
-            y = tf.rms_norm(x, w) if op == "rms_norm" else tf.layer_norm(x, w)
-            y.sum().backward()
+        outs = apply(op, {"x": x, "residual": torch.empty(0, 3, 32, device=DEVICE), "weight": w})
+        sum(o.sum() for o in outs).backward()
+    y = outs[0]
     assert y.shape == (0, 3, 32) and x.grad.shape == (0, 3, 32)
     assert w.grad is not None and torch.count_nonzero(w.grad) == 0 and w.grad.shape == (32,)
     assert log.kernels() == []  # nothing to launch
@@ -439,17 +439,17 @@ def test_fused_add_gradients_are_separate_tensors(shape):
     assert torch.allclose(x.grad, r.grad), "clipping must scale each gradient once"
 
 
-@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "fused_add_rms_norm"])
+@pytest.mark.parametrize("op", list(OPS))
 def test_double_backward_raises_naming_normkit(op):
-    x = randn(4, 16, seed=72).requires_grad_(True)
-    w = randn(16, seed=73).requires_grad_(True)
-    y = {"rms_norm": lambda: tf.rms_norm(x, w), "layer_norm": lambda: tf.layer_norm(x, w),
-         "fused_add_rms_norm": lambda: tf.fused_add_rms_norm(x, randn(4, 16, seed=74), w)[0]}[op]()
+    inputs = {"x": randn(4, 16, seed=72).requires_grad_(True), "residual": randn(4, 16, seed=74),
+              "weight": randn(16, seed=73).requires_grad_(True)}
+    x = inputs["x"]
+    y = apply(op, inputs)[0]
     (g,) = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)  # a gradient penalty's first step
-    dx, _ = (ref.rms_norm_bwd if op != "layer_norm" else ref.layer_norm_bwd)(
-        *((np64(x) + np64(randn(4, 16, seed=74)),) if op == "fused_add_rms_norm" else (np64(x),)),
-        np64(w), *((None,) if op == "layer_norm" else ()), 2 * np64(y))[:2]
-    assert_close(np64(g), dx, "float32", "first-order gradient under create_graph")
+    spec = OPS[op]
+    _, want = spec.run_reference({name: np64(t) for name, t in inputs.items()}, spec.options(eps=spec.default_eps),
+                                 {"y": 2 * np64(y)})  # residual_out unused: its gradient is zero
+    assert_close(np64(g), want["x"], "float32", "first-order gradient under create_graph")
     assert g.requires_grad, "the gradient must not silently turn into a constant"
     with pytest.raises(RuntimeError, match="normkit: differentiating normkit's gradient"):
         g.pow(2).sum().backward()

@@ -1,0 +1,102 @@
+"""Smoke tests of the scripts, each in a subprocess at a tiny CPU shape (Triton's interpreter): they
+exit 0 and print the rows they should. Plus the sweep's guards against malformed variants."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from normkit.ops import OPS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_script(*argv: str) -> str:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "")  # keep the CPU path where a GPU exists
+    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{argv} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_tune_dry_run():
+    out = run_script("scripts/tune.py", "--dry-run", "--shapes", "72x48")
+    for op in OPS:
+        for mode in ("fwd", "bwd_frozen", "bwd_full"):
+            m = re.search(rf"^{op}\s+{mode}\s+bfloat16\s+72x48: (\d+)/(\d+) variants launched, "
+                          r"all within tolerance of the reference$", out, re.M)
+            assert m, f"no dry-run row for {op} {mode}:\n{out}"
+            assert m[1] == m[2] and int(m[1]) > 1, m[0]  # every variant ran, and there were several
+
+
+def test_compare():
+    out = run_script("scripts/compare.py", "--shape", "8x64", "--reps", "1")
+    assert re.search(r"^op\s+frontend\s+backward\s+kernels\s+partials \(B\)\s+dx err", out, re.M), out
+    for op in OPS.values():
+        for frontend in ("torch", "jax"):
+            full = re.search(rf"^{op.name}\s+{frontend}\s+full\s+norm_fwd,norm_bwd,partial_sum\s+(\d+)\s", out, re.M)
+            frozen = re.search(rf"^{op.name}\s+{frontend}\s+frozen\s+norm_fwd,norm_bwd\s+0\s+\S+\s+-\s+True\s", out,
+                               re.M)
+            assert full and frozen, f"rows missing for {op.name} {frontend}:\n{out}"
+            # one fp32 partial row of N per program, for dW (and dB)
+            assert int(full[1]) > 0 and int(full[1]) % (4 * 64 * len(op.params)) == 0, full[0]
+    assert "Checks passed" in out
+
+
+def test_host_time():
+    out = run_script("benchmarks/host_time.py", "--shape", "8x64", "--iters", "10", "--ops", "rms_norm")
+    for mode in ("fwd", "fwd_bwd_frozen", "fwd_bwd_full"):
+        assert re.search(rf"^\s+rms_norm\s+{mode}\s+normkit\s+[\d.]+ \| torch_eager\s+[\d.]+", out, re.M), out
+
+
+# ---------------------------------------------------------------------------------------------
+# The sweep's guards (scripts/tune.py, imported).
+
+
+@pytest.fixture(scope="module")
+def tune():
+    spec = importlib.util.spec_from_file_location("normkit_tune_script", ROOT / "scripts" / "tune.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def _full_backward_plan(M=40, N=48):
+    from normkit.launch import INTERPRETER_NUM_SMS, plan_backward
+
+    op = OPS["layer_norm"]
+    return plan_backward(op, M, N, "float32", "float32", "float32", False, op.options(eps=1e-5),
+                         op.grads(op.inputs), (N, 1, N, 1, 0, 1, 1), INTERPRETER_NUM_SMS)
+
+
+def test_variants_never_pass_an_unknown_constexpr(tune):
+    bwd, red = _full_backward_plan()
+    tune.check_constexprs(bwd)
+    tune.check_constexprs(red)
+    # what the old sweep did: a flag the kernel no longer has (the interpreter would accept it)
+    stale = dataclasses.replace(bwd, cache={})
+    object.__setattr__(stale, "constexprs", dict(bwd.constexprs, WELFORD=True))
+    with pytest.raises(ValueError, match=r"no parameter\(s\) \['WELFORD'\]"):
+        tune.check_constexprs(stale)
+    with pytest.raises((ValueError, AssertionError)):  # KernelCall itself refuses it too
+        dataclasses.replace(bwd, constexprs=dict(bwd.constexprs, WELFORD=True), cache={})
+
+
+def test_variants_resize_partials_and_the_reduction(tune):
+    bwd, red = _full_backward_plan()
+    assert bwd.grid != (2,)
+    v = tune.variant(bwd, block_m=4, num_warps=8, grid=2, stages=2)
+    assert v.grid == (2,) and v.cache == {} and v.cache is not bwd.cache
+    assert {name: shape for name, (shape, _) in v.out_specs.items() if name.endswith("_PART")} == {
+        "DW_PART": (2, 48), "DB_PART": (2, 48)}
+    tune.check_launches([v, tune.reduce_variant(red, 2)])
+    with pytest.raises(ValueError, match="sums"):
+        tune.check_launches([v, red])  # the base plan's reduction sums another number of rows
