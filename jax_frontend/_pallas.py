@@ -112,9 +112,24 @@ def _compiler_params(num_warps: int, num_stages: int = 1):
 
 
 def _run(launch, args):
-    """``launch(interpret, *args)``: interpret mode when lowered for CPU, compiled otherwise."""
-    return jax.lax.platform_dependent(*args, cpu=functools.partial(launch, True),
-                                      default=functools.partial(launch, False))
+    """``launch(interpret, *args)``: interpret mode when lowered for CPU, compiled otherwise.
+
+    The kernels have no derivative of their own (the custom_vjp above them is their gradient): a
+    derivative of the gradient (hessian, grad of grad) raises normkit's forward-mode error here, as
+    the Triton implementation's primitives do, instead of failing inside Pallas's JVP rule."""
+
+    @jax.custom_jvp
+    def run(*args):
+        return jax.lax.platform_dependent(*args, cpu=functools.partial(launch, True),
+                                          default=functools.partial(launch, False))
+
+    @run.defjvp
+    def _(primals, tangents):
+        from jax_frontend._primitives import FORWARD_MODE_ERROR
+
+        raise TypeError(FORWARD_MODE_ERROR)
+
+    return run(*args)
 
 
 def _with_names(kernel, in_names, out_names, all_names):

@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import importlib.util
 
+import pytest
+
 from tests.harness import Case
+
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+# For tests of the Torch frontend against the JAX one, and of the JAX frontend's Triton path on CPU
+# (Triton's interpreter runs on torch tensors): they run in the main suite; a torch-free install
+# (CI's JAX-only check) deselects them.
+requires_torch = pytest.mark.skipif(not HAS_TORCH, reason="needs torch (a JAX-only install)")
 
 
 def apply_op(module, case: Case, args: dict) -> dict:
@@ -24,7 +32,7 @@ FRONTENDS = {}
 def _register():
     import functools
 
-    if importlib.util.find_spec("torch") is not None:
+    if HAS_TORCH:
         from tests.frontend_torch import TorchFrontend
 
         FRONTENDS["torch"] = TorchFrontend

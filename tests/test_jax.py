@@ -23,6 +23,7 @@ import normkit
 from normkit import launch as plans
 from normkit.shapes import Shape, shapes
 from tests.frontend_jax import JaxFrontend
+from tests.frontends import requires_torch
 from tests import test_errors
 from tests.harness import check_against_reference, check_launch_flags, make_inputs, parity_cases
 from normkit.ops import OPS
@@ -149,12 +150,14 @@ def test_vjp(op):
     close_grads(op, vjp(cts), rvjp(cts), 15, f"{op} vjp")
 
 
+@requires_torch
 @pytest.mark.parametrize("op", ALL_OPS)
 def test_vmap_folds_into_one_launch(op):
+    """The Triton implementation's batching rule folds the batch axes into rows (on CPU: torch)."""
     x, p, q, ct = op_inputs(op, shape=(4, 6, 40))
     # the inputs after x; a row input (the residual) unbatched: one example's rows, broadcast by vmap
     rest = [a[0] if name in OPS[op].row_inputs else a for name, a in zip(OPS[op].inputs[1:], (p, q))]
-    fwd = lambda x: getattr(jf, op)(x, *rest)  # noqa: E731
+    fwd = lambda x: getattr(jf, op)(x, *rest, implementation="triton")  # noqa: E731
     rfwd = lambda x: REFS[op](x, *rest)  # noqa: E731
     with normkit.record_launches() as log:
         got = jax.vmap(fwd)(x)
@@ -163,7 +166,7 @@ def test_vmap_folds_into_one_launch(op):
     assert launch.kernel == "norm_fwd_kernel" and launch.frontend == FRONTEND
     flat_rest = [jnp.tile(a, (4, 1)) if name in OPS[op].row_inputs else a
                  for name, a in zip(OPS[op].inputs[1:], rest)]
-    flat_fwd = lambda x: getattr(jf, op)(x, *flat_rest)  # noqa: E731
+    flat_fwd = lambda x: getattr(jf, op)(x, *flat_rest, implementation="triton")  # noqa: E731
     with normkit.record_launches() as flat:  # the same launch as over the 24 rows given at once
         flat_fwd(x.reshape(24, 40))
     assert (launch.grid, launch.flags) == (flat[0].grid, flat[0].flags)
@@ -502,6 +505,7 @@ CROSS_CASES = [c for c in parity_cases([s for s in shapes("ci") if s.name == "3d
                if c.trained == frozenset(c.inputs) or len(c.trained) == 1]
 
 
+@requires_torch
 @pytest.mark.parametrize("case", CROSS_CASES, ids=str)
 def test_cross_frontend_within_tolerance(case):
     """Both frontends on CPU: equal within the tolerance table, and in fact bit for bit, since both run
@@ -535,6 +539,7 @@ def test_bitwise_parity_with_torch_on_gpu(case):
     _compare(case, res_jax, res_torch, exact=True)
 
 
+@requires_torch
 def test_same_num_sms_as_torch():
     """The plans depend on the SM count: both frontends must use the same one (on GPU, the device's)."""
     import torch
@@ -585,6 +590,7 @@ def _strict_triton_call(calls):
     return triton_call
 
 
+@requires_torch
 # 19 row tiles: the H200's plan (132 SMs) gives 19 dW/dB partials where the CPU plan gives 8.
 @pytest.mark.parametrize("case", [c for c in parity_cases([Shape("gpu_path", (300, 48), frozenset())])
                                   if c.dtype == "bfloat16" and c.casting in ("llama",) and c.offset == 0.0
@@ -676,6 +682,7 @@ assert "jax_triton" in sys.modules
 """
 
 
+@requires_torch
 @pytest.mark.parametrize("order", ["jax_first", "torch_first"])
 def test_import_hazard(order):
     """Both frontends in one process, either order. On GPU: the Torch-side Triton compile still works
