@@ -113,9 +113,10 @@ def _outputs(cfg: _Config, out: dict):
 
 
 def _forward(cfg: _Config, x, residual, weight, bias, *, store_stats: bool) -> dict:
-    """The implementation's forward; no rows: empty results (every implementation gets M >= 1)."""
-    M, N = x.shape
-    if M == 0:
+    """The implementation's forward; no rows: empty results (every implementation gets M >= 1; the
+    sharded one, which takes the caller's shape, splits rows among devices and defers to these)."""
+    if x.ndim == 2 and x.shape[0] == 0:
+        M, N = x.shape
         return {name: jnp.zeros(shape, dtype) for name, (shape, dtype) in
                 cfg.op.fwd_buffers(M, N, _launch.dtype_name(x.dtype), store_stats).items()}
     return cfg.impl.forward(cfg.op, x, residual, weight, bias, opts=cfg.opts, store_stats=store_stats)
@@ -123,8 +124,8 @@ def _forward(cfg: _Config, x, residual, weight, bias, *, store_stats: bool) -> d
 
 def _backward(cfg: _Config, x, weight, dy, dres, mean, rstd, *, grads: Grads, b_dtype) -> dict:
     """The implementation's backward; no rows: dX empty and dW/dB sums of nothing (zeros)."""
-    M, N = x.shape
-    if M == 0:
+    if x.ndim == 2 and x.shape[0] == 0:
+        M, N = x.shape
         w_dtype = _launch.dtype_name(weight.dtype) if weight is not None else None
         return {name: jnp.zeros(shape, dtype) for name, (shape, dtype) in
                 cfg.op.bwd_buffers(M, N, _launch.dtype_name(x.dtype), grads, w_dtype, b_dtype).items()}
