@@ -43,6 +43,13 @@ def _masks(row0, M, N, BLOCK_M, BLOCK_N):
     return row_mask, col_mask, row_mask[:, None] & col_mask[None, :]
 
 
+def _tile_rows(pid, t, num_programs, M, N, BLOCK_M, BLOCK_N):
+    """This program's tile t (tiles are dealt round-robin): (row slice, row mask, tile mask)."""
+    row0 = _i32((pid + t * num_programs) * BLOCK_M)
+    row_mask, _, mask = _masks(row0, M, N, BLOCK_M, BLOCK_N)
+    return pl.ds(row0, BLOCK_M), row_mask, mask
+
+
 def _i32(v):
     """A slice start as int32 (program ids are int32; a bare Python int would be int64 under x64)."""
     return jnp.asarray(v, jnp.int32)
@@ -89,9 +96,7 @@ def norm_fwd_kernel(
     cols = pl.ds(_i32(0), BLOCK_N)
 
     def tile_rows(t):
-        row0 = _i32((pid + t * NUM_PROGRAMS) * BLOCK_M)
-        row_mask, _, mask = _masks(row0, M, N, BLOCK_M, BLOCK_N)
-        return pl.ds(row0, BLOCK_M), row_mask, mask
+        return _tile_rows(pid, t, NUM_PROGRAMS, M, N, BLOCK_M, BLOCK_N)
 
     def load_tile(t):
         rows, _, mask = tile_rows(t)
@@ -184,9 +189,7 @@ def norm_bwd_kernel(
     cols = pl.ds(_i32(0), BLOCK_N)
 
     def tile_rows(t):
-        row0 = _i32((pid + t * NUM_PROGRAMS) * BLOCK_M)
-        row_mask, _, mask = _masks(row0, M, N, BLOCK_M, BLOCK_N)
-        return pl.ds(row0, BLOCK_M), row_mask, mask
+        return _tile_rows(pid, t, NUM_PROGRAMS, M, N, BLOCK_M, BLOCK_N)
 
     def load_tile(t):
         """Tile t's inputs as stored (x.dtype, fp32 stats): what a prefetch keeps in registers."""
