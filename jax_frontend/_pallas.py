@@ -61,7 +61,7 @@ from jax.experimental import pallas as pl
 
 from normkit.kernels import norm_pallas
 from normkit import record
-from normkit.launch import INTERPRETER_NUM_SMS, _next_pow2, pallas_blocks, reduce_blocks
+from normkit.launch import _next_pow2, pallas_blocks, reduce_blocks
 from normkit.ops import MAX_N, Grads, Op, Options
 
 LOWERINGS = ("triton", "mosaic_gpu")
@@ -85,17 +85,13 @@ def persistent_forward(op: Op, N: int) -> bool:
 
 
 def num_sms() -> int:
-    return NUM_SMS if NUM_SMS is not None else _default_num_sms()
+    """The default backend's SM count (it sizes the [G, N] partials, a trace-time shape): the same
+    number the Triton implementation plans with (INTERPRETER_NUM_SMS on CPU)."""
+    if NUM_SMS is not None:
+        return NUM_SMS
+    from jax_frontend import _launch
 
-
-@functools.lru_cache(maxsize=None)
-def _default_num_sms() -> int:
-    """The default device's SM count (it sizes the [G, N] partials, a trace-time shape)."""
-    for device in jax.devices():
-        cores = getattr(device, "core_count", None)
-        if device.platform != "cpu" and cores:
-            return int(cores)
-    return INTERPRETER_NUM_SMS
+    return _launch.num_sms("cpu" if jax.default_backend() == "cpu" else "cuda")
 
 
 def _compiler_params(num_warps: int, num_stages: int = 1):
