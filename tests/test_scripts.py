@@ -100,3 +100,31 @@ def test_variants_resize_partials_and_the_reduction(tune):
     tune.check_launches([v, tune.reduce_variant(red, 2)])
     with pytest.raises(ValueError, match="sums"):
         tune.check_launches([v, red])  # the base plan's reduction sums another number of rows
+
+
+def test_lora_step_dry_run(tmp_path):
+    import json
+
+    out = run_script("benchmarks/lora_step.py", "--dry-run", "--out", str(tmp_path))
+    assert re.search(r"^\| variant \| mode \| status \| median ms", out, re.M), out
+    result = json.loads((tmp_path / "lora_step.json").read_text())
+    assert (tmp_path / "lora_step.md").read_text().count("| eager |") == 3
+    assert result["complete"] and result["config"]["dry_run"] and result["config"]["modes"] == ["eager"]
+    rows = {(r["variant"], r["mode"]): r for r in result["rows"]}
+    assert set(rows) == {("hf", "eager"), ("normkit", "eager"), ("liger", "eager")}, rows.keys()
+    # Liger's kernels need a GPU: recorded with its reason, not dropped
+    assert rows["liger", "eager"]["status"].startswith("unavailable: "), rows["liger", "eager"]["status"]
+    hf, nk = rows["hf", "eager"], rows["normkit", "eager"]
+    for row in (hf, nk):
+        assert row["status"] == "ok" and row["checks_ok"], (row["status"], row.get("check_notes"))
+        assert row["norm_weights_frozen"] and row["norm_weights_with_grad"] == []
+        assert row["step_ms"]["min"] <= row["step_ms"]["median"] <= row["step_ms"]["max"]
+        assert row["loss_diff_vs_hf"] <= row["loss_tol"] and row["grad_rel_diff_vs_hf"] <= row["grad_tol"]
+        assert row["lora_grad_norm_first"] > 0
+    assert nk["norm_modules"] == {"HFRMSNorm": 2 * 2 + 1} and hf["norm_modules"] == {"LlamaRMSNorm": 5}
+    assert nk["prepare"]["patched"] == 5 and "patched   5 x LlamaRMSNorm -> HFRMSNorm" in nk["prepare"]["patch_report"]
+    # the forward ranges of the 5 norms, and the autograd nodes they made: none for layer 0's input
+    # norm (its input comes from the frozen embedding), one NormFunction node for each of the others
+    assert nk["norm_by_module"]["forward_ranges"] == 5 and nk["norm_by_module"]["backward_nodes"] == 4
+    assert hf["norm_by_module"]["forward_ranges"] == 5 and hf["norm_by_module"]["backward_nodes"] > 4
+    assert 0 < nk["norm_pct"] <= 100

@@ -1,0 +1,727 @@
+"""One LoRA training step of a random-init Llama, with HF's, Liger's or normkit's RMSNorm.
+
+What a user sees: a ``transformers`` Llama wrapped by PEFT LoRA (r=16, alpha 32, dropout 0, on
+q_proj/k_proj/v_proj/o_proj), so every norm weight is frozen, and a training step is
+
+    loss = model(input_ids=ids, labels=ids).loss; loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+
+with AdamW over the LoRA parameters only. Variants (each from a deep copy of one base model, so all
+start from the same weights, and see the same tokens):
+
+- ``hf``: the model as built (``LlamaRMSNorm``, the plain PyTorch expression);
+- ``liger``: every ``LlamaRMSNorm`` replaced by ``liger_kernel.transformers.LigerRMSNorm`` with the
+  HF module's eps and its weight ``Parameter``, configured as Liger's own Llama patch configures it
+  (offset 0, casting "llama", in_place=True). Liger's ``apply_liger_kernel_to_llama`` is not used:
+  it also rebinds ``transformers.models.llama.modeling_llama.LlamaRMSNorm`` process-wide (which would
+  change the other variants of this process) and, given ``model=``, expects an unwrapped Llama, not a
+  PEFT model. Only the norm is swapped; no other Liger kernel (RoPE, SwiGLU, loss) is applied;
+- ``normkit``: ``torch_frontend.patch_model(model)``; its report is printed and recorded;
+
+each eager and under ``torch.compile(model)`` (default mode).
+
+Per row: median / min / max step time over ``--steps`` steps after ``--warmup`` (CUDA events around
+each step, no synchronization in between), the first step's loss and LoRA gradient norm against the
+``hf`` row, eager when it ran (the check), whether any norm weight got a ``.grad`` (it must not), peak memory,
+and the share of the norm in one profiled step (``torch.profiler``, CPU + CUDA):
+
+- ``by name``: CUDA kernels whose names are the variant's norm kernels (normkit:
+  ``norm_fwd_kernel``/``norm_bwd_kernel``/``partial_sum_kernel`` of normkit/kernels/norm.py; Liger:
+  ``_rms_norm_{forward,backward}_kernel`` and their ``_block_`` forms). Exact, eager and compiled.
+- ``by module``: (eager rows only; the figure for ``hf``, whose norm is a handful of generic aten
+  kernels) forward: the device time of everything launched while a norm module's forward runs (a
+  ``record_function`` range opened and closed by forward pre/post hooks, present in the profiled
+  step only); backward: the device time of the autograd nodes that those forwards created, matched
+  by the profiler's own forward/backward link (a backward node carries the sequence number and
+  thread of the forward op that created it). The accumulation of the norm's dx into the residual
+  gradient is an engine step outside the node and is not counted.
+- compiled ``hf``: not attributed. Inductor fuses the norm with its neighbours (the residual add,
+  casts), so no kernel is the norm's alone.
+
+The step's CUDA time is the sum of all device activity (kernels, memcpy, memset) of the profiled
+step; "norm %" is the norm's share of it. On a CPU (``--dry-run``) the times are CPU times of the
+same ranges and mean nothing; the run only exercises the code.
+
+A time budget (``--budget-s``) bounds the run: rows run in the order eager hf, normkit, liger, then
+compiled hf, normkit, liger, and a row that would end after the budget (by the time the same kind of
+row took, or an estimate before one has run) is recorded as "skipped: ...". A variant that cannot run
+is recorded as "unavailable: ...", one that raised as "failed: ...". The exit status is 1 when an hf
+or normkit row failed or did not pass its checks (after the results are written); a Liger row's
+failure is reported but does not change it.
+
+GPU machine, from the repository root (liger-kernel from its wheel, as benchmarks/README.md installs it)::
+
+    PYTHONPATH=/tmp/site:. TRITON_CACHE_DIR=/tmp/triton_cache HOME=/tmp python3 benchmarks/lora_step.py --out "$OUT"
+
+CPU smoke run (tiny fp32 model, Triton's interpreter, eager only, < 1 min)::
+
+    python benchmarks/lora_step.py --dry-run --out /tmp/lora-dry
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import importlib.metadata
+import inspect
+import json
+import math
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+
+T_START = time.perf_counter()
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+from torch.autograd import DeviceType  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
+
+SCHEMA = "normkit-lora-step/1"
+VARIANTS = ("hf", "normkit", "liger")  # run order within a mode; hf first: it is the reference
+MODES = ("eager", "compile")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+FWD_SCOPE = "lora_step::norm_forward"
+STEP_SCOPE = "lora_step::step"
+EVALUATE = "autograd::engine::evaluate_function"
+NORM_KERNELS = {
+    "normkit": re.compile(r"norm_fwd_kernel|norm_bwd_kernel|partial_sum_kernel"),
+    "liger": re.compile(r"_(block_)?rms_norm_(forward|backward)_kernel"),
+}
+ESTIMATE_S = {"eager": 20.0, "compile": 90.0}  # a row's cost before one of its kind has run
+# Default tolerances of the first-step check against hf, relative: (loss, LoRA gradient norm).
+TOLERANCES = {torch.bfloat16: (5e-3, 5e-2), torch.float16: (5e-3, 5e-2), torch.float32: (1e-5, 1e-3)}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+GPU_DEFAULTS = dict(layers=4, hidden=4096, intermediate=None, heads=32, vocab=32000, seq=4096, batch=2,
+                    dtype="bf16", steps=20, warmup=3)
+DRY_DEFAULTS = dict(layers=2, hidden=64, intermediate=128, heads=4, vocab=256, seq=16, batch=1,
+                    dtype="fp32", steps=2, warmup=1)
+
+
+class Unavailable(Exception):
+    """A variant that cannot run here; the message is the reason."""
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T_START:6.1f}s] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model, variants
+
+
+def build_base(cfg: dict, device: torch.device, dtype: torch.dtype, seed: int):
+    """The random-init Llama in ``dtype`` on ``device`` (built there, no fp32 CPU copy), LoRA-wrapped."""
+    import peft
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
+        num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"], num_key_value_heads=cfg["heads"],
+        max_position_embeddings=max(cfg["seq"], 128), use_cache=False)
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(LORA_TARGETS),
+                           task_type="CAUSAL_LM")
+    model = peft.get_peft_model(model, lora)
+    model.train()
+    return model, config
+
+
+def norm_modules(model) -> list:
+    return [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
+
+
+def _replace(model, name: str, new) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def prepare_hf(model, device) -> dict:
+    return {"how": "transformers' LlamaRMSNorm, unchanged"}
+
+
+def prepare_liger(model, device) -> dict:
+    try:
+        from liger_kernel.transformers import LigerRMSNorm
+    except Exception as e:  # noqa: BLE001  (whatever the import raises, the row says why)
+        raise Unavailable(f"liger_kernel.transformers does not import ({type(e).__name__}: {e})") from None
+    if device.type != "cuda":
+        raise Unavailable(f"Liger's Triton kernels need a GPU; this run is on {device.type}")
+    try:
+        version = importlib.metadata.version("liger-kernel")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    signature = inspect.signature(LigerRMSNorm.__init__)
+    wanted = {"offset": 0.0, "casting_mode": "llama", "in_place": True, "row_mode": None}
+    kwargs = {k: v for k, v in wanted.items() if k in signature.parameters}
+    swapped = 0
+    for name, old in norm_modules(model):
+        if type(old).__name__ != "LlamaRMSNorm":
+            continue
+        eps = float(old.variance_epsilon)
+        new = LigerRMSNorm(old.weight.shape[0], eps=eps, **kwargs)
+        new.weight = old.weight  # the very Parameter: dtype, device, requires_grad=False all kept
+        new.train(old.training)
+        _replace(model, name, new)
+        swapped += 1
+    if not swapped:
+        raise Unavailable("no LlamaRMSNorm found to replace")
+    return {"how": f"module swap: {swapped} x LlamaRMSNorm -> liger_kernel.transformers.LigerRMSNorm("
+                   f"hidden, eps=<the module's>, {', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) carrying "
+                   "the HF module's weight Parameter (not apply_liger_kernel_to_llama: see the script's docstring)",
+            "liger_version": version, "LigerRMSNorm_signature": str(signature)}
+
+
+def prepare_normkit(model, device) -> dict:
+    import torch_frontend
+
+    llama_norms = sum(type(m).__name__ == "LlamaRMSNorm" for _, m in norm_modules(model))
+    report = torch_frontend.patch_model(model)
+    if len(report.patched) != llama_norms:
+        raise RuntimeError(f"patch_model swapped {len(report.patched)} of {llama_norms} LlamaRMSNorm modules:\n"
+                           f"{report}")
+    return {"how": "torch_frontend.patch_model(model)", "patch_report": str(report),
+            "patched": len(report.patched), "skipped": len(report.skipped)}
+
+
+PREPARE = {"hf": prepare_hf, "liger": prepare_liger, "normkit": prepare_normkit}
+
+
+# ---------------------------------------------------------------------------------------------
+# Profiler analysis
+
+
+def _device_events(events) -> list:
+    """Kernels, memcpys and memsets; not the device-side copies of ``record_function`` ranges
+    (``gpu_user_annotation``), which span other device events (torch's own tables skip them too)."""
+    return [e for e in events if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+            and not e.name.startswith("lora_step::")]
+
+
+def _us(e) -> float:
+    return float(e.time_range.elapsed_us())
+
+
+def norm_by_name(events, variant: str):
+    """(fwd_us, bwd_us, {kernel name: [count, us]}) of the variant's own norm kernels, or None."""
+    pattern = NORM_KERNELS.get(variant)
+    if pattern is None:
+        return None
+    fwd = bwd = 0.0
+    kernels: dict = {}
+    for e in _device_events(events):
+        if not pattern.search(e.name):
+            continue
+        entry = kernels.setdefault(e.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += _us(e)
+        if "bwd" in e.name or "backward" in e.name or "partial_sum" in e.name:
+            bwd += _us(e)
+        else:
+            fwd += _us(e)
+    return fwd, bwd, kernels
+
+
+def norm_by_module(events, on_gpu: bool):
+    """(fwd_us, bwd_us, n_forward_ranges, n_backward_nodes): the norm modules' forward ranges and the
+    autograd nodes those forwards created (see the module docstring)."""
+    measure = (lambda e: float(e.device_time_total)) if on_gpu else (lambda e: float(e.cpu_time_total))
+    events = list(events)
+    markers = [e for e in events if e.name == FWD_SCOPE and e.device_type == DeviceType.CPU]
+    fwd = sum(measure(m) for m in markers)
+    by_thread: dict = {}  # forward thread -> [(start, sequence_nr)] of the ops that recorded one
+    for e in events:
+        if e.device_type == DeviceType.CPU and e.sequence_nr >= 0 and not e.name.startswith(EVALUATE):
+            by_thread.setdefault(e.thread, []).append((e.time_range.start, e.sequence_nr))
+    for v in by_thread.values():
+        v.sort()
+    created = set()  # (forward thread, sequence_nr) of the autograd nodes created inside a range
+    for m in markers:
+        ops = by_thread.get(m.thread, [])
+        inside = {s for t, s in ops if m.time_range.start <= t < m.time_range.end}
+        after = next((s for t, s in ops if t >= m.time_range.end), None)
+        if after is None:
+            continue
+        # An op records the next sequence number to be handed out; numbers below the first one
+        # recorded after the range were handed out inside it.
+        created.update((m.thread, s) for s in inside if s < after)
+    # Sequence numbers count per forward thread. With one forward thread (the usual case) a node is
+    # matched by its number alone, which does not depend on how the profiler numbers threads.
+    one_thread = len({m.thread for m in markers}) == 1
+    if one_thread:
+        created = {(None, s) for _, s in created}
+    nodes = [e for e in events
+             if e.device_type == DeviceType.CPU and e.cpu_parent is not None and e.cpu_parent.name.startswith(EVALUATE)
+             and not e.name.startswith(EVALUATE)
+             and (None if one_thread else e.fwd_thread, e.sequence_nr) in created]
+    bwd = sum(measure(n) for n in nodes)
+    return fwd, bwd, len(markers), len(nodes)
+
+
+class NormScopes:
+    """Forward pre/post hooks on the norm modules that open/close a ``record_function`` range."""
+
+    def __init__(self, modules):
+        self.handles = []
+        self.open = []
+        for m in modules:
+            self.handles.append(m.register_forward_pre_hook(self._enter))
+            self.handles.append(m.register_forward_hook(self._exit))
+
+    def _enter(self, module, args):
+        rf = record_function(FWD_SCOPE)
+        rf.__enter__()
+        self.open.append(rf)
+
+    def _exit(self, module, args, output):
+        self.open.pop().__exit__(None, None, None)
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+# ---------------------------------------------------------------------------------------------
+# One row
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _stats(ms: list) -> dict:
+    return {"median": statistics.median(ms), "min": min(ms), "max": max(ms), "mean": statistics.fmean(ms)}
+
+
+def run_row(variant: str, mode: str, base, ids, device, args, ref) -> dict:
+    row: dict = {"variant": variant, "mode": mode}
+    model = opt = fwd = prof = None
+    t0 = time.perf_counter()
+    try:
+        model = copy.deepcopy(base)
+        row["prepare"] = PREPARE[variant](model, device)
+        norms = norm_modules(model)
+        row["norm_modules"] = dict(Counter(type(m).__name__ for _, m in norms))
+        norm_params = {f"{n}.{pn}": p for n, m in norms for pn, p in m.named_parameters(recurse=False)}
+        row["norm_weights_frozen"] = all(not p.requires_grad for p in norm_params.values())
+        params = [p for p in model.parameters() if p.requires_grad]
+        row["trainable_params"] = sum(p.numel() for p in params)
+        row["trainable_dtypes"] = sorted({str(p.dtype).replace("torch.", "") for p in params})
+        opt = torch.optim.AdamW(params, lr=1e-4)
+        fwd = torch.compile(model) if mode == "compile" else model
+
+        def step(check: bool = False):
+            loss = fwd(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            out = None
+            if check:
+                grads = [p.grad.float().norm() for p in params if p.grad is not None]
+                gnorm = torch.stack(grads).norm().item() if grads else 0.0
+                out = (loss.item(), gnorm, sorted(n for n, p in norm_params.items() if p.grad is not None))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss, out
+
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            resident = torch.cuda.memory_allocated(device)
+        t = time.perf_counter()
+        _, (loss0, gnorm0, with_grad) = step(check=True)
+        _sync(device)
+        row["first_step_s"] = time.perf_counter() - t
+        row["loss_first"], row["lora_grad_norm_first"] = loss0, gnorm0
+        row["norm_weights_with_grad"] = with_grad
+        for _ in range(max(args.warmup - 1, 0)):
+            step()
+        _sync(device)
+
+        ms = []
+        if device.type == "cuda":
+            marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                     for _ in range(args.steps)]
+            t = time.perf_counter()
+            for start, end in marks:
+                start.record()
+                loss, _ = step()
+                end.record()
+            _sync(device)
+            wall = time.perf_counter() - t
+            ms = [s.elapsed_time(e) for s, e in marks]
+            row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+            row["step_peak_over_resident_gb"] = (torch.cuda.max_memory_allocated(device) - resident) / 2**30
+        else:
+            t = time.perf_counter()
+            for _ in range(args.steps):
+                s = time.perf_counter()
+                loss, _ = step()
+                ms.append((time.perf_counter() - s) * 1e3)
+            wall = time.perf_counter() - t
+        row["loss_last"] = loss.item()
+        row["step_ms"] = _stats(ms)
+        row["step_ms"]["wall_mean"] = wall * 1e3 / args.steps
+        row["steps"], row["warmup"] = args.steps, args.warmup
+        row["timer"] = "cuda events around each step" if device.type == "cuda" else "perf_counter (CPU)"
+
+        if not args.no_profile:
+            row.update(profile_step(step, variant, mode, norms, device))
+        row["status"] = "ok"
+    except Unavailable as e:
+        row["status"] = f"unavailable: {e}"
+    except Exception as e:  # noqa: BLE001  (one row's failure is recorded; the others still run)
+        traceback.print_exc()
+        row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]
+    finally:
+        del model, opt, fwd, prof
+        if mode == "compile":
+            torch.compiler.reset()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    row["wall_s"] = time.perf_counter() - t0
+    if row["status"] == "ok":
+        check_row(row, ref, args)
+    return row
+
+
+def profile_step(step, variant, mode, norms, device) -> dict:
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    scopes = NormScopes([m for _, m in norms]) if mode == "eager" else None
+    try:
+        with profile(activities=activities) as prof:
+            with record_function(STEP_SCOPE):
+                step()
+            _sync(device)
+    finally:
+        if scopes is not None:
+            scopes.remove()
+    return analyze(prof.events(), variant, mode, on_gpu, scoped=scopes is not None)
+
+
+def analyze(events, variant: str, mode: str, on_gpu: bool, scoped: bool) -> dict:
+    """The profiled step's total and the norm's part of it (see the module docstring)."""
+    out: dict = {}
+    if on_gpu:
+        dev = _device_events(events)
+        total_us = sum(_us(e) for e in dev)
+        out["profile_basis"] = "CUDA device time (kernels, memcpy, memset) of one profiled step"
+        top: dict = {}
+        for e in dev:
+            entry = top.setdefault(e.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += _us(e)
+        out["top_kernels"] = [{"name": n[:160], "count": c, "ms": us / 1e3}
+                              for n, (c, us) in sorted(top.items(), key=lambda kv: -kv[1][1])[:12]]
+    else:
+        total_us = sum(float(e.cpu_time_total) for e in events
+                       if e.name == STEP_SCOPE and e.device_type == DeviceType.CPU)
+        out["profile_basis"] = "CPU time of one profiled step (dry run: no device kernels; meaningless as a share)"
+    out["profiled_step_ms"] = total_us / 1e3
+
+    by_name = norm_by_name(events, variant) if on_gpu else None
+    if by_name is not None:
+        f, b, kernels = by_name
+        out["norm_by_name"] = {"fwd_ms": f / 1e3, "bwd_ms": b / 1e3,
+                               "kernels": {n: {"count": c, "ms": us / 1e3} for n, (c, us) in kernels.items()}}
+    if scoped:
+        f, b, n_fwd, n_bwd = norm_by_module(events, on_gpu)
+        out["norm_by_module"] = {"fwd_ms": f / 1e3, "bwd_ms": b / 1e3, "forward_ranges": n_fwd,
+                                 "backward_nodes": n_bwd}
+
+    if "norm_by_name" in out:
+        chosen, method = out["norm_by_name"], "by kernel name"
+    elif "norm_by_module" in out:
+        chosen, method = out["norm_by_module"], "by module (forward range + the autograd nodes it created)"
+    else:
+        chosen = None
+        method = ("not attributed: Inductor fuses the norm with neighbouring ops, no kernel is the norm's alone"
+                  if on_gpu else "not attributed: a CPU run has no device kernels to name")
+    out["norm_method"] = method
+    if chosen is not None:
+        out["norm_ms"] = chosen["fwd_ms"] + chosen["bwd_ms"]
+        out["norm_pct"] = 100.0 * out["norm_ms"] / out["profiled_step_ms"] if total_us > 0 else None
+    else:
+        out["norm_ms"] = out["norm_pct"] = None
+    return out
+
+
+def check_row(row: dict, ref: dict | None, args) -> None:
+    notes = []
+    ok = True
+    if not row.get("norm_weights_frozen"):
+        ok = False
+        notes.append("a norm weight requires grad")
+    if row.get("norm_weights_with_grad"):
+        ok = False
+        notes.append(f"norm weights got a .grad: {row['norm_weights_with_grad'][:3]}")
+    if not math.isfinite(row["loss_first"]):
+        ok = False
+        notes.append("first loss is not finite")
+    if ref is None:
+        notes.append("no hf row to compare with")
+    else:
+        row["reference"] = f"hf {ref['mode']}"
+        loss_tol, grad_tol = args.loss_rtol, args.grad_rtol
+        d = abs(row["loss_first"] - ref["loss_first"])
+        row["loss_diff_vs_hf"] = d
+        row["loss_tol"] = loss_tol * max(1.0, abs(ref["loss_first"]))
+        g_ref = ref["lora_grad_norm_first"]
+        row["grad_rel_diff_vs_hf"] = abs(row["lora_grad_norm_first"] - g_ref) / max(abs(g_ref), 1e-30)
+        row["grad_tol"] = grad_tol
+        if not d <= row["loss_tol"]:
+            ok = False
+            notes.append(f"first loss differs from {row['reference']} by {d:.3g} > {row['loss_tol']:.3g}")
+        if not row["grad_rel_diff_vs_hf"] <= grad_tol:
+            ok = False
+            notes.append(f"LoRA grad norm differs from {row['reference']} by {row['grad_rel_diff_vs_hf']:.3g} "
+                         f"(relative) > {grad_tol}")
+    row["checks_ok"] = ok
+    row["check_notes"] = notes
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def _f(x, spec=".2f", none="-"):
+    return none if x is None else format(x, spec)
+
+
+def table(rows: list) -> str:
+    ref = {r["mode"]: r["step_ms"]["median"] for r in rows if r["variant"] == "hf" and r.get("status") == "ok"}
+    head = ("| variant | mode | status | median ms | min | max | speedup vs hf | first step s | loss | Δloss vs hf "
+            "| grad rel Δ | norm ms | norm % of step | norm attribution | step mem GB |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        ok = r.get("status") == "ok"
+        status = r["status"].replace("|", "/") if not ok else ("ok" if r.get("checks_ok") else "CHECK FAILED")
+        if not ok:
+            lines.append(f"| {r['variant']} | {r['mode']} | {status} |" + " - |" * 12)
+            continue
+        s = r["step_ms"]
+        sp = ref.get(r["mode"])
+        lines.append(
+            f"| {r['variant']} | {r['mode']} | {status} | {s['median']:.2f} | {s['min']:.2f} | {s['max']:.2f} "
+            f"| {_f(sp / s['median'] if sp else None, '.3f')} | {r['first_step_s']:.1f} | {r['loss_first']:.4f} "
+            f"| {_f(r.get('loss_diff_vs_hf'), '.2e')} | {_f(r.get('grad_rel_diff_vs_hf'), '.2e')} "
+            f"| {_f(r.get('norm_ms'), '.3f')} | {_f(r.get('norm_pct'), '.1f')} "
+            f"| {r.get('norm_method', '-').split(':')[0]} | {_f(r.get('step_peak_over_resident_gb'), '.2f')} |")
+    return "\n".join(lines)
+
+
+def markdown(result: dict) -> str:
+    c, env = result["config"], result["env"]
+    out = [
+        "# LoRA training step: HF vs Liger vs normkit RMSNorm",
+        "",
+        f"Llama (random init): {c['layers']} layers, hidden {c['hidden']}, intermediate {c['intermediate']}, "
+        f"{c['heads']} heads, vocab {c['vocab']}; batch {c['batch']} x seq {c['seq']}, {c['dtype']} on "
+        f"{env.get('device_name', c['device'])}. PEFT LoRA r=16 alpha 32 on {', '.join(LORA_TARGETS)} "
+        f"(norm weights frozen); AdamW over the LoRA parameters. {c['steps']} timed steps after {c['warmup']} "
+        f"warmup{' (dry run: numbers mean nothing)' if c['dry_run'] else ''}.",
+        "",
+        f"Versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + ".",
+        "",
+        table(result["rows"]),
+        "",
+        "Norm attribution: " + result["attribution"],
+        "",
+    ]
+    out.append("Step mem GB: peak CUDA memory allocated during the steps, less what was allocated before the first "
+               "(the models); activations, gradients and optimizer state.")
+    out.append("")
+    described = set()
+    for r in result["rows"]:
+        how = r.get("prepare", {}).get("how")
+        if how and r["variant"] not in described:
+            described.add(r["variant"])
+            out.append(f"- `{r['variant']}`: {how}")
+        if r.get("check_notes"):
+            out.append(f"- `{r['variant']}` {r['mode']}: " + "; ".join(r["check_notes"]))
+        if r.get("norm_by_module") and r.get("norm_by_name"):
+            by_name, by_module = (r[k]["fwd_ms"] + r[k]["bwd_ms"] for k in ("norm_by_name", "norm_by_module"))
+            out.append(f"- `{r['variant']}` {r['mode']}: norm by kernel name {by_name:.3f} ms, by module "
+                       f"{by_module:.3f} ms (cross-check of the two attributions)")
+    report = next((r["prepare"]["patch_report"] for r in result["rows"] if r.get("prepare", {}).get("patch_report")),
+                  None)
+    if report:
+        out += ["", "normkit patch report:", "", "```", report, "```"]
+    out += ["", f"Total {result['total_s']:.0f} s, budget {result['budget_s']} s"
+                + ("." if result.get("complete") else "; INCOMPLETE (written after the last row that finished)."), ""]
+    return "\n".join(out)
+
+
+ATTRIBUTION = (
+    "by kernel name (normkit: norm_fwd_kernel/norm_bwd_kernel/partial_sum_kernel; Liger: "
+    "_rms_norm_{forward,backward}_kernel, _block_ forms) on every GPU row whose variant has its own kernels; "
+    "by module for eager hf (and as a cross-check on eager normkit/liger): the device time under a "
+    "record_function range around each norm module's forward, plus that of the autograd nodes those forwards "
+    "created (matched by the profiler's forward/backward sequence numbers); compiled hf is not attributed "
+    "(Inductor fuses the norm with its neighbours). Share = norm time / all device activity of the profiled step.")
+
+
+def write_outputs(out_dir: Path, result: dict) -> None:
+    result["total_s"] = time.perf_counter() - T_START
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "lora_step.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    (out_dir / "lora_step.md").write_text(markdown(result))
+
+
+def versions() -> dict:
+    v = {"python": platform.python_version()}
+    for dist in ("torch", "triton", "transformers", "peft", "liger-kernel"):
+        try:
+            v[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            v[dist] = None
+    try:
+        v["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                                  timeout=10).stdout.strip() or None
+    except Exception:  # noqa: BLE001
+        v["git"] = None
+    return v
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int)
+    p.add_argument("--hidden", type=int)
+    p.add_argument("--intermediate", type=int, help="default: hidden * 11008 / 4096 (64-aligned)")
+    p.add_argument("--heads", type=int)
+    p.add_argument("--vocab", type=int)
+    p.add_argument("--seq", type=int)
+    p.add_argument("--batch", type=int)
+    p.add_argument("--dtype", choices=sorted(DTYPES))
+    p.add_argument("--steps", type=int)
+    p.add_argument("--warmup", type=int, help="steps before timing, the first (checked, compiling) one included")
+    p.add_argument("--variants", default="hf,liger,normkit", help="comma list of hf, liger, normkit")
+    p.add_argument("--modes", default=None, help="eager,compile (default both on a GPU, eager on CPU)")
+    p.add_argument("--no-compile", action="store_true", help="eager rows only")
+    p.add_argument("--no-profile", action="store_true", help="skip the profiled step (no norm share)")
+    p.add_argument("--budget-s", type=float, default=210.0,
+                   help="skip rows that would end after this many seconds from the start (0: no budget)")
+    p.add_argument("--loss-rtol", type=float, help="relative tolerance of the first loss vs hf (eager if it ran)")
+    p.add_argument("--grad-rtol", type=float, help="relative tolerance of the first LoRA grad norm vs hf")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="directory for lora_step.json and lora_step.md "
+                                               "(default benchmarks/results, /tmp/normkit-lora-step-dry on a dry run)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="tiny fp32 model, 2 steps, eager only unless --modes says otherwise; implied on a CPU")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    dry = args.dry_run or not cuda
+    defaults = DRY_DEFAULTS if dry else GPU_DEFAULTS
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.intermediate is None:
+        args.intermediate = max(64, round(args.hidden * 11008 / 4096 / 64) * 64)
+    dtype = DTYPES[args.dtype]
+    loss_tol, grad_tol = TOLERANCES[dtype]
+    args.loss_rtol = loss_tol if args.loss_rtol is None else args.loss_rtol
+    args.grad_rtol = grad_tol if args.grad_rtol is None else args.grad_rtol
+    modes = args.modes.split(",") if args.modes else (["eager"] if dry else list(MODES))
+    if args.no_compile:
+        modes = [m for m in modes if m != "compile"]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [v for v in variants if v not in VARIANTS] + [m for m in modes if m not in MODES]
+    if bad:
+        raise SystemExit(f"unknown variant/mode {bad}; variants {VARIANTS}, modes {MODES}")
+    out_dir = Path(args.out) if args.out else (
+        Path("/tmp/normkit-lora-step-dry") if dry else REPO / "benchmarks" / "results")
+    device = torch.device("cuda" if cuda else "cpu")
+
+    env = {"versions": versions(),
+           "device_name": torch.cuda.get_device_name(device) if cuda else (platform.processor() or "cpu")}
+    cfg = {k: getattr(args, k) for k in ("layers", "hidden", "intermediate", "heads", "vocab", "seq", "batch",
+                                         "dtype", "steps", "warmup", "seed")}
+    cfg.update(device=device.type, dry_run=dry, modes=modes, variants=variants, lora={
+        "r": 16, "alpha": 32, "dropout": 0.0, "targets": list(LORA_TARGETS)}, optimizer="AdamW(lr=1e-4), LoRA params",
+        loss_rtol=args.loss_rtol, grad_rtol=args.grad_rtol)
+    log(f"config {json.dumps(cfg)}")
+    log(f"versions {json.dumps(env['versions'])}")
+
+    base, config = build_base(cfg, device, dtype, args.seed)
+    cfg["attn_implementation"] = getattr(config, "_attn_implementation", None)
+    cfg["total_params"] = sum(p.numel() for p in base.parameters())
+    gen = torch.Generator(device=device).manual_seed(args.seed + 1)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen, device=device)
+    log(f"built the base model: {cfg['total_params'] / 1e6:.1f} M parameters, attention {cfg['attn_implementation']}")
+
+    rows, ref, took = [], None, {}
+    result = {"schema": SCHEMA, "argv": sys.argv[1:], "config": cfg, "env": env, "rows": rows,
+              "attribution": ATTRIBUTION, "budget_s": args.budget_s, "complete": False}
+    plan = [(v, m) for m in MODES if m in modes for v in VARIANTS if v in variants]
+    for variant, mode in plan:
+        elapsed = time.perf_counter() - T_START
+        estimate = took.get(mode, ESTIMATE_S[mode])
+        if args.budget_s > 0 and elapsed + estimate > args.budget_s:
+            rows.append({"variant": variant, "mode": mode, "status": (
+                f"skipped: budget ({elapsed:.0f} s elapsed + ~{estimate:.0f} s for a {mode} row > --budget-s "
+                f"{args.budget_s:.0f})")})
+            log(f"{variant} {mode}: {rows[-1]['status']}")
+            write_outputs(out_dir, result)
+            continue
+        log(f"{variant} {mode}: running")
+        row = run_row(variant, mode, base, ids, device, args, ref)
+        rows.append(row)
+        if row["status"] == "ok" or row["status"].startswith("failed"):
+            took[mode] = max(took.get(mode, 0.0), row["wall_s"])
+        if variant == "hf" and row["status"] == "ok" and ref is None:
+            ref = row  # eager hf when it ran (it runs first), else compiled hf
+            check_row(row, ref, args)  # against itself: zero differences, the frozen-weight checks stay
+        msg = row["status"]
+        if row["status"] == "ok":
+            msg = (f"median {row['step_ms']['median']:.2f} ms (min {row['step_ms']['min']:.2f}, max "
+                   f"{row['step_ms']['max']:.2f}), first step {row['first_step_s']:.1f} s, loss {row['loss_first']:.5f}"
+                   f" (vs hf {_f(row.get('loss_diff_vs_hf'), '.2e')}), norm {_f(row.get('norm_ms'), '.3f')} ms "
+                   f"= {_f(row.get('norm_pct'), '.1f')} % [{row.get('norm_method', '-')}]"
+                   + ("" if row.get("checks_ok") else f"; CHECK FAILED: {'; '.join(row['check_notes'])}"))
+        if row.get("prepare", {}).get("patch_report"):
+            print(row["prepare"]["patch_report"], flush=True)
+        log(f"{variant} {mode}: {msg}")
+        write_outputs(out_dir, result)  # after every row: a run cut short still leaves its rows
+    del base
+
+    result["complete"] = True
+    write_outputs(out_dir, result)
+    print()
+    print(table(rows))
+    print()
+    log(f"wrote {out_dir / 'lora_step.json'} and {out_dir / 'lora_step.md'}")
+    failed = [r for r in rows if r["status"].startswith("failed") or (r["status"] == "ok" and not r.get("checks_ok"))]
+    for r in failed:
+        print(f"{'WARNING (peer)' if r['variant'] == 'liger' else 'FAILED'}: {r['variant']} {r['mode']}: "
+              f"{r['status'] if r['status'] != 'ok' else '; '.join(r['check_notes'])}", flush=True)
+    return 1 if any(r["variant"] != "liger" for r in failed) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
