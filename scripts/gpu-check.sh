@@ -6,7 +6,11 @@
 #              jupytext/nbclient, which that machine lacks: the notebooks target runs them instead);
 #   timing     host time per call through autograd, normkit against its peers (benchmarks/host_time.py;
 #              kernel timings come from the bench target);
-#   bench      the full benchmark (benchmarks/bench.py); tune: the launch-configuration sweep (scripts/tune.py).
+#   bench      the full benchmark (benchmarks/bench.py); tune: the launch-configuration sweep (scripts/tune.py);
+#   multi      the two-GPU check (scripts/multi_gpu.py: torchrun + NCCL, then JAX on a 2-device mesh);
+#   lora       the LoRA training-step benchmark (benchmarks/lora_step.py).
+# With several GPUs the test workers spread over them (tests/conftest.py, NORMKIT_TEST_GPUS), one
+# worker per CPU core by default.
 # It first installs the carried wheels (jax-triton 0.3.1, liger-kernel 0.8.5) without touching the
 # machine's stack. Logs go to $OUT (or ./gpu-check-out). Usage: bash scripts/gpu-check.sh [target] [args...]
 set -uo pipefail
@@ -24,6 +28,7 @@ what=${1:-all}; shift || true
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton, jax; print('torch', torch.__version__, 'triton', triton.__version__, 'jax', jax.__version__, jax.devices())" | tee -a "$OUT/device.txt"
 status=0
+gpus=$(nvidia-smi --list-gpus | wc -l)
 if [ "$what" = compare ] || [ "$what" = all ]; then
   timeout 120 python3 scripts/compare.py 2>&1 | tee "$OUT/compare.log" || status=1
 fi
@@ -37,8 +42,9 @@ fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # Failures are written to $OUT/failures.txt as they happen (tests/conftest.py), so a run cut by
   # the time limit still names them; the JUnit XML is written at the end.
-  NORMKIT_FAILURE_LOG="$OUT/failures.txt" NORMKIT_TEST_SHAPES=gpu timeout ${TEST_TIMEOUT:-540} \
-    python3 -m pytest -q -n ${TEST_WORKERS:-16} -p no:cacheprovider -p no:benchmark --durations=15 \
+  # $OUT/failures.outcomes.txt gets every test's outcome and duration as it ends.
+  NORMKIT_FAILURE_LOG="$OUT/failures.txt" NORMKIT_TEST_SHAPES=gpu NORMKIT_TEST_GPUS=$gpus timeout ${TEST_TIMEOUT:-540} \
+    python3 -m pytest -q -n ${TEST_WORKERS:-$(nproc)} -p no:cacheprovider -p no:benchmark --durations=15 \
     --junitxml="$OUT/tests.xml" --ignore=tests/test_notebooks.py tests "$@" 2>&1 | tee "$OUT/tests.log" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
@@ -51,6 +57,15 @@ if [ "$what" = bench ]; then
 fi
 if [ "$what" = tune ]; then
   python3 scripts/tune.py "$@" 2>&1 | tee "$OUT/tune.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "$what" = multi ]; then
+  [ "$gpus" -ge 2 ] || { echo "multi needs 2 GPUs, found $gpus"; exit 1; }
+  timeout ${MULTI_TIMEOUT:-400} python3 scripts/multi_gpu.py --out "$OUT/multi_gpu.json" "$@" 2>&1 | tee "$OUT/multi_gpu.log" | tail -60
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "$what" = lora ]; then
+  timeout ${LORA_TIMEOUT:-300} python3 benchmarks/lora_step.py --out "$OUT" "$@" 2>&1 | tee "$OUT/lora_step.log" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 echo "gpu-check $what: status $status"

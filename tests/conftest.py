@@ -2,6 +2,13 @@ import os
 
 import pytest
 
+# On a machine with several GPUs (NORMKIT_TEST_GPUS=n, set by scripts/gpu-check.sh), pytest-xdist
+# worker k sees only GPU k % n, so the workers' compiles and launches spread over the GPUs. This must
+# happen before torch or JAX initialize CUDA, i.e. here, when a worker first imports the conftest.
+_gpus, _worker = os.environ.get("NORMKIT_TEST_GPUS"), os.environ.get("PYTEST_XDIST_WORKER", "")
+if _gpus and int(_gpus) > 1 and _worker.startswith("gw"):
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(int(_worker[2:]) % int(_gpus))
+
 from tests.frontends import FRONTENDS
 
 
@@ -15,6 +22,11 @@ def pytest_runtest_logreport(report):
     pytest-xdist, where the controller receives the reports), so a run killed by a time limit still
     names what failed."""
     path = os.environ.get("NORMKIT_FAILURE_LOG")
-    if path and report.failed:
+    if not path or os.environ.get("PYTEST_XDIST_WORKER"):  # under xdist, only the controller writes
+        return
+    if report.failed:
         with open(path, "a") as fh:
             fh.write(f"FAILED {report.nodeid} [{report.when}]\n{report.longreprtext[-4000:]}\n\n")
+    if report.when == "call" or report.failed or report.skipped:  # every test's outcome and time, as it ends
+        with open(os.path.splitext(path)[0] + ".outcomes.txt", "a") as fh:
+            fh.write(f"{report.outcome} {report.duration:.2f} {report.nodeid}\n")

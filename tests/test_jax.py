@@ -617,7 +617,9 @@ def test_gpu_path_arguments(case, monkeypatch):
 def _python(code: str, env_update: dict, pythonpath: list[str] = ()) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
     env.update({k: v for k, v in env_update.items() if v is not None})
-    env["PYTHONPATH"] = os.pathsep.join([*pythonpath, REPO])
+    # The caller's own PYTHONPATH entries stay (on the GPU machine, jax-triton lives in one of them).
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([*pythonpath, REPO, *inherited]))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
                           timeout=300)
 
