@@ -17,8 +17,12 @@ What is timed (each combination of):
 - modes ``fwd`` (inference forward, no statistics stored), ``bwd_full`` (gradients of every input),
   ``bwd_frozen`` (weight and bias frozen, x and the residual trainable), ``fwd_bwd`` (training
   forward then full backward);
-- impls ``normkit`` (torch_frontend), ``normkit_jax`` (jax_frontend), ``liger`` (Liger-Kernel),
-  ``torch_eager``, ``torch_compile``, ``xla`` (jax.jit of a jnp reference), ``tokamax``;
+- impls ``normkit`` (torch_frontend), ``normkit_jax`` (jax_frontend, ``implementation=None``: Triton
+  through jax-triton on the GPU), ``normkit_jax_pallas`` and ``normkit_jax_xla`` (jax_frontend with
+  ``implementation="pallas"`` / ``"xla"``: the same custom_vjp and frozen semantics over the Pallas
+  kernels / plain jax.numpy), ``liger`` (Liger-Kernel), ``torch_eager``, ``torch_compile``, ``xla``
+  (jax.jit of a jnp reference, JAX's own autodiff), ``tokamax``; ``--peers jax-impls`` selects the
+  three normkit_jax* only (the report's "Triton vs Pallas vs XLA" table);
 - paths ``kernel`` (normkit's bare launches ``_norm_fwd``/``_norm_bwd``, do_bench device time) and
   ``e2e`` (through each frontend's public API and autograd / jax.vjp; back-to-back calls, wall time).
 
@@ -82,9 +86,12 @@ MODES = bytemodel.MODES
 DTYPES = ("bf16", "fp32")
 ITEMSIZE = {"bf16": 2, "fp32": 4}
 TORCH_PEERS = ("liger", "torch_eager", "torch_compile")
-JAX_PEERS = ("xla", "normkit_jax", "tokamax")
+NORMKIT_JAX = ("normkit_jax", "normkit_jax_pallas", "normkit_jax_xla")  # jax_frontend, implementation= auto/pallas/xla
+JAX_PEERS = ("xla",) + NORMKIT_JAX + ("tokamax",)
 PEER_ALIASES = {"eager": "torch_eager", "compile": "torch_compile", "jax": "normkit_jax",
-                "normkit-jax": "normkit_jax", "torch-eager": "torch_eager", "torch-compile": "torch_compile"}
+                "normkit-jax": "normkit_jax", "torch-eager": "torch_eager", "torch-compile": "torch_compile",
+                "pallas": "normkit_jax_pallas", "jax_pallas": "normkit_jax_pallas", "jax_xla": "normkit_jax_xla"}
+PEER_GROUPS = {"jax_impls": NORMKIT_JAX}  # --peers jax-impls: the three implementations of jax_frontend
 ALL_PEERS = TORCH_PEERS + JAX_PEERS
 QUICK_SHAPES = ("4096x1024", "8192x8192", "32768x4096")
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "h200.json"
@@ -112,7 +119,10 @@ def _csv(value: str | None, aliases: dict, allowed) -> list[str] | None:
         item = item.strip()
         if not item:
             continue
-        item = aliases.get(item.lower().replace("-", "_"), aliases.get(item.lower(), item))
+        norm = item.lower().replace("-", "_")
+        item = aliases.get(norm, aliases.get(item.lower(), item))
+        if allowed is not None and item not in allowed and norm in allowed:
+            item = norm  # normkit-jax-pallas: dashes for underscores
         if allowed is not None and item not in allowed:
             raise SystemExit(f"bench: unknown value {item!r}; expected one of {', '.join(allowed)}")
         out.append(item)
@@ -126,7 +136,8 @@ def parse_args(argv=None):
     p.add_argument("--dtypes", help="comma list of bf16, fp32 (default both)")
     p.add_argument("--shapes", help="comma list of shape names, tags (bench, model) or MxN (default bench,model)")
     p.add_argument("--modes", help=f"comma list of {', '.join(MODES)} (default all)")
-    p.add_argument("--peers", help=f"comma list of {', '.join(ALL_PEERS)}, or 'none' (default all); "
+    p.add_argument("--peers", help=f"comma list of {', '.join(ALL_PEERS)} (aliases: pallas, jax-xla; "
+                                   f"jax-impls = {', '.join(NORMKIT_JAX)}), or 'none' (default all); "
                                    "normkit (torch) always runs")
     p.add_argument("--quick", action="store_true", help=f"bf16 on {', '.join(QUICK_SHAPES)} only")
     p.add_argument("--out", type=Path, help=f"results JSON (default {DEFAULT_OUT.relative_to(REPO)})")
@@ -153,8 +164,11 @@ def parse_args(argv=None):
     if args.peers is not None and args.peers.strip().lower() == "none":
         args.peers = []
     else:
+        if args.peers is not None:  # expand groups (jax-impls) before the per-name check
+            args.peers = ",".join(",".join(PEER_GROUPS.get(item.strip().lower().replace("-", "_"), (item,)))
+                                  for item in args.peers.split(","))
         args.peers = _csv(args.peers, PEER_ALIASES, ALL_PEERS)
-        args.peers = list(ALL_PEERS) if args.peers is None else args.peers
+        args.peers = list(ALL_PEERS) if args.peers is None else list(dict.fromkeys(args.peers))
     if args.out is None:
         args.out = DRY_OUT if args.dry_run else DEFAULT_OUT
     if args.readme is None and not args.dry_run:
@@ -407,17 +421,22 @@ def load_peers(args, saved_cache_dir):
         if "xla" in want_jax:
             jax_fns["xla"] = ij.xla_fn
             status["xla"] = "ok"
-        if "normkit_jax" in want_jax:
+        for impl in NORMKIT_JAX:
+            if impl not in want_jax:
+                continue
             try:
                 import jax_frontend as jf
 
                 for name in ("rms_norm", "layer_norm", "fused_add_rms_norm"):
                     if not callable(getattr(jf, name, None)):
                         raise ImportError(f"jax_frontend has no {name}")
-                jax_fns["normkit_jax"] = ij.normkit_jax_fn
-                status["normkit_jax"] = "ok"
+                # Raises when the requested implementation cannot run here (never a silent fallback);
+                # for auto, names the one that runs (the report's "Triton" column is that one).
+                resolved = jf.resolve_implementation(ij.NORMKIT_JAX_IMPLS[impl])
+                jax_fns[impl] = ij.NORMKIT_JAX_FNS[impl]
+                status[impl] = f"ok (implementation {resolved})"
             except Exception as e:  # noqa: BLE001
-                status["normkit_jax"] = f"unavailable: {_short(e)}"
+                status[impl] = f"unavailable: {_short(e)}"
             _restore_cache_dir(saved_cache_dir)
         if "tokamax" in want_jax:
             try:
@@ -472,11 +491,11 @@ def run_item(args, target: Target, dtype: str, ctx) -> None:
             if error and error.startswith("skipped"):
                 return  # counted in the item's summary line
             if error:
-                log(f"{op} {dtype} {target.name} {mode:10s} {impl:13s} {path:6s} ERROR {error[:160]}")
+                log(f"{op} {dtype} {target.name} {mode:10s} {impl:18s} {path:6s} ERROR {error[:160]}")
                 if ctx["verbose_errors"] and not error.startswith("skipped"):
                     traceback.print_exc()
             else:
-                log(f"{op} {dtype} {target.name} {mode:10s} {impl:13s} {path:6s} {rec['median_us']:10.1f} us "
+                log(f"{op} {dtype} {target.name} {mode:10s} {impl:18s} {path:6s} {rec['median_us']:10.1f} us "
                     f"{rec['tbps']:6.2f} TB/s {rec['pct_copy']:6.1f}% of copy")
 
         def todo(impl, path, mode) -> bool:
@@ -658,7 +677,7 @@ def main(argv=None) -> int:
     targets = select_targets(args)
     status, torch_fns, jax_fns = load_peers(args, saved_cache_dir)
     for impl, st in status.items():
-        log(f"impl {impl:13s} {st}")
+        log(f"impl {impl:18s} {st}")
     from benchmarks.timing import DryTimer, GpuTimer
 
     timer = DryTimer() if args.dry_run else GpuTimer(args.warmup_ms, args.rep_ms)

@@ -2,8 +2,14 @@
 
 - ``xla``: ``jax.jit`` of a jnp reference (the same math as the Torch expression); frozen parameters
   go through ``lax.stop_gradient``;
-- ``normkit_jax``: jax_frontend's functions, frozen parameters through ``lax.stop_gradient`` as
-  ``jax_frontend.freeze`` applies it;
+- ``normkit_jax``: jax_frontend's functions with ``implementation=None`` (auto: ``"triton"`` on a GPU
+  with jax-triton), frozen parameters through ``lax.stop_gradient`` as ``jax_frontend.freeze``
+  applies it;
+- ``normkit_jax_pallas`` / ``normkit_jax_xla``: the same functions with ``implementation="pallas"``
+  (the Pallas kernels; on a GPU through Pallas's Triton lowering) and ``implementation="xla"``
+  (plain jax.numpy under normkit's custom_vjp, with its frozen semantics: no dW/dB is traced for a
+  frozen weight/bias). Same jit, same vjp split, same timer as ``normkit_jax``; unlike ``xla``
+  (a jnp expression differentiated by JAX's autodiff), they share normkit's custom_vjp;
 - ``tokamax``: ``tokamax.layer_norm(..., implementation="triton")`` (``subtract_mean=False`` for
   RMSNorm), when tokamax imports.
 
@@ -90,15 +96,32 @@ def xla_fn(op: str):
     return fused
 
 
-def normkit_jax_fn(op: str):
+# bench.py's impl name -> jax_frontend's ``implementation=`` (None: auto).
+NORMKIT_JAX_IMPLS = {"normkit_jax": None, "normkit_jax_pallas": "pallas", "normkit_jax_xla": "xla"}
+
+
+def normkit_jax_fn(op: str, implementation: str | None = None):
     import jax_frontend as jf
 
     eps = EPS[op]
+    kw = {"implementation": implementation}
     if op == "rms_norm":
-        return lambda x, w: (jf.rms_norm(x, w, eps),)
+        return lambda x, w: (jf.rms_norm(x, w, eps, **kw),)
     if op == "layer_norm":
-        return lambda x, w, b: (jf.layer_norm(x, w, b, eps),)
-    return lambda x, r, w: tuple(jf.fused_add_rms_norm(x, r, w, eps))
+        return lambda x, w, b: (jf.layer_norm(x, w, b, eps, **kw),)
+    return lambda x, r, w: tuple(jf.fused_add_rms_norm(x, r, w, eps, **kw))
+
+
+def normkit_jax_pallas_fn(op: str):
+    return normkit_jax_fn(op, "pallas")
+
+
+def normkit_jax_xla_fn(op: str):
+    return normkit_jax_fn(op, "xla")
+
+
+NORMKIT_JAX_FNS = {"normkit_jax": normkit_jax_fn, "normkit_jax_pallas": normkit_jax_pallas_fn,
+                   "normkit_jax_xla": normkit_jax_xla_fn}
 
 
 def tokamax_fn(op: str):

@@ -2,7 +2,8 @@
 
     python3 benchmarks/report.py benchmarks/results/h200.json [--readme README.md] [--no-plots]
 
-Writes, next to the JSON: ``<stem>.md`` (headline, targets, per-op tables, memory, errors) and
+Writes, next to the JSON: ``<stem>.md`` (headline, targets, per-op tables, the JAX frontend's
+Triton vs Pallas vs XLA implementations, memory, errors) and
 ``<stem>_*.png`` (bandwidth per shape and implementation, % of copy, frozen speedup, memory saved;
 only where matplotlib imports). Rewrites the part of the README between ``<!-- bench:start -->``
 and ``<!-- bench:end -->`` when both markers are there; never creates a README.
@@ -22,16 +23,23 @@ OP_TITLES = {"rms_norm": "RMSNorm", "layer_norm": "LayerNorm", "fused_add_rms_no
 MODES = ("fwd", "bwd_full", "bwd_frozen", "fwd_bwd")
 DTYPES = ("bf16", "fp32")
 # (impl, path) columns in display order; normkit first.
-COLUMNS = (("normkit", "kernel"), ("normkit", "e2e"), ("normkit_jax", "e2e"), ("liger", "e2e"),
-           ("torch_eager", "e2e"), ("torch_compile", "e2e"), ("xla", "e2e"), ("tokamax", "e2e"))
+COLUMNS = (("normkit", "kernel"), ("normkit", "e2e"), ("normkit_jax", "e2e"), ("normkit_jax_pallas", "e2e"),
+           ("normkit_jax_xla", "e2e"), ("liger", "e2e"), ("torch_eager", "e2e"), ("torch_compile", "e2e"),
+           ("xla", "e2e"), ("tokamax", "e2e"))
 TORCH_PEERS = ("liger", "torch_eager", "torch_compile")
 PEERS = TORCH_PEERS + ("xla", "tokamax")
 LABELS = {("normkit", "kernel"): "normkit kernel", ("normkit", "e2e"): "normkit (torch)",
-          ("normkit_jax", "e2e"): "normkit (jax)", ("liger", "e2e"): "Liger 0.8.5", ("torch_eager", "e2e"): "torch eager",
+          ("normkit_jax", "e2e"): "normkit (jax)", ("normkit_jax_pallas", "e2e"): "normkit (jax, pallas)",
+          ("normkit_jax_xla", "e2e"): "normkit (jax, xla)", ("liger", "e2e"): "Liger 0.8.5", ("torch_eager", "e2e"): "torch eager",
           ("torch_compile", "e2e"): "torch.compile", ("xla", "e2e"): "XLA jit", ("tokamax", "e2e"): "tokamax"}
 COLORS = {("normkit", "kernel"): "#1f4e9c", ("normkit", "e2e"): "#3a86ff", ("normkit_jax", "e2e"): "#8338ec",
+          ("normkit_jax_pallas", "e2e"): "#c77dff", ("normkit_jax_xla", "e2e"): "#06d6a0",
           ("liger", "e2e"): "#fb5607", ("torch_eager", "e2e"): "#6c757d", ("torch_compile", "e2e"): "#d62828",
           ("xla", "e2e"): "#2a9d8f", ("tokamax", "e2e"): "#e9c46a"}
+# The JAX frontend's implementations (bench.py: implementation=None / "pallas" / "xla"), and the jnp
+# reference under JAX's own autodiff for comparison.
+JAX_IMPLS = (("normkit_jax", "Triton"), ("normkit_jax_pallas", "Pallas"), ("normkit_jax_xla", "XLA"),
+             ("xla", "jnp autodiff"))
 TARGETS = {"fwd": 90.0, "bwd_frozen": 90.0, "bwd_full": 85.0}  # % of copy, issue 4, M >= 8192 and N >= 4096
 
 
@@ -260,6 +268,123 @@ def op_tables(d: Data) -> str:
     return "\n".join(out)
 
 
+def _resolved(d: Data, impl: str) -> str | None:
+    """The implementation a normkit_jax* impl ran, from the latest run's peer status
+    ("ok (implementation triton)"), or None when no run says."""
+    for run in reversed(d.doc.get("runs", [])):
+        st = str((run.get("peers") or {}).get(impl, ""))
+        if st.startswith("ok") and "implementation " in st:
+            return st.split("implementation ", 1)[1].rstrip(")").strip()
+    return None
+
+
+def _ratio_cell(d: Data, op, mode, dtype, shapes, impl, base="normkit_jax"):
+    """Geometric mean (and range) over shapes of impl's time / base's time (> 1: impl is slower)."""
+    xs = []
+    for s in shapes:
+        a, b = d.us(op, mode, dtype, s, impl), d.us(op, mode, dtype, s, base)
+        if a and b:
+            xs.append(a / b)
+    if not xs:
+        return "—"
+    g = _geomean(xs)
+    return f"{g:.2f}× ({min(xs):.2f}–{max(xs):.2f})" if len(xs) > 1 else f"{g:.2f}×"
+
+
+def _frozen_saving(d: Data, op, dtype, s, impl):
+    """(full µs, frozen µs, saving = 1 - frozen / full) of one implementation, or None."""
+    full, frozen = d.us(op, "bwd_full", dtype, s, impl), d.us(op, "bwd_frozen", dtype, s, impl)
+    if not full or not frozen:
+        return None
+    return full, frozen, 1.0 - frozen / full
+
+
+def jax_impls_section(d: Data) -> str:
+    """The JAX frontend's implementations side by side: time, % of copy, frozen savings."""
+    present = [(impl, name) for impl, name in JAX_IMPLS if any(r["impl"] == impl for r in d.records)]
+    out = ["## JAX implementations: Triton vs Pallas vs XLA", ""]
+    if not any(impl in ("normkit_jax_pallas", "normkit_jax_xla") for impl, _ in present):
+        out.append("No records of `normkit_jax_pallas` / `normkit_jax_xla` in this file: run "
+                   "`python3 benchmarks/bench.py --peers jax-impls,xla --merge <json> --skip-done` to add them (what is "
+                   "already in the file is not timed again).")
+        return "\n".join(out)
+    auto = _resolved(d, "normkit_jax")
+    note = "" if auto in (None, "triton") else (f" **Note: in this run auto resolved to `{auto}`, not Triton, so the "
+                                                 "\"Triton\" column is not Triton.**")
+    out += ["The same ops through `jax_frontend` with `implementation=`: **Triton** (`normkit_jax`, auto: "
+            "`normkit/kernels/norm.py` through jax-triton), **Pallas** (`normkit_jax_pallas`: "
+            "`normkit/kernels/norm_pallas.py` through `pallas_call`, Pallas's Triton lowering on the GPU) and "
+            "**XLA** (`normkit_jax_xla`: plain `jax.numpy`), all three under normkit's one `custom_vjp` with its "
+            "frozen semantics (a frozen weight's dW is never computed), timed identically end to end (jitted "
+            "forward; backward = the vjp function of a separately jitted forward). **jnp autodiff** is the `xla` "
+            "peer: a jnp expression differentiated by JAX's own autodiff, for reference." + note, ""]
+    hs, big = headline_shapes(d)
+    which = "M ≥ 8192, N ≥ 4096 shapes" if big else "measured shapes"
+    names = [name for _, name in present]
+    others = [(impl, name) for impl, name in present if impl != "normkit_jax"]
+    out += [f"### Summary over the {which} ({', '.join(hs)}): % of copy (range); time ÷ Triton's, geometric "
+            "mean (range; > 1× is slower than Triton)", "",
+            "| op | mode | dtype | " + " | ".join(f"{n}, % of copy" for n in names) + " | "
+            + " | ".join(f"{n} ÷ Triton" for _, n in others) + " |",
+            "|---|---|---|" + "---|" * (len(names) + len(others))]
+    for op in d.ops:
+        for mode in d.modes:
+            for dtype in d.dtypes:
+                pcts = [_pct_range([(d.get(op, mode, dtype, s, impl) or {}).get("pct_copy") for s in hs])
+                        for impl, _ in present]
+                ratios = [_ratio_cell(d, op, mode, dtype, hs, impl) for impl, _ in others]
+                if all(c == "—" for c in pcts):
+                    continue
+                out.append(f"| {OP_TITLES[op]} | {mode} | {dtype} | " + " | ".join(pcts + ratios) + " |")
+    out += ["", "### Frozen vs full backward: bwd_full → bwd_frozen µs, and the time saved by freezing the weight and bias "
+            "(x and the residual still trained)", "",
+            "| op | dtype | shape | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(names)]
+    for op in d.ops:
+        for dtype in d.dtypes:
+            for s in d.shapes:
+                cells = []
+                for impl, _ in present:
+                    fz = _frozen_saving(d, op, dtype, s, impl)
+                    if fz is None:
+                        cells.append("—")
+                        continue
+                    full, frozen, saved = fz
+                    how = f"{100 * saved:.0f}% saved" if saved >= 0 else f"{-100 * saved:.0f}% slower"
+                    cells.append(f"{_fmt_us(full)} → {_fmt_us(frozen)} ({how})")
+                if any(c != "—" for c in cells):
+                    out.append(f"| {OP_TITLES[op]} | {dtype} | {s} | " + " | ".join(cells) + " |")
+    for op in d.ops:
+        for dtype in d.dtypes:
+            rows = []
+            for s in d.shapes:
+                for mode in d.modes:
+                    cells, best = [], min((u for u in (d.us(op, mode, dtype, s, impl) for impl, _ in present) if u),
+                                          default=None)
+                    for impl, _ in present:
+                        r = d.get(op, mode, dtype, s, impl)
+                        if r is None:
+                            raw = d.by_key.get((op, mode, dtype, s, impl, "e2e"))
+                            cells.append("skipped" if raw and (raw.get("error") or "").startswith("skipped")
+                                         else ("error" if raw and raw.get("error") else "—"))
+                            continue
+                        txt = f"{_fmt_us(r['median_us'])} ({r['pct_copy']:.0f}%)" if r.get("pct_copy") is not None \
+                            else _fmt_us(r["median_us"])
+                        cells.append(f"**{txt}**" if r["median_us"] == best else txt)
+                    for impl, _ in others:
+                        a, b = d.us(op, mode, dtype, s, impl), d.us(op, mode, dtype, s, "normkit_jax")
+                        cells.append(_fmt_x(a / b if a and b else None))
+                    if any(c not in ("—", "skipped", "error") for c in cells):
+                        M, N = d.dims[s]
+                        rows.append(f"| {s} ({M}×{N}) | {mode} | " + " | ".join(cells) + " |")
+            if rows:
+                out += ["", f"### {OP_TITLES[op]}, {dtype}, JAX implementations: median µs (% of copy); "
+                        "**bold**: fastest; then time ÷ Triton's", "",
+                        "| shape | mode | " + " | ".join(names) + " | "
+                        + " | ".join(f"{n} ÷ Triton" for _, n in others) + " |",
+                        "|---|---|" + "---|" * (len(names) + len(others))] + rows
+    return "\n".join(out)
+
+
 def memory_table(d: Data) -> str:
     cols = d.columns
     out = ["## Peak memory of the backward: full → frozen (MiB)", "",
@@ -341,7 +466,7 @@ def render_markdown(d: Data, plots: list[str]) -> str:
              targets_section(d), ""]
     if plots:
         parts += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
-    parts += [op_tables(d), memory_table(d), "", errors_section(d), "", method_section(d), "",
+    parts += [op_tables(d), jax_impls_section(d), "", memory_table(d), "", errors_section(d), "", method_section(d), "",
               "Runs: " + "; ".join(f"{r.get('run_id')} ({r.get('wall_s')} s, `{' '.join(r.get('argv', []))}`)"
                                    for r in runs), ""]
     return "\n".join(parts)

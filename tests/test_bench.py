@@ -107,6 +107,68 @@ def test_report_speedups_wins_and_readme(tmp_path):
     assert no_markers.read_text() == "nothing to replace\n"
 
 
+def test_report_jax_implementations_table():
+    """Triton vs Pallas vs XLA: % of copy from the byte model, time over Triton's, frozen savings."""
+    recs = []
+    times = {"normkit_jax": (100.0, 80.0), "normkit_jax_pallas": (120.0, 84.0), "normkit_jax_xla": (250.0, 260.0),
+             "xla": (300.0, 150.0)}  # (bwd_full, bwd_frozen) µs
+    for shape, (M, N), scale in (("a", (8192, 4096), 1.0), ("b", (16384, 8192), 4.0)):
+        for impl, (full, frozen) in times.items():
+            recs += [_rec("rms_norm", "bwd_full", shape, M, N, impl, "e2e", full * scale),
+                     _rec("rms_norm", "bwd_frozen", shape, M, N, impl, "e2e", frozen * scale)]
+    # Pallas twice as slow as Triton on b's bwd_full: ratios 1.2 and 2.4, geomean sqrt(2.88).
+    next(r for r in recs if (r["impl"], r["shape"], r["mode"]) == ("normkit_jax_pallas", "b", "bwd_full"))[
+        "median_us"] = 2 * 120.0 * 4.0
+    peers = {"normkit_jax": "ok (implementation triton)", "normkit_jax_pallas": "ok (implementation pallas)",
+             "normkit_jax_xla": "ok (implementation xla)", "xla": "ok"}
+    doc = {"schema": "normkit-bench/1", "device": {"name": "test GPU"}, "versions": {}, "copy": {"tbps": 4.0},
+           "byte_model": {}, "runs": [{"run_id": "r", "peers": peers}], "records": recs}
+    d = report.Data(doc)
+    sec = report.jax_impls_section(d)
+    assert "## JAX implementations: Triton vs Pallas vs XLA" in sec and "is not Triton" not in sec
+    lines = sec.splitlines()
+    header = next(line for line in lines if line.startswith("| op | mode | dtype | Triton, % of copy"))
+    assert [c.strip() for c in header.strip("|").split("|")][3:] == [
+        "Triton, % of copy", "Pallas, % of copy", "XLA, % of copy", "jnp autodiff, % of copy",
+        "Pallas ÷ Triton", "XLA ÷ Triton", "jnp autodiff ÷ Triton"]
+    row = next(line for line in lines if line.startswith("| RMSNorm | bwd_full | bf16 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    pct = [r["pct_copy"] for r in recs if (r["impl"], r["mode"]) == ("normkit_jax", "bwd_full")]
+    assert cells[3] == report._pct_range(pct)
+    assert cells[7] == "1.70× (1.20–2.40)"  # sqrt(1.2 * 2.4)
+    assert cells[8] == "2.50× (2.50–2.50)" and cells[9] == "3.00× (3.00–3.00)"
+    # Frozen savings: Triton 100 -> 80 (20% saved); XLA 250 -> 260 (4% slower).
+    row = next(line for line in lines if line.startswith("| RMSNorm | bf16 | a |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[3] == "100.0 → 80.0 (20% saved)"
+    assert cells[5] == "250.0 → 260.0 (4% slower)"
+    assert cells[6] == "300.0 → 150.0 (50% saved)"
+    # Per shape: the fastest is bold, ratios against Triton.
+    row = next(line for line in lines if line.startswith("| a (8192×4096) | bwd_frozen |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2].startswith("**80.0 (") and cells[6:] == ["1.05×", "3.25×", "1.88×"]
+    assert sec in report.render_markdown(d, [])
+    # Auto resolving to something else than Triton is called out; no Pallas/XLA records: a hint instead.
+    doc["runs"][0]["peers"]["normkit_jax"] = "ok (implementation pallas)"
+    assert "is not Triton" in report.jax_impls_section(report.Data(doc))
+    doc["records"] = [r for r in recs if r["impl"] in ("normkit_jax", "xla")]
+    assert "--peers jax-impls" in report.jax_impls_section(report.Data(doc))
+
+
+def test_peer_selection_names_the_jax_implementations():
+    from benchmarks import bench
+
+    def peers(value):
+        return bench.parse_args(["--dry-run", "--peers", value]).peers
+
+    assert peers("jax-impls") == ["normkit_jax", "normkit_jax_pallas", "normkit_jax_xla"]
+    assert peers("pallas,jax-xla,xla") == ["normkit_jax_pallas", "normkit_jax_xla", "xla"]
+    assert peers("normkit-jax-pallas,jax_impls") == ["normkit_jax_pallas", "normkit_jax", "normkit_jax_xla"]
+    assert set(bench.parse_args(["--dry-run"]).peers) == set(bench.ALL_PEERS) >= set(bench.NORMKIT_JAX)
+    with pytest.raises(SystemExit):
+        peers("mosaic")
+
+
 # ---------------------------------------------------------------------------------------------
 # A CPU dry run, end to end.
 
@@ -129,7 +191,11 @@ def test_dry_run_writes_schema_report_and_readme(tmp_path):
     assert doc["copy"]["tbps"] > 0 and doc["copy"]["bytes"] > 0
     run = doc["runs"][-1]
     assert run["dry_run"] is True
-    assert set(run["peers"]) == {"normkit", "liger", "torch_eager", "torch_compile", "xla", "normkit_jax", "tokamax"}
+    assert set(run["peers"]) == {"normkit", "liger", "torch_eager", "torch_compile", "xla", "normkit_jax",
+                                 "normkit_jax_pallas", "normkit_jax_xla", "tokamax"}
+    # The JAX frontend's three implementations run on CPU (Triton and Pallas interpreted) and say which ran.
+    for impl, which in (("normkit_jax", "triton"), ("normkit_jax_pallas", "pallas"), ("normkit_jax_xla", "xla")):
+        assert run["peers"][impl] == f"ok (implementation {which})", run["peers"]
 
     recs = doc["records"]
     for r in recs:
@@ -147,7 +213,8 @@ def test_dry_run_writes_schema_report_and_readme(tmp_path):
     got = {(r["op"], r["mode"], r["impl"], r["path"]) for r in recs if r["error"] is None}
     for op in ("rms_norm", "fused_add_rms_norm"):
         for mode in bytemodel.MODES:
-            for impl, path in (("normkit", "kernel"), ("normkit", "e2e"), ("torch_eager", "e2e")):
+            for impl, path in (("normkit", "kernel"), ("normkit", "e2e"), ("torch_eager", "e2e"),
+                               ("normkit_jax", "e2e"), ("normkit_jax_pallas", "e2e"), ("normkit_jax_xla", "e2e")):
                 assert (op, mode, impl, path) in got, (op, mode, impl, path)
     # The hand count of issue 4's example, on the dry-run shape.
     r = next(r for r in recs if (r["op"], r["mode"], r["impl"], r["path"]) == ("rms_norm", "fwd", "normkit", "kernel"))
@@ -166,5 +233,7 @@ def test_dry_run_writes_schema_report_and_readme(tmp_path):
 
     md = out.with_suffix(".md").read_text()
     assert "| op | mode | dtype |" in md and "## Targets (issue 4)" in md
+    assert "## JAX implementations: Triton vs Pallas vs XLA" in md
+    assert "| RMSNorm | bwd_frozen | bf16 |" in md.split("## JAX implementations")[1]
     text = readme.read_text()
     assert text.startswith("intro\n") and "| RMSNorm | fwd | bf16 |" in text
