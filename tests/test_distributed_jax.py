@@ -101,6 +101,28 @@ def test_hlo_collectives_parser():
     got = dist_workers.hlo_collectives(hlo, (16,))
     assert got["all_reduce_ops"] == 3 and got["param_reductions"] == 3 and got["all_gather"] == 1, got
     assert got["all_reduce_arrays"] == ["f32[16]", "f32[16]", "bf16[16]", "f32[]"]
+    assert got["all_reduce_elements"] == [16, 32, 1] and len(got["all_reduce_lines"]) == 3
+
+
+def test_hlo_collectives_merged_and_async():
+    """What XLA on GPU emits: dW and dB merged into one buffer; an async start typed (operands, results)."""
+    hlo = """
+  %merged = f32[32]{0} all-reduce(f32[32]{0} %cat), channel_id=1, replica_groups={{0,1}}, to_apply=%add
+  %s = (f32[16]{0}, f32[16]{0}) all-reduce-start(f32[16]{0} %a), channel_id=2, to_apply=%add
+  %s2 = (f32[16]{0}, f32[8]{0}) all-reduce-start(f32[16]{0} %a, f32[8]{0} %b), channel_id=3, to_apply=%add
+  %s3 = ((f32[4]{0}, f32[4]{0}), (f32[4]{0}, f32[4]{0})) all-reduce-start(f32[4]{0} %a, f32[4]{0} %b), to_apply=%add
+"""
+    got = dist_workers.hlo_collectives(hlo, (16,))
+    assert got["all_reduce_elements"] == [32, 16, 24, 8], got
+    case = {"name": "c", "kind": "sharded", "params": ["weight", "bias"], "trained": ["x", "weight", "bias"],
+            "spec": ["data", None], "errors": {}, "N": 16, "forward_hlo": dist_workers.hlo_collectives("", (16,)),
+            "backward_hlo": dist_workers.hlo_collectives(hlo.split("\n")[1], (16,))}
+    assert dist_workers.jax_failures(case) == []  # one merged all-reduce of dW and dB: right
+    case["backward_hlo"] = dist_workers.hlo_collectives(hlo, (16,))  # 80 elements for 2 x 16: wrong
+    assert dist_workers.jax_failures(case) and "reduced once" in dist_workers.jax_failures(case)[0]
+    case["trained"] = ["x"]
+    case["backward_hlo"] = dist_workers.hlo_collectives("", (16,))
+    assert dist_workers.jax_failures(case) == []  # frozen: nothing reduced
 
 
 def test_one_device_mesh_runs_unsharded():
