@@ -55,8 +55,13 @@ _FWD_RESULTS = ("Y", "S", "MEAN", "RSTD")
 _BWD_RESULTS = ("DX", "DW", "DB")
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # what the eager path launches on directly
+
+
 def _use_custom_ops(*tensors) -> bool:
-    return torch.compiler.is_compiling() or any(t is not None and type(t) is not torch.Tensor for t in tensors)
+    """Through ``torch.library`` only when compiling or for a tensor subclass (DTensor, FakeTensor, ...):
+    a module's ``nn.Parameter`` is a plain tensor here, so eager module calls skip the dispatcher."""
+    return torch.compiler.is_compiling() or any(t is not None and type(t) not in _PLAIN for t in tensors)
 
 
 def _absent(like: torch.Tensor) -> torch.Tensor:
