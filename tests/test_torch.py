@@ -1,6 +1,6 @@
 """Torch-frontend specifics: modules and state dicts, frozen semantics, determinism, cross-checks
 against torch.nn.functional and HF-style RMSNorms, NaN/Inf, empty inputs, copies and torch.compile."""
-import gc
+import copy
 
 import numpy as np
 import pytest
@@ -340,10 +340,9 @@ def _grads(model, x, dy):
 @_CUDA_ONLY
 def test_make_graphed_callables_matches_eager():
     model = _lora_like_model()
-    x, dy = randn(32, 64, seed=90), randn(32, 64, seed=91)
-    want = _grads(model, x, dy)
-    model.zero_grad(set_to_none=True)
-    gc.collect()  # the eager pass's graph must be gone before capture (torch warns on a live AccumulateGrad)
+    eager = copy.deepcopy(model)  # the reference runs on a copy: the captured model's parameters never saw
+    x, dy = randn(32, 64, seed=90), randn(32, 64, seed=91)  # an eager backward on the default stream
+    want = _grads(eager, x, dy)
     graphed = torch.cuda.make_graphed_callables(model, (x.clone().requires_grad_(True),))
     for _ in range(3):  # replays
         model.zero_grad(set_to_none=True)
@@ -543,7 +542,7 @@ def test_eager_module_calls_skip_the_dispatcher():
     ``normkit::norm_fwd/norm_bwd`` custom ops (kept for torch.compile and tensor subclasses) never run."""
     norm, add = tf.RMSNorm(64, device=DEVICE), tf.FusedAddRMSNorm(64, device=DEVICE)
     x, r = randn(8, 64, seed=94).requires_grad_(True), randn(8, 64, seed=95)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], acc_events=True) as prof:
         y = norm(x)
         z, s = add(y, r)
         (z.sum() + s.sum()).backward()
