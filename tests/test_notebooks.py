@@ -29,7 +29,7 @@ COMMITTED_RESULTS = ROOT / "benchmarks" / "results" / "h200.json"
 
 def test_there_are_notebooks():
     assert [p.stem for p in SOURCES] == ["01_frozen_vs_full", "02_performance", "03_lora_finetune",
-                                        "04_triton_vs_pallas"]
+                                        "04_triton_vs_pallas", "05_multi_gpu_collectives"]
 
 
 def _synthetic_results(out):
