@@ -128,8 +128,11 @@ def sharded_impl(op: Op, base, x, residual=None, weight=None, bias=None):
                 f"normkit: {name} has sharding {_show(p_spec)}: a {name} sharded on the normalized dimension (a "
                 f"tensor-parallel norm) is not supported; replicate it (PartitionSpec()) on every mesh axis")
     row_axes = tuple(a for e in spec[:-1] for a in _axes(e))
-    if not row_axes:
-        return None  # replicated rows: every device computes everything, nothing to split or reduce
+    if not row_axes and mesh.size == 1:
+        return None
+    # Replicated rows on a mesh of several devices still go through shard_map (with nothing split and
+    # nothing reduced): every device computes all rows from its own copy. The plain path cannot take
+    # them: on CPU its pure_callback fails on mesh-typed operands, and Pallas's padding mixes types.
     return ShardedImpl(base=base, mesh=mesh, spec=spec, row_axes=row_axes, manual_axes=explicit)
 
 

@@ -663,6 +663,39 @@ def jax_user_shard_map(shape=TINY, devices=None) -> list[dict]:
     return out
 
 
+def jax_replicated(shape=TINY, devices=None) -> list[dict]:
+    """Replicated inputs on a 2-device Explicit mesh (what arrays made after ``jax.set_mesh`` are), eager
+    and under jit, each implementation: bitwise the unsharded results, and no collective at all."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jax_frontend as jf
+
+    rng = np.random.default_rng(11)
+    x = np.asarray(rng.standard_normal(shape), np.float32)
+    w = np.asarray(rng.uniform(0.5, 1.5, shape[-1]), np.float32)
+    b = np.asarray(0.1 * rng.standard_normal(shape[-1]), np.float32)
+    mesh = jax.make_mesh((2,), ("sp",), devices=devices)
+    out = []
+    for impl in (None, "pallas", "xla"):
+        def grads(x, w, b, impl=impl):
+            return jax.grad(lambda x, w, b: jnp.sum(jnp.sin(jf.layer_norm(x, w, b, implementation=impl))),
+                            argnums=(0, 1, 2))(x, w, b)
+
+        ref = [np.asarray(g) for g in grads(jnp.asarray(x), jnp.asarray(w), jnp.asarray(b))]
+        with jax.set_mesh(mesh):
+            args = [jax.device_put(a, NamedSharding(mesh, P())) for a in (x, w, b)]
+            case = {"kind": "replicated", "name": f"replicated_{impl or 'auto'}", "diff": {}}
+            for mode, fn in (("eager", grads), ("jit", jax.jit(grads))):
+                got = [np.asarray(g) for g in fn(*args)]
+                case["diff"][mode] = max(float(np.abs(g - r).max()) for g, r in zip(got, ref))
+            case["hlo"] = hlo_collectives(jax.jit(grads).lower(*args).compile().as_text(), (shape[-1],))
+        out.append(case)
+    return out
+
+
 def jax_auto_mesh(shape=TINY, devices=None) -> list[dict]:
     """An Auto mesh outside shard_map: normkit cannot see the sharding, warns, and stays correct."""
     import warnings
@@ -738,7 +771,7 @@ def jax_cases(shape=TINY, devices=None) -> list[dict]:
                                 devices=devices))
         except Exception:  # noqa: BLE001
             out.append({"kind": "sharded", "name": name, "crash": traceback.format_exc()[-3000:]})
-    for fn in (jax_user_shard_map, jax_auto_mesh, jax_error_cases):
+    for fn in (jax_user_shard_map, jax_replicated, jax_auto_mesh, jax_error_cases):
         try:
             out.extend(fn(shape, devices))
         except Exception:  # noqa: BLE001
@@ -776,6 +809,14 @@ def jax_failures(case: dict) -> list[str]:
         want = 1 if "weight" in case["trained"] else 0
         if h["all_gather"] or h["param_reductions"] != want:
             bad.append(f"{name}: backward collectives {h}; expected {want} all-reduce of the weight's shape")
+    elif kind == "replicated":
+        h = case["hlo"]
+        if h["all_reduce_ops"] or h["all_gather"] or h["all_to_all"] or h["collective_permute"]:
+            bad.append(f"{name}: collectives for replicated inputs: {h}")
+        # triton and pallas run the same kernel on the same rows: bitwise; xla may fuse differently under jit
+        tol = 1e-5 if name.endswith("xla") else 0.0
+        if any(d > tol for d in case["diff"].values()):
+            bad.append(f"{name}: gradients differ from the unsharded run by {case['diff']} (allowed {tol})")
     elif kind == "auto_mesh":
         if len(case["warnings"]) != 1:
             bad.append(f"{name}: expected one NormkitShardingWarning, got {case['warnings']}")

@@ -70,6 +70,13 @@ def test_inside_user_shard_map(cases, name):
     _check(cases, name)
 
 
+@pytest.mark.parametrize("name", ["replicated_auto", "replicated_pallas", "replicated_xla"])
+def test_replicated_inputs_on_a_mesh(cases, name):
+    """Arrays made after jax.set_mesh are replicated on the mesh: eager and jit both work, with no collective."""
+    case = _check(cases, name)
+    assert set(case["diff"]) == {"eager", "jit"}
+
+
 def test_auto_mesh_warns_and_stays_correct(cases):
     _check(cases, "auto_mesh_unsharded_fallback")
 
