@@ -62,5 +62,6 @@ SHAPES = [
 ]
 
 
-def shapes(tag: str) -> list[Shape]:
-    return [s for s in SHAPES if tag in s.tags]
+def shapes(*tags: str) -> list[Shape]:
+    """The shapes with any of ``tags``, each once, in table order."""
+    return [s for s in SHAPES if s.tags & set(tags)]

@@ -42,9 +42,11 @@ fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # Failures are written to $OUT/failures.txt as they happen (tests/conftest.py), so a run cut by
   # the time limit still names them; the JUnit XML is written at the end.
-  # $OUT/failures.outcomes.txt gets every test's outcome and duration as it ends.
+  # $OUT/failures.outcomes.txt gets every test's outcome and duration as it ends. worksteal (xdist >= 3.2)
+  # hands out contiguous blocks, so a parity case's frontends share its inputs (tests/test_parity.py).
+  dist=$(python3 -c "import xdist; print('worksteal' if tuple(map(int, xdist.__version__.split('.')[:2])) >= (3, 2) else 'load')")
   NORMKIT_FAILURE_LOG="$OUT/failures.txt" NORMKIT_TEST_SHAPES=gpu NORMKIT_TEST_GPUS=$gpus timeout ${TEST_TIMEOUT:-540} \
-    python3 -m pytest -q -n ${TEST_WORKERS:-$(nproc)} -p no:cacheprovider -p no:benchmark --durations=15 \
+    python3 -m pytest -q -n ${TEST_WORKERS:-$(nproc)} --dist $dist -p no:cacheprovider -p no:benchmark --durations=15 \
     --junitxml="$OUT/tests.xml" --ignore=tests/test_notebooks.py tests "$@" 2>&1 | tee "$OUT/tests.log" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi

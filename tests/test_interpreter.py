@@ -191,6 +191,26 @@ def test_bf16_rounding_is_round_to_nearest_even():
     assert _interpreter._f32_to_bf16_rtne(np.array([np.nan], np.float32))[0] == 0x7FC0
 
 
+def test_testing_rounds_to_bf16_as_torch_does():
+    """normkit.testing.rounded (the test inputs' and references' rounding) against torch's conversion,
+    on random bit patterns, exact ties, the largest finite values, infinities, subnormals and NaN."""
+    from normkit.testing import rounded
+
+    rng = np.random.default_rng(1)
+    u = np.concatenate([
+        rng.integers(0, 2**32, 8192, dtype=np.uint64).astype(np.uint32),
+        np.array([0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001, 0x7F7F8000, 0xFF7FFFFF, 0x7F800000,
+                  0xFF800000, 0x00000001, 0x80008000, 0x00000000, 0x80000000], dtype=np.uint32),
+    ])
+    f = u.view(np.float32)
+    with np.errstate(invalid="ignore"):  # signalling NaNs among the random bit patterns
+        got = rounded(f, "bfloat16")
+    want = torch.from_numpy(f.copy()).to(torch.bfloat16).to(torch.float64).numpy()
+    assert np.array_equal(np.isnan(got), np.isnan(f))
+    ok = ~np.isnan(f)
+    assert np.array_equal(got[ok], want[ok]) and np.array_equal(np.signbit(got[ok]), np.signbit(want[ok]))
+
+
 def test_patches_fit_this_triton():
     if not triton.__version__.startswith(_interpreter.TESTED_TRITON):
         pytest.skip(f"Triton {triton.__version__} is not the version the patches were written for")

@@ -518,8 +518,13 @@ def test_cross_frontend_within_tolerance(case):
 
 # Contiguous shapes only: a JAX array has no row stride (the adapter's "strided" input is a contiguous
 # copy, ROWS_CONTIGUOUS=True, where Torch reads the strided rows in place).
-GPU_SHAPES = [s for s in shapes("ci") + shapes("gpu") if s.name in ("one_row", "d1000", "3d", "gpu_rows", "gpu_wide")]
-GPU_CASES = [c for c in parity_cases(GPU_SHAPES) if c.shape.name != "gpu_wide" or c.trained == frozenset(c.inputs)]
+GPU_SHAPES = [s for s in shapes("ci", "gpu") if s.name in ("one_row", "d1000", "3d", "gpu_rows", "gpu_wide")]
+# At the large shapes, fewer combinations (every one runs at the small shapes): gpu_rows in the default
+# casting without offset, with every parameter and frozen set; gpu_wide with everything trained.
+GPU_CASES = [c for c in parity_cases(GPU_SHAPES)
+             if c.shape.name not in ("gpu_rows", "gpu_wide")
+             or (c.shape.name == "gpu_rows" and (c.casting, c.offset) == ("llama", 0.0))
+             or (c.shape.name == "gpu_wide" and c.trained == frozenset(c.inputs))]
 
 
 @pytest.mark.parametrize("case", GPU_CASES if ON_GPU else [pytest.param(None, id="needs-gpu")], ids=str)
