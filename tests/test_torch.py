@@ -537,9 +537,16 @@ def test_forward_allocates_each_output_once(requires_grad, want, monkeypatch):
     assert len(mode.calls) == want, mode.calls
 
 
-def test_eager_module_calls_skip_the_dispatcher():
+def test_eager_module_calls_skip_the_dispatcher(monkeypatch):
     """An eager call, through a module whose weight is an ``nn.Parameter`` too, launches directly: the
-    ``normkit::norm_fwd/norm_bwd`` custom ops (kept for torch.compile and tensor subclasses) never run."""
+    ``normkit::norm_fwd/norm_bwd`` custom ops (kept for torch.compile and tensor subclasses) never run,
+    nor do the DTensor placement checks."""
+    from torch_frontend import _dtensor
+
+    def no_dtensor_check(*args):
+        raise AssertionError("the DTensor checks ran for plain tensors")
+
+    monkeypatch.setattr(_dtensor, "check", no_dtensor_check)
     norm, add = tf.RMSNorm(64, device=DEVICE), tf.FusedAddRMSNorm(64, device=DEVICE)
     x, r = randn(8, 64, seed=94).requires_grad_(True), randn(8, 64, seed=95)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], acc_events=True) as prof:

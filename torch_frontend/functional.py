@@ -229,7 +229,7 @@ def _check(op: Op, x, *, residual=None, weight=None, bias=None, eps, offset=0.0,
         raise ValueError(f"normkit: x is on {x.device}; normkit runs on CUDA (compiled) or CPU (interpreted)")
     # Distributed (issue 12): DTensor placement checks and the custom ops' sharding registration,
     # imported only when a tensor subclass arrives (torch_frontend/_dtensor.py).
-    if any(t is not None and type(t) is not torch.Tensor for t in (x, residual, weight, bias)):
+    if any(t is not None and type(t) not in _PLAIN for t in (x, residual, weight, bias)):
         from torch_frontend import _dtensor
         _dtensor.check(op, x, residual, weight, bias)
     return opts
