@@ -460,10 +460,45 @@ def method_section(d: Data) -> str:
     return "\n".join(lines)
 
 
+# The cells of the Torch end-to-end comparison: 3 ops x 3 modes x these (dtype, M x N): 81 in all.
+CELL_MODES = ("fwd", "bwd_full", "bwd_frozen")
+CELL_SHAPES = [("bf16", s) for s in ("4096x1024", "4096x4096", "8192x4096", "8192x8192", "16384x8192",
+                                     "32768x4096", "65536x2048")] + [("fp32", "8192x8192"), ("fp32", "32768x4096")]
+
+
+def cells_section(d: Data) -> str:
+    """Every cell: normkit through torch (autograd, end to end) against the fastest Torch peer in it."""
+    rows, won, missing = [], 0, 0
+    for op in OPS:
+        for mode in CELL_MODES:
+            for dtype, shape in CELL_SHAPES:
+                nk = d.us(op, mode, dtype, shape, "normkit")
+                peers = {p: d.us(op, mode, dtype, shape, p) for p in TORCH_PEERS}
+                peers = {p: u for p, u in peers.items() if u}
+                if nk is None or not peers:
+                    missing += 1
+                    rows.append(f"| {OP_TITLES[op]} | {mode} | {dtype} {shape} | "
+                                f"{_fmt_us(nk) if nk else 'not measured'} | {'—' if not peers else ''} | — | — |")
+                    continue
+                best = min(peers, key=peers.get)
+                ratio = peers[best] / nk  # > 1: normkit is faster
+                won += ratio >= 1.0
+                mark = "" if ratio >= 1.0 else " (slower)"
+                rows.append(f"| {OP_TITLES[op]} | {mode} | {dtype} {shape} | {_fmt_us(nk)} | {best} "
+                            f"{_fmt_us(peers[best])} | {ratio:.2f}×{mark} | {'normkit' if ratio >= 1.0 else best} |")
+    total = len(OPS) * len(CELL_MODES) * len(CELL_SHAPES)
+    head = [f"## Torch end to end, cell by cell: normkit is at least as fast as the best peer in {won} of "
+            f"{total - missing} measured cells ({missing} of {total} not measured)", "",
+            "Times are medians in µs through `torch.autograd` (forward, full backward, frozen backward), peers "
+            f"{', '.join(TORCH_PEERS)}; the ratio is the best peer's time over normkit's (≥ 1× means normkit wins).",
+            "", "| op | mode | cell | normkit | best peer | best ÷ normkit | fastest |", "|---|---|---|---|---|---|---|"]
+    return "\n".join(head + rows)
+
+
 def render_markdown(d: Data, plots: list[str]) -> str:
     runs = d.doc.get("runs", [])
     parts = ["# normkit benchmark results", "", headline_preamble(d), "", headline_table(d), "",
-             targets_section(d), ""]
+             targets_section(d), "", cells_section(d), ""]
     if plots:
         parts += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
     parts += [op_tables(d), jax_impls_section(d), "", memory_table(d), "", errors_section(d), "", method_section(d), "",

@@ -107,6 +107,25 @@ def test_report_speedups_wins_and_readme(tmp_path):
     assert no_markers.read_text() == "nothing to replace\n"
 
 
+def test_report_cells_against_the_best_peer():
+    """The 81-cell table: each cell against its fastest Torch peer; wins, losses and unmeasured cells."""
+    recs = [_rec("rms_norm", "fwd", "4096x1024", 4096, 1024, "normkit", "e2e", 50.0),
+            _rec("rms_norm", "fwd", "4096x1024", 4096, 1024, "torch_eager", "e2e", 40.0),
+            _rec("rms_norm", "fwd", "4096x1024", 4096, 1024, "liger", "e2e", 60.0),
+            _rec("rms_norm", "bwd_frozen", "8192x8192", 8192, 8192, "normkit", "e2e", 100.0),
+            _rec("rms_norm", "bwd_frozen", "8192x8192", 8192, 8192, "torch_compile", "e2e", 150.0)]
+    d = report.Data({"records": recs})
+    sec = report.cells_section(d)
+    assert sec.startswith("## Torch end to end, cell by cell: normkit is at least as fast as the best peer in 1 of "
+                          "2 measured cells (79 of 81 not measured)"), sec.splitlines()[0]
+    rows = {tuple(c.strip() for c in line.strip("|").split("|"))[:3]: [c.strip() for c in line.strip("|").split("|")]
+            for line in sec.splitlines() if line.startswith("| RMSNorm |")}
+    assert len(rows) == 27  # 3 modes x 9 (dtype, shape) cells for one op
+    assert rows["RMSNorm", "fwd", "bf16 4096x1024"][4:] == ["torch_eager 40.0", "0.80× (slower)", "torch_eager"]
+    assert rows["RMSNorm", "bwd_frozen", "bf16 8192x8192"][4:] == ["torch_compile 150.0", "1.50×", "normkit"]
+    assert rows["RMSNorm", "bwd_full", "fp32 32768x4096"][3] == "not measured"
+
+
 def test_report_jax_implementations_table():
     """Triton vs Pallas vs XLA: % of copy from the byte model, time over Triton's, frozen savings."""
     recs = []
