@@ -11,6 +11,7 @@ take the caller's shape too, so that a DTensor's placements apply to it as the u
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Optional
 
@@ -214,14 +215,29 @@ def _delayed_error(results: list) -> list:
 # Public functions.
 
 
+def _validate(op: Op, x, residual, weight, bias, eps, offset, casting_mode) -> Options:
+    """Shapes and dtypes (each ``(shape, dtype name)`` or None) and options, checked; raises naming the argument."""
+    checks.check(op, x_shape=x[0], x_dtype=x[1], residual=residual, weight=weight, bias=bias)
+    return op.options(eps=eps, offset=offset, casting_mode=casting_mode)
+
+
+# A call validates what the last calls with the same shapes, dtypes and options already validated:
+# remembered (only successes; typed, so 1e-6 and np.float64(1e-6) are checked apart).
+_validated = functools.lru_cache(maxsize=256, typed=True)(_validate)
+
+
 def _check(op: Op, x, *, residual=None, weight=None, bias=None, eps, offset=0.0, casting_mode="llama") -> Options:
     for name, t in (("x", x), ("residual", residual), ("weight", weight), ("bias", bias)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"normkit: {name} must be a torch.Tensor; got {type(t).__name__}")
     spec = lambda t: None if t is None else (tuple(t.shape), dtype_name(t.dtype))  # noqa: E731
-    checks.check(op, x_shape=tuple(x.shape), x_dtype=dtype_name(x.dtype), residual=spec(residual),
-                 weight=spec(weight), bias=spec(bias))
-    opts = op.options(eps=eps, offset=offset, casting_mode=casting_mode)
+    specs = (spec(x), spec(residual), spec(weight), spec(bias))
+    try:
+        hash((eps, offset, casting_mode))
+        cached = not torch.compiler.is_compiling()  # dynamo traces through caches (and warns): check plainly
+    except TypeError:  # not a number at all: the plain checks raise, naming it
+        cached = False
+    opts = (_validated if cached else _validate)(op, *specs, eps, offset, casting_mode)
     for name, t in (("residual", residual), ("weight", weight), ("bias", bias)):
         if t is not None and t.device != x.device:
             raise ValueError(f"normkit: {name} is on {t.device} but x is on {x.device}; all tensors must share a device")
