@@ -395,6 +395,38 @@ def test_tensors_on_different_devices():
 # --- layouts and aliasing (each of these gave silently wrong numbers before) ---------------------
 
 
+def _rms64(x, w, eps=1e-6):
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+
+
+@pytest.mark.parametrize("alias", ["residual_is_x", "weight_is_a_row_of_x", "bias_is_weight"])
+def test_aliased_arguments(alias):
+    """One tensor passed as two arguments (or a weight that is a view of x): outputs and every gradient
+    as float64 autograd gives them for the same aliasing."""
+    x0, w0 = randn(6, 32, seed=96), randn(32, seed=97)
+    dy = randn(6, 32, seed=98)
+
+    def run(x, w, mod, norm):
+        if alias == "residual_is_x":
+            return norm.fused_add_rms_norm(x, x, w)[0] if mod is tf else _rms64(x + x, w)
+        if alias == "weight_is_a_row_of_x":
+            xa = x * 1  # a non-leaf, so that x[0] is a view in the graph
+            return norm.rms_norm(xa, xa[0]) if mod is tf else _rms64(xa, xa[0])
+        return (norm.layer_norm(x, w, w) if mod is tf
+                else torch.nn.functional.layer_norm(x, (32,), w, w, 1e-5))
+
+    got_x, got_w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+    want_x, want_w = x0.double().requires_grad_(True), w0.double().requires_grad_(True)
+    y = run(got_x, got_w, tf, tf)
+    y_ref = run(want_x, want_w, torch, None)
+    (y * dy).sum().backward()
+    (y_ref * dy.double()).sum().backward()
+    assert_close(np64(y), np64(y_ref), "float32", f"{alias}: y")
+    assert_close(np64(got_x.grad), np64(want_x.grad), "float32", f"{alias}: dx")
+    if alias != "weight_is_a_row_of_x":
+        assert_close(np64(got_w.grad), np64(want_w.grad), "float32", f"{alias}: dw", reduced_over=6)
+
+
 def test_sliced_and_expanded_parameters_are_read_with_their_strides():
     x = randn(5, 16, seed=60)
     w_sliced = randn(32, seed=61)[::2]
