@@ -96,12 +96,26 @@ def _pct_range(vals):
     return f"{lo:.0f}%" if round(lo) == round(hi) else f"{lo:.0f}–{hi:.0f}%"
 
 
+def _time_ratios(d: Data, op, mode, dtype, shapes, num, den) -> list[float]:
+    """num's time / den's time on each of ``shapes`` where both have one."""
+    pairs = ((d.us(op, mode, dtype, s, num), d.us(op, mode, dtype, s, den)) for s in shapes)
+    return [a / b for a, b in pairs if a and b]
+
+
+def _time_cell(d: Data, op, mode, dtype, s, impl, path="e2e", best=None) -> str:
+    """One table cell: median µs (% of copy), bold when it is ``best``; else why there is no time."""
+    r = d.get(op, mode, dtype, s, impl, path)
+    if r is None:
+        raw = d.by_key.get((op, mode, dtype, s, impl, path))
+        return ("skipped" if raw and (raw.get("error") or "").startswith("skipped")
+                else ("error" if raw and raw.get("error") else "—"))
+    txt = f"{_fmt_us(r['median_us'])} ({r['pct_copy']:.0f}%)" if r.get("pct_copy") is not None \
+        else _fmt_us(r["median_us"])
+    return f"**{txt}**" if r["median_us"] == best else txt
+
+
 def _speedup_cell(d: Data, op, mode, dtype, shapes, impl, peer):
-    xs = []
-    for s in shapes:
-        a, b = d.us(op, mode, dtype, s, impl), d.us(op, mode, dtype, s, peer)
-        if a and b:
-            xs.append(b / a)
+    xs = _time_ratios(d, op, mode, dtype, shapes, peer, impl)
     if not xs:
         return "—"
     g = _geomean(xs)
@@ -249,19 +263,8 @@ def op_tables(d: Data) -> str:
                 for mode in d.modes:
                     e2e = {c: d.us(op, mode, dtype, s, *c) for c in cols if c[1] == "e2e"}
                     best = min((u for u in e2e.values() if u), default=None)
-                    cells = []
-                    for c in cols:
-                        r = d.get(op, mode, dtype, s, *c)
-                        if r is None:
-                            raw = d.by_key.get((op, mode, dtype, s, *c))
-                            cells.append("skipped" if raw and (raw.get("error") or "").startswith("skipped")
-                                         else ("error" if raw and raw.get("error") else "—"))
-                            continue
-                        txt = f"{_fmt_us(r['median_us'])} ({r['pct_copy']:.0f}%)" if r.get("pct_copy") is not None \
-                            else _fmt_us(r["median_us"])
-                        if c[1] == "e2e" and r["median_us"] == best:
-                            txt = f"**{txt}**"
-                        cells.append(txt)
+                    cells = [_time_cell(d, op, mode, dtype, s, *c, best=best if c[1] == "e2e" else None)
+                             for c in cols]
                     M, N = d.dims[s]
                     out.append(f"| {s} ({M}×{N}) | {mode} | " + " | ".join(cells) + " |")
         out.append("")
@@ -280,11 +283,7 @@ def _resolved(d: Data, impl: str) -> str | None:
 
 def _ratio_cell(d: Data, op, mode, dtype, shapes, impl, base="normkit_jax"):
     """Geometric mean (and range) over shapes of impl's time / base's time (> 1: impl is slower)."""
-    xs = []
-    for s in shapes:
-        a, b = d.us(op, mode, dtype, s, impl), d.us(op, mode, dtype, s, base)
-        if a and b:
-            xs.append(a / b)
+    xs = _time_ratios(d, op, mode, dtype, shapes, impl, base)
     if not xs:
         return "—"
     g = _geomean(xs)
@@ -360,16 +359,7 @@ def jax_impls_section(d: Data) -> str:
                 for mode in d.modes:
                     cells, best = [], min((u for u in (d.us(op, mode, dtype, s, impl) for impl, _ in present) if u),
                                           default=None)
-                    for impl, _ in present:
-                        r = d.get(op, mode, dtype, s, impl)
-                        if r is None:
-                            raw = d.by_key.get((op, mode, dtype, s, impl, "e2e"))
-                            cells.append("skipped" if raw and (raw.get("error") or "").startswith("skipped")
-                                         else ("error" if raw and raw.get("error") else "—"))
-                            continue
-                        txt = f"{_fmt_us(r['median_us'])} ({r['pct_copy']:.0f}%)" if r.get("pct_copy") is not None \
-                            else _fmt_us(r["median_us"])
-                        cells.append(f"**{txt}**" if r["median_us"] == best else txt)
+                    cells += [_time_cell(d, op, mode, dtype, s, impl, best=best) for impl, _ in present]
                     for impl, _ in others:
                         a, b = d.us(op, mode, dtype, s, impl), d.us(op, mode, dtype, s, "normkit_jax")
                         cells.append(_fmt_x(a / b if a and b else None))

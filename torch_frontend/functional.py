@@ -59,10 +59,15 @@ _BWD_RESULTS = ("DX", "DW", "DB")
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # what the eager path launches on directly
 
 
+def _subclassed(*tensors) -> bool:
+    """A tensor subclass (DTensor, FakeTensor, ...) among ``tensors``; a module's ``nn.Parameter`` is plain."""
+    return any(t is not None and type(t) not in _PLAIN for t in tensors)
+
+
 def _use_custom_ops(*tensors) -> bool:
-    """Through ``torch.library`` only when compiling or for a tensor subclass (DTensor, FakeTensor, ...):
-    a module's ``nn.Parameter`` is a plain tensor here, so eager module calls skip the dispatcher."""
-    return torch.compiler.is_compiling() or any(t is not None and type(t) not in _PLAIN for t in tensors)
+    """Through ``torch.library`` only when compiling or for a tensor subclass, so eager module calls
+    skip the dispatcher."""
+    return torch.compiler.is_compiling() or _subclassed(*tensors)
 
 
 def _absent(like: torch.Tensor) -> torch.Tensor:
@@ -245,7 +250,7 @@ def _check(op: Op, x, *, residual=None, weight=None, bias=None, eps, offset=0.0,
         raise ValueError(f"normkit: x is on {x.device}; normkit runs on CUDA (compiled) or CPU (interpreted)")
     # Distributed (issue 12): DTensor placement checks and the custom ops' sharding registration,
     # imported only when a tensor subclass arrives (torch_frontend/_dtensor.py).
-    if any(t is not None and type(t) not in _PLAIN for t in (x, residual, weight, bias)):
+    if _subclassed(x, residual, weight, bias):
         from torch_frontend import _dtensor
         _dtensor.check(op, x, residual, weight, bias)
     return opts
