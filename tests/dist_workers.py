@@ -796,8 +796,8 @@ def jax_failures(case: dict) -> list[str]:
         h = case["backward_hlo"]
         # Exactly the trained parameters' gradients are reduced, once each: one all-reduce per trained
         # parameter, or fewer when XLA merged them (GPU), delivering N elements per trained parameter.
-        want = case["N"] * len(trained_params)
-        if sum(h.get("all_reduce_elements", [])) != want or (h["all_reduce_ops"] == 0) != (not trained_params):
+        want_elements = case["N"] * len(trained_params)
+        if sum(h.get("all_reduce_elements", [])) != want_elements or (h["all_reduce_ops"] == 0) != (not trained_params):
             bad.append(f"{name}: the backward all-reduces {h['all_reduce_arrays']} ({h.get('all_reduce_lines')}); "
                        f"expected the gradients of the trained parameters {trained_params}, each reduced once")
         for o in ("y", "residual_out"):
