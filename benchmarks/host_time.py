@@ -89,6 +89,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--json", default=None, help="append the records to this JSON-lines file")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--breakdown", action="store_true", help="time the forward's host path layer by layer")
+    p.add_argument("--graphs", action="store_true", help="also fwd + frozen bwd under CUDA graphs: "
+                   "torch.compile(mode='reduce-overhead') and torch.cuda.make_graphed_callables (CUDA only)")
     args = p.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -123,6 +125,8 @@ def main(argv=None) -> list[dict]:
                                 "dtype": args.dtype, "host_us": us})
                 row.append(f"{name} {us:7.1f}")
             print(f"  {op:19s} {mode:15s} " + " | ".join(row), flush=True)
+    if args.graphs and dev.type == "cuda":
+        records += _graphs(args, x, r, dy, rand, sync)
     if args.json:
         with open(args.json, "a") as fh:
             for rec in records:
@@ -131,6 +135,43 @@ def main(argv=None) -> list[dict]:
         _breakdown(x, dy, N, dev, rand, args.iters, sync)
     if args.profile:
         _profile(x, dy, N, dev, rand)
+    return records
+
+
+def _graphs(args, x, r, dy, rand, sync) -> list[dict]:
+    """fwd + frozen bwd per call with the host path removed: the step captured as CUDA graphs, by
+    ``torch.compile(mode="reduce-overhead")`` (Inductor launches normkit's kernels itself, through
+    its triton ops) and by ``torch.cuda.make_graphed_callables`` (normkit's eager path, captured)."""
+    records = []
+    N = x.shape[-1]
+    for op in args.ops.split(","):
+        eps = 1e-5 if op == "layer_norm" else 1e-6
+        row = []
+        for name, f in _impls(op, eps).items():
+            w = rand(N)
+            b = rand(N) if op == "layer_norm" else None
+            for how in ("reduce-overhead", "graphed"):
+                torch._dynamo.reset()
+                xg = x.clone().requires_grad_(True)
+                if how == "reduce-overhead":
+                    g = torch.compile(lambda a, f=f, w=w, b=b: f(a, w, b, r), mode="reduce-overhead", fullgraph=True)
+                else:
+                    g = torch.cuda.make_graphed_callables(lambda a, f=f, w=w, b=b: f(a, w, b, r), (xg,))
+
+                def call(g=g, xg=xg):
+                    torch.autograd.grad(g(xg), xg, dy)
+
+                try:
+                    for _ in range(3):  # warm-up, capture, replay
+                        call()
+                    us = host_us(call, args.iters, sync)
+                except Exception as e:  # a peer that cannot be captured: say so, keep going
+                    print(f"  {op} {how} {name}: {type(e).__name__}: {str(e)[:160]}")
+                    continue
+                records.append({"label": args.label, "op": op, "mode": f"fwd_bwd_frozen/{how}", "impl": name,
+                                "shape": args.shape, "dtype": args.dtype, "host_us": us})
+                row.append(f"{name}/{how} {us:7.1f}")
+        print(f"  {op:19s} {'frozen, graphs':15s} " + " | ".join(row), flush=True)
     return records
 
 

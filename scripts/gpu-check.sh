@@ -8,7 +8,11 @@
 #              kernel timings come from the bench target);
 #   bench      the full benchmark (benchmarks/bench.py); tune: the launch-configuration sweep (scripts/tune.py);
 #   multi      the two-GPU check (scripts/multi_gpu.py: torchrun + NCCL, then JAX on a 2-device mesh);
-#   lora       the LoRA training-step benchmark (benchmarks/lora_step.py).
+#   lora       the LoRA training-step benchmark (benchmarks/lora_step.py);
+#   build-notebooks  regenerate the executed .ipynb at full size (notebooks/build.py --size full [names]),
+#              written to $OUT/notebooks/. Needs the Jupyter wheels the machine lacks: fetch them here
+#              with `bash ../shared/tools/gpu-wheels.sh` plus `-d`-style extras into .whl/nb (see below);
+#              only the distributions the machine does not already have are installed.
 # With several GPUs the test workers spread over them (tests/conftest.py, NORMKIT_TEST_GPUS), one
 # worker per CPU core by default.
 # It first installs the carried wheels (jax-triton 0.3.1, liger-kernel 0.8.5) without touching the
@@ -69,6 +73,26 @@ fi
 if [ "$what" = lora ]; then
   timeout ${LORA_TIMEOUT:-300} python3 benchmarks/lora_step.py --out "$OUT" "$@" 2>&1 | tee "$OUT/lora_step.log" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "$what" = build-notebooks ]; then
+  # Install from .whl/nb only what the machine lacks, into a folder of its own (the machine's
+  # packages stay in charge), then execute the notebooks at full size.
+  missing=$(python3 - <<'PY'
+import glob, importlib.metadata as md, os
+for w in sorted(glob.glob(".whl/nb/*.whl")):
+    name = os.path.basename(w).split("-")[0]
+    try:
+        md.version(name)
+    except md.PackageNotFoundError:
+        print(w)
+PY
+)
+  [ -z "$missing" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/nbsite $missing || exit 1
+  export PYTHONPATH=$PYTHONPATH:/tmp/nbsite
+  mkdir -p "$OUT/notebooks"
+  timeout ${NB_TIMEOUT:-500} python3 notebooks/build.py --size full "$@" 2>&1 | tee "$OUT/build_notebooks.log" | tail -20
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  cp notebooks/*.ipynb "$OUT/notebooks/"
 fi
 echo "gpu-check $what: status $status"
 exit $status

@@ -56,17 +56,7 @@ class TorchBackend:
 
     @staticmethod
     def launch(call: KernelCall, arrays: dict) -> dict:
-        prep = call.cache.get("torch")
-        if prep is None:
-            prep = call.cache["torch"] = _Prepared(call)
-        device = arrays[prep.first_input].device
-        outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in prep.allocs]
-        if driver.POISON_OUTPUTS:
-            for t in outs:
-                t.fill_(float("nan"))
-        args = [arrays[name] if present else None for name, present in prep.inputs]
-        args += call.scalars
-        args += [outs[i] if i is not None else None for i in prep.out_slots]
+        prep, device, args, outs = _operands(call, arrays)
         if device.type != "cuda" or _interpreter.is_interpreted(call.kernel):
             _interpreter.interpreted(call.kernel)[call.grid](*args, **call.constexprs, num_warps=call.num_warps,
                                                             num_stages=call.num_stages)
@@ -80,6 +70,45 @@ class TorchBackend:
                 _launch_compiled(call, args, index)
             call.record("torch", False)
         return dict(zip(prep.out_names, outs))
+
+
+class InductorBackend(TorchBackend):
+    """The backend inside the ``torch.library.triton_op`` ops that ``torch.compile`` uses on CUDA.
+
+    Each launch goes through ``torch.library.wrap_triton``: Inductor traces it (on fake tensors) and
+    emits the kernel call into its own generated code, so a compiled model launches normkit's kernels
+    without a Python trampoline, and CUDA graphs (``mode="reduce-overhead"``) capture them. Outside
+    tracing (a triton_op called eagerly) ``wrap_triton`` launches the kernel the ordinary way.
+
+    Inductor compiles the kernel with its own options: Triton's default FMA contraction applies to
+    every kernel (the eager LayerNorm backward turns it off for bitwise agreement with JAX), so a
+    compiled LayerNorm backward may differ from the eager one in the last bits.
+    """
+
+    @staticmethod
+    def launch(call: KernelCall, arrays: dict) -> dict:
+        prep, _, args, outs = _operands(call, arrays)
+        torch.library.wrap_triton(call.kernel)[call.grid](*args, **call.constexprs, num_warps=call.num_warps,
+                                                          num_stages=call.num_stages)
+        call.record("torch", False)
+        return dict(zip(prep.out_names, outs))
+
+
+def _operands(call: KernelCall, arrays: dict) -> tuple:
+    """``(prepared plan, device, kernel arguments, outputs)``: every output allocated once, in
+    ``call.out_specs`` order (NaN-filled under ``driver.POISON_OUTPUTS``)."""
+    prep = call.cache.get("torch")
+    if prep is None:
+        prep = call.cache["torch"] = _Prepared(call)
+    device = arrays[prep.first_input].device
+    outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in prep.allocs]
+    if driver.POISON_OUTPUTS:
+        for t in outs:
+            t.fill_(float("nan"))
+    args = [arrays[name] if present else None for name, present in prep.inputs]
+    args += call.scalars
+    args += [outs[i] if i is not None else None for i in prep.out_slots]
+    return prep, device, args, outs
 
 
 class _Prepared:
@@ -122,3 +151,4 @@ except ImportError:  # pragma: no cover
 
 
 BACKEND = TorchBackend()
+INDUCTOR_BACKEND = InductorBackend()

@@ -1,7 +1,7 @@
 """DTensor support: the sharding of normkit's custom ops, and the placement checks.
 
 With DTensor inputs, ``torch_frontend``'s functions run through the custom ops ``normkit::norm_fwd``
-and ``normkit::norm_bwd`` (``functional._use_custom_ops``). DTensor dispatches them to the local
+and ``normkit::norm_bwd`` (``functional._route``). DTensor dispatches them to the local
 shards under the sharding strategy registered here, and wraps the results as DTensors:
 
 - forward: x (and residual) ``Replicate`` or ``Shard(d)`` for any d but the normalized (last) one;

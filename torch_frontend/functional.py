@@ -19,7 +19,7 @@ import torch
 
 from normkit import checks, driver
 from normkit.ops import FUSED_ADD_RMS_NORM, LAYER_NORM, OPS, RMS_NORM, Casting, Grads, Op, Options
-from torch_frontend._backend import BACKEND, TORCH_DTYPES, dtype_name
+from torch_frontend._backend import BACKEND, INDUCTOR_BACKEND, TORCH_DTYPES, dtype_name
 
 __all__ = ["rms_norm", "layer_norm", "fused_add_rms_norm", "NormkitCopyWarning"]
 
@@ -46,11 +46,16 @@ def _as_rows(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# The driver over any leading shape, called directly (eager, plain tensors) or through the custom
-# ops ``normkit::norm_fwd`` / ``normkit::norm_bwd``: torch.compile sees opaque ops with fake (meta)
-# implementations, and tensor subclasses such as DTensor dispatch them to their local shards
-# (torch_frontend/_dtensor.py registers their sharding). Row tensors keep the caller's shape
-# ``(..., D)``; the per-row statistics have shape ``(...)``.
+# The driver over any leading shape, reached three ways:
+# - eager, plain tensors: called directly (no dispatcher);
+# - ``torch.compile`` on CUDA: through the ``torch.library.triton_op`` ops ``normkit::norm_fwd_cuda``
+#   / ``normkit::norm_bwd_cuda``, whose launches go through ``wrap_triton``: Inductor emits the
+#   kernels into its generated code, and CUDA graphs capture them;
+# - tensor subclasses (DTensor), and ``torch.compile`` on CPU or with dynamic shapes: through the
+#   opaque custom ops ``normkit::norm_fwd`` / ``normkit::norm_bwd`` with fake (meta)
+#   implementations; DTensor dispatches them to its local shards (torch_frontend/_dtensor.py
+#   registers their sharding).
+# Row tensors keep the caller's shape ``(..., D)``; the per-row statistics have shape ``(...)``.
 
 _FWD_RESULTS = ("Y", "S", "MEAN", "RSTD")
 _BWD_RESULTS = ("DX", "DW", "DB")
@@ -64,10 +69,17 @@ def _subclassed(*tensors) -> bool:
     return any(t is not None and type(t) not in _PLAIN for t in tensors)
 
 
-def _use_custom_ops(*tensors) -> bool:
-    """Through ``torch.library`` only when compiling or for a tensor subclass, so eager module calls
-    skip the dispatcher."""
-    return torch.compiler.is_compiling() or _subclassed(*tensors)
+def _route(x, *tensors) -> tuple | None:
+    """The ``(forward, backward)`` ops a call goes through: None in eager mode (the driver directly, so
+    module calls skip the dispatcher), the triton ops when compiling plain CUDA tensors of static
+    shape, the opaque custom ops otherwise (tensor subclasses; compiling on CPU or with symbolic
+    shapes)."""
+    if not torch.compiler.is_compiling():
+        return (torch.ops.normkit.norm_fwd, torch.ops.normkit.norm_bwd) if _subclassed(x, *tensors) else None
+    if (x.device.type == "cuda" and not _subclassed(x, *tensors) and all(isinstance(d, int) for d in x.shape)
+            and _triton_ops_registered()):
+        return torch.ops.normkit.norm_fwd_cuda, torch.ops.normkit.norm_bwd_cuda
+    return torch.ops.normkit.norm_fwd, torch.ops.normkit.norm_bwd
 
 
 def _absent(like: torch.Tensor) -> torch.Tensor:
@@ -91,30 +103,48 @@ def _nd_shape(name: str, shape: tuple, buffer_shape: tuple) -> tuple:
     return tuple(buffer_shape)
 
 
-def _forward_nd(op: Op, x, residual, weight, bias, opts: Options, store_stats: bool) -> tuple:
+def _forward_nd(op: Op, x, residual, weight, bias, opts: Options, store_stats: bool, backend=BACKEND) -> tuple:
     shape = x.shape
     r2d = _as_rows(residual, "residual") if residual is not None else None
-    outs = driver.forward(BACKEND, op, _as_rows(x, "x"), r2d, weight, bias, opts, store_stats)
+    outs = driver.forward(backend, op, _as_rows(x, "x"), r2d, weight, bias, opts, store_stats)
     lead = shape[:-1]
     return (_shaped(outs[0], shape), _shaped(outs[1], shape), _shaped(outs[2], lead), _shaped(outs[3], lead))
 
 
-def _backward_nd(op: Op, x, weight, dy, dres, mean, rstd, opts: Options, grads: Grads, b_dtype: str | None) -> tuple:
+def _backward_nd(op: Op, x, weight, dy, dres, mean, rstd, opts: Options, grads: Grads, b_dtype: str | None,
+                 backend=BACKEND) -> tuple:
     shape = x.shape
     rows = lambda t: t.reshape(-1) if t is not None else None  # noqa: E731  (statistics: contiguous, a view)
     dres2d = _as_rows(dres, "the residual_out gradient") if dres is not None else None
-    dx, dw, db = driver.backward(BACKEND, op, _as_rows(x, "x"), weight, _as_rows(dy, "the output gradient"), dres2d,
+    dx, dw, db = driver.backward(backend, op, _as_rows(x, "x"), weight, _as_rows(dy, "the output gradient"), dres2d,
                                  rows(mean), rows(rstd), opts, grads, b_dtype)
     return (dx.view(shape) if dx is not None else None), dw, db
 
 
-@torch.library.custom_op("normkit::norm_fwd", mutates_args=())
-def _norm_fwd_op(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
+def _fwd_body(backend):
+    def norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
                  bias: Optional[torch.Tensor], op: str, eps: float, offset: float, casting: int,
                  store_stats: bool) -> list[torch.Tensor]:
-    """(y, residual_out, mean, rstd); an absent result is an empty (0,) tensor."""
-    outs = _forward_nd(OPS[op], x, residual, weight, bias, Options(eps, offset, Casting(casting)), store_stats)
-    return [t if t is not None else _absent(x) for t in outs]
+        """(y, residual_out, mean, rstd); an absent result is an empty (0,) tensor."""
+        outs = _forward_nd(OPS[op], x, residual, weight, bias, Options(eps, offset, Casting(casting)), store_stats,
+                           backend)
+        return [t if t is not None else _absent(x) for t in outs]
+    return norm_fwd
+
+
+def _bwd_body(backend):
+    def norm_bwd(x: torch.Tensor, weight: Optional[torch.Tensor], dy: torch.Tensor, dres: Optional[torch.Tensor],
+                 mean: Optional[torch.Tensor], rstd: torch.Tensor, op: str, offset: float, casting: int,
+                 dx: bool, dw: bool, db: bool, b_dtype: torch.dtype) -> list[torch.Tensor]:
+        """(dx, dweight, dbias); a result not asked for is an empty (0,) tensor."""
+        outs = _backward_nd(OPS[op], x, weight, dy, dres, mean, rstd, Options(0.0, offset, Casting(casting)),
+                            Grads(dx, dw, db), dtype_name(b_dtype), backend)
+        return [t if t is not None else _absent(x) for t in outs]
+    return norm_bwd
+
+
+_norm_fwd_op = torch.library.custom_op("normkit::norm_fwd", _fwd_body(BACKEND), mutates_args=())
+_norm_bwd_op = torch.library.custom_op("normkit::norm_bwd", _bwd_body(BACKEND), mutates_args=())
 
 
 @_norm_fwd_op.register_fake
@@ -123,16 +153,6 @@ def _(x, residual, weight, bias, op, eps, offset, casting, store_stats):
     specs = OPS[op].fwd_buffers(M, N, dtype_name(x.dtype), store_stats)
     return [x.new_empty(_nd_shape(name, x.shape, specs[name][0]), dtype=TORCH_DTYPES[specs[name][1]])
             if name in specs else _absent(x) for name in _FWD_RESULTS]
-
-
-@torch.library.custom_op("normkit::norm_bwd", mutates_args=())
-def _norm_bwd_op(x: torch.Tensor, weight: Optional[torch.Tensor], dy: torch.Tensor, dres: Optional[torch.Tensor],
-                 mean: Optional[torch.Tensor], rstd: torch.Tensor, op: str, offset: float, casting: int,
-                 dx: bool, dw: bool, db: bool, b_dtype: torch.dtype) -> list[torch.Tensor]:
-    """(dx, dweight, dbias); a result not asked for is an empty (0,) tensor."""
-    outs = _backward_nd(OPS[op], x, weight, dy, dres, mean, rstd, Options(0.0, offset, Casting(casting)),
-                        Grads(dx, dw, db), dtype_name(b_dtype))
-    return [t if t is not None else _absent(x) for t in outs]
 
 
 @_norm_bwd_op.register_fake
@@ -144,20 +164,41 @@ def _(x, weight, dy, dres, mean, rstd, op, offset, casting, dx, dw, db, b_dtype)
             if name in specs else _absent(x) for name in _BWD_RESULTS]
 
 
+_TRITON_OPS: list = []
+
+
+def _triton_ops_registered() -> bool:
+    """Registers ``normkit::norm_fwd_cuda`` / ``normkit::norm_bwd_cuda`` (the custom ops' schema, as
+    ``torch.library.triton_op``) on first use. Registering imports torch._dynamo (1.4 s), so it waits
+    for the first compilation. Dynamo runs this function as it is rather than tracing it (what
+    ``torch.compiler.assume_constant_result`` marks; the mark is set by hand because that function
+    imports torch._dynamo too)."""
+    if not _TRITON_OPS:
+        _TRITON_OPS.append(torch.library.triton_op("normkit::norm_fwd_cuda", _fwd_body(INDUCTOR_BACKEND),
+                                                   mutates_args=()))
+        _TRITON_OPS.append(torch.library.triton_op("normkit::norm_bwd_cuda", _bwd_body(INDUCTOR_BACKEND),
+                                                   mutates_args=()))
+    return True
+
+
+_triton_ops_registered._dynamo_marked_constant = True  # torch._dynamo.decorators.assume_constant_result
+
+
 def _forward(op: Op, x, residual, weight, bias, opts: Options, store_stats: bool) -> tuple:
-    if not _use_custom_ops(x, residual, weight, bias):
+    ops = _route(x, residual, weight, bias)
+    if ops is None:
         return _forward_nd(op, x, residual, weight, bias, opts, store_stats)
-    outs = torch.ops.normkit.norm_fwd(x, residual, weight, bias, op.name, opts.eps, opts.offset, int(opts.casting),
-                                      store_stats)
+    outs = ops[0](x, residual, weight, bias, op.name, opts.eps, opts.offset, int(opts.casting), store_stats)
     present = op.fwd_buffers(1, 1, "float32", store_stats)
     return tuple(t if name in present else None for name, t in zip(_FWD_RESULTS, outs))
 
 
 def _backward(op: Op, x, weight, dy, dres, mean, rstd, opts: Options, grads: Grads, b_dtype: torch.dtype) -> tuple:
-    if not _use_custom_ops(x, weight, dy, dres):
+    ops = _route(x, weight, dy, dres)
+    if ops is None:
         return _backward_nd(op, x, weight, dy, dres, mean, rstd, opts, grads, dtype_name(b_dtype))
-    outs = torch.ops.normkit.norm_bwd(x, weight, dy, dres, mean, rstd, op.name, opts.offset, int(opts.casting),
-                                      grads.dx, grads.dw, grads.db, b_dtype)
+    outs = ops[1](x, weight, dy, dres, mean, rstd, op.name, opts.offset, int(opts.casting),
+                        grads.dx, grads.dw, grads.db, b_dtype)
     return tuple(t if want else None for t, want in zip(outs, (grads.dx, grads.dw, grads.db)))
 
 
@@ -237,11 +278,12 @@ def _check(op: Op, x, *, residual=None, weight=None, bias=None, eps, offset=0.0,
             raise TypeError(f"normkit: {name} must be a torch.Tensor; got {type(t).__name__}")
     spec = lambda t: None if t is None else (tuple(t.shape), dtype_name(t.dtype))  # noqa: E731
     specs = (spec(x), spec(residual), spec(weight), spec(bias))
-    try:
-        hash((eps, offset, casting_mode))
-        cached = not torch.compiler.is_compiling()  # dynamo traces through caches (and warns): check plainly
-    except TypeError:  # not a number at all: the plain checks raise, naming it
-        cached = False
+    cached = not torch.compiler.is_compiling()  # dynamo traces through caches (and warns): check plainly
+    if cached:
+        try:
+            hash((eps, offset, casting_mode))
+        except TypeError:  # not a number at all: the plain checks raise, naming it
+            cached = False
     opts = (_validated if cached else _validate)(op, *specs, eps, offset, casting_mode)
     for name, t in (("residual", residual), ("weight", weight), ("bias", bias)):
         if t is not None and t.device != x.device:
