@@ -35,6 +35,15 @@ def test_tune_dry_run():
             assert m[1] == m[2] and int(m[1]) > 1, m[0]  # every variant ran, and there were several
 
 
+def test_tune_pallas_dry_run():
+    out = run_script("scripts/tune_pallas.py", "--dry-run", "--ops", "layer_norm")
+    for mode in ("fwd", "bwd_full", "bwd_frozen"):
+        m = re.search(rf"^layer_norm {mode} bfloat16 24x256: (\d+)/(\d+) variants launched as configured, "
+                      r"all within tolerance of the base$", out, re.M)
+        assert m, f"no dry-run row for {mode}:\n{out}"
+        assert m[1] == m[2] and int(m[1]) > 1, m[0]
+
+
 def test_compare():
     out = run_script("scripts/compare.py", "--shape", "8x64", "--reps", "1")
     assert re.search(r"^op\s+frontend\s+backward\s+kernels\s+partials \(B\)\s+dx err", out, re.M), out
