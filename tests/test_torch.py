@@ -354,6 +354,31 @@ def _grads(model, x, dy):
     return y.detach(), x.grad, [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_compiled_ops_match_eager(op, frozen):
+    """Each op under torch.compile (the triton ops on CUDA, the custom ops on CPU) against the eager
+    path, trained and frozen parameters, a 3-D bf16 input: forward, dx and the parameters' gradients."""
+    torch._dynamo.reset()
+    spec = OPS[op]
+    D = 96
+    params = {name: randn(D, dtype=BF16, seed=60 + i).requires_grad_(not frozen) for i, name in enumerate(spec.params)}
+    fn = {"rms_norm": lambda x, r: tf.rms_norm(x, params["weight"]),
+          "layer_norm": lambda x, r: tf.layer_norm(x, params["weight"], params["bias"]),
+          "fused_add_rms_norm": lambda x, r: tf.fused_add_rms_norm(x, r, params["weight"])[0]}[op]
+    compiled = torch.compile(fn, fullgraph=True)
+    x0, r0, dy = randn(3, 5, D, dtype=BF16, seed=70), randn(3, 5, D, dtype=BF16, seed=71), randn(3, 5, D, dtype=BF16, seed=72)
+    results = []
+    for f in (fn, compiled):
+        x, r = x0.clone().requires_grad_(True), r0.clone().requires_grad_(True)
+        y = f(x, r)
+        wrt = [x] + ([r] if spec.has_residual else []) + ([] if frozen else list(params.values()))
+        results.append([y, *torch.autograd.grad(y, wrt, dy)])
+    for i, (want, got) in enumerate(zip(*results)):
+        assert_close(np64(got), np64(want), "bfloat16", f"{op} result {i}")
+
+
 @_CUDA_ONLY
 # torch's warm-up loop keeps the previous iteration's graph alive while it runs the next one, and
 # torch 2.11 warns about the AccumulateGrad streams that follow; the replays below are the check
