@@ -140,6 +140,9 @@ def parse_args(argv=None):
                                    f"jax-impls = {', '.join(NORMKIT_JAX)}), or 'none' (default all); "
                                    "normkit (torch) always runs")
     p.add_argument("--quick", action="store_true", help=f"bf16 on {', '.join(QUICK_SHAPES)} only")
+    p.add_argument("--cells", action="store_true",
+                   help="only the 81 cells of the Torch end-to-end table (report.CELL_SHAPES x CELL_MODES x "
+                        "the ops), against the Torch peers (default --peers liger,torch_eager,torch_compile)")
     p.add_argument("--out", type=Path, help=f"results JSON (default {DEFAULT_OUT.relative_to(REPO)})")
     p.add_argument("--merge", type=Path, help="start from this results JSON; new records replace equal keys")
     p.add_argument("--skip-done", action="store_true", help="with --merge: keep error-free records, time the rest")
@@ -157,6 +160,15 @@ def parse_args(argv=None):
                                                  "repository's README.md; none in --dry-run)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.cells:  # the table's (dtype, shape) pairs; work_items leaves out the other pairs
+        from benchmarks.report import CELL_MODES, CELL_SHAPES
+
+        args.shapes = args.shapes or ",".join(dict.fromkeys(shape for _, shape in CELL_SHAPES))
+        args.modes = args.modes or ",".join(CELL_MODES)
+        args.peers = args.peers or ",".join(TORCH_PEERS)
+        args.cell_pairs = None if args.dry_run else set(CELL_SHAPES)
+    else:
+        args.cell_pairs = None
     args.ops = _csv(args.ops, OP_ALIASES, OPS) or list(OPS)
     args.modes = _csv(args.modes, {}, MODES) or list(MODES)
     default_dtypes = ["bf16"] if args.quick else list(DTYPES)
@@ -240,7 +252,8 @@ def work_items(args, targets: list[Target]):
     for g in sorted(groups):
         for dtype in args.dtypes:
             for t in groups[g]:
-                yield t, dtype
+                if args.cell_pairs is None or any((dtype, name) in args.cell_pairs for name in (t.name, *t.aliases)):
+                    yield t, dtype
 
 
 # ---------------------------------------------------------------------------------------------

@@ -256,3 +256,14 @@ def test_dry_run_writes_schema_report_and_readme(tmp_path):
     assert "| RMSNorm | bwd_frozen | bf16 |" in md.split("## JAX implementations")[1]
     text = readme.read_text()
     assert text.startswith("intro\n") and "| RMSNorm | fwd | bf16 |" in text
+
+
+def test_cells_selects_exactly_the_table():
+    """--cells: the 9 (dtype, shape) pairs x 3 modes of the Torch table, the Torch peers, nothing else."""
+    from benchmarks import bench, report
+
+    args = bench.parse_args(["--cells"])
+    pairs = [(dtype, t.name) for t, dtype in bench.work_items(args, bench.select_targets(args))]
+    assert sorted(pairs) == sorted(report.CELL_SHAPES)
+    assert args.modes == list(report.CELL_MODES) and args.peers == list(report.TORCH_PEERS)
+    assert len(args.ops) * len(args.modes) * len(pairs) == 81
