@@ -179,7 +179,7 @@ def _number(name: str, value) -> float:
             hint = f"got {kind}"
         raise TypeError(f"normkit: {name} must be a static Python float; {hint}: {value!r}")
     value = float(value)
-    if not math.isfinite(value):
+    if not -math.inf < value < math.inf:  # NaN fails too; math.isfinite breaks torch.compile(dynamic=True)
         raise ValueError(f"normkit: {name} must be a finite number{' >= 0' if name == 'eps' else ''}; got {value!r}")
     return value
 

@@ -355,6 +355,24 @@ def _grads(model, x, dy):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_compile_with_dynamic_shapes_matches_eager():
+    """dynamic=True: symbolic row counts cannot size a plan, so the call takes the opaque custom ops
+    (their fake implementations handle symbolic shapes); two row counts, one compiled graph."""
+    torch._dynamo.reset()
+    w = randn(48, dtype=BF16, seed=80)
+    compiled = torch.compile(lambda x: tf.rms_norm(x, w), dynamic=True, fullgraph=True)
+    for i, rows in enumerate((5, 11)):
+        x = randn(rows, 48, dtype=BF16, seed=81 + i).requires_grad_(True)
+        dy = randn(rows, 48, dtype=BF16, seed=83 + i)
+        y = compiled(x)
+        (dx,) = torch.autograd.grad(y, x, dy)
+        assert_close(np64(y), ref.rms_norm(np64(x), np64(w)), "bfloat16", f"dynamic forward, {rows} rows")
+        x2 = x.detach().clone().requires_grad_(True)
+        (want,) = torch.autograd.grad(tf.rms_norm(x2, w), x2, dy)
+        assert torch.equal(dx, want), "the compiled backward runs the same kernel as the eager one"
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_compiled_ops_match_eager(op, frozen):

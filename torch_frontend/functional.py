@@ -197,8 +197,8 @@ def _backward(op: Op, x, weight, dy, dres, mean, rstd, opts: Options, grads: Gra
     ops = _route(x, weight, dy, dres)
     if ops is None:
         return _backward_nd(op, x, weight, dy, dres, mean, rstd, opts, grads, dtype_name(b_dtype))
-    outs = ops[1](x, weight, dy, dres, mean, rstd, op.name, opts.offset, int(opts.casting),
-                        grads.dx, grads.dw, grads.db, b_dtype)
+    outs = ops[1](x, weight, dy, dres, mean, rstd, op.name, opts.offset, int(opts.casting), grads.dx, grads.dw,
+                  grads.db, b_dtype)
     return tuple(t if want else None for t, want in zip(outs, (grads.dx, grads.dw, grads.db)))
 
 
