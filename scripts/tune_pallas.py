@@ -86,9 +86,9 @@ def label(cfg: PallasBlocks) -> str:
     return f"BLOCK_M {cfg.block_m:2d}, {cfg.num_warps:2d} warps, {grid}"
 
 
-def program(op: Op, mode: str, cfg: PallasBlocks, has_w: bool):
+def program(op: Op, mode: str, cfg: PallasBlocks):
     """A freshly jitted launch of ``mode`` under the launch shape ``cfg`` (read when it is traced)."""
-    opts = op.options(eps=1e-5 if not op.is_rms else 1e-6)
+    opts = op.options(eps=op.default_eps)
 
     def fixed(*_, **__):
         return cfg
@@ -105,7 +105,7 @@ def program(op: Op, mode: str, cfg: PallasBlocks, has_w: bool):
 
     if mode == "fwd":
         return traced(lambda x, r, w, b: _pallas.forward(op, x, r, w, b, opts=opts, store_stats=False))
-    grads = Grads(dx=True, dw=mode == "bwd_full" and has_w, db=mode == "bwd_full" and "bias" in op.params)
+    grads = Grads(dx=True, dw=mode == "bwd_full", db=mode == "bwd_full" and "bias" in op.params)
     return traced(lambda x, w, dy, mean, rstd: _pallas.backward(
         op, x, w, dy, None, mean, rstd, opts=opts, grads=grads, b_dtype="float32" if "bias" in op.params else None))
 
@@ -115,7 +115,7 @@ def inputs(op: Op, M: int, N: int, dtype: str, seed: int) -> dict:
     rand = lambda *s: jnp.asarray(rng.standard_normal(s, dtype=np.float32)).astype(dtype)  # noqa: E731
     a = {"x": rand(M, N), "r": rand(M, N) if op.has_residual else None, "w": rand(N),
          "b": rand(N) if "bias" in op.params else None, "dy": rand(M, N)}
-    opts = op.options(eps=1e-5 if not op.is_rms else 1e-6)
+    opts = op.options(eps=op.default_eps)
     stats = _pallas.forward(op, a["x"], a["r"], a["w"], a["b"], opts=opts, store_stats=True)
     a["s"] = stats.get("S", a["x"])  # what the backward normalizes
     a["mean"], a["rstd"] = stats.get("MEAN"), stats["RSTD"]
@@ -166,7 +166,7 @@ def sweep(op: Op, mode: str, dtype: str, M: int, N: int, num_sms: int, *, dry: b
     base_out = None
     rows = []
     for i, cfg in enumerate(cfgs):
-        fn = program(op, mode, cfg, has_w=True)
+        fn = program(op, mode, cfg)
         with record.record_launches() as log:
             out = fn(*args)
         main_launch = log[0]  # the row kernel (a full backward's reduction follows it)
