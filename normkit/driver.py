@@ -59,21 +59,48 @@ def _param_stride(backend: Backend, a) -> int:
     return backend.strides(a)[0] if a is not None else 1
 
 
+def forward_plan(backend: Backend, op: Op, x, residual, weight, bias, opts: Options, store_stats: bool):
+    """The forward's ``KernelCall`` over rows ``x [M, N]`` (None for no rows). A frontend may keep
+    it and launch it again for arrays of the same shapes, strides, dtypes and device."""
+    M, N = x.shape
+    if M == 0:
+        return None
+    layout = (*_rows_layout(backend, x), *_rows_layout(backend, residual if op.has_residual else None),
+              _param_stride(backend, weight), _param_stride(backend, bias))
+    return plan_forward(op, M, N, backend.dtype(x), _dtype(backend, weight), _dtype(backend, bias), opts, store_stats,
+                        layout, backend.num_sms(x))
+
+
 def forward(backend: Backend, op: Op, x, residual, weight, bias, opts: Options, store_stats: bool) -> tuple:
     """``(Y, S, MEAN, RSTD)`` over rows ``x [M, N]``; an entry the op or ``store_stats`` does not
     produce is None. S = x + residual (fused add); MEAN, RSTD: fp32 statistics for a backward."""
-    M, N = x.shape
-    x_dtype = backend.dtype(x)
-    if M == 0:
+    call = forward_plan(backend, op, x, residual, weight, bias, opts, store_stats)
+    if call is None:
+        M, N = x.shape
         out = {name: backend.zeros(shape, dtype, x) for name, (shape, dtype) in
-               op.fwd_buffers(M, N, x_dtype, store_stats).items()}
+               op.fwd_buffers(M, N, backend.dtype(x), store_stats).items()}
     else:
-        layout = (*_rows_layout(backend, x), *_rows_layout(backend, residual if op.has_residual else None),
-                  _param_stride(backend, weight), _param_stride(backend, bias))
-        call = plan_forward(op, M, N, x_dtype, _dtype(backend, weight), _dtype(backend, bias), opts, store_stats,
-                            layout, backend.num_sms(x))
         out = backend.launch(call, {"X": x, "R": residual, "W": weight, "B": bias})
     return out["Y"], out.get("S"), out.get("MEAN"), out.get("RSTD")
+
+
+def backward_plan(backend: Backend, op: Op, x, weight, dy, dres, opts: Options, grads: Grads,
+                  b_dtype: str | None = None):
+    """``(backward call, reduction call or None)`` over rows ``x [M, N]``, or None when there is
+    nothing to launch (no gradient asked for, or no rows). Raises on a dy / dres dtype other than x's."""
+    if not grads.any:
+        return None
+    M, N = x.shape
+    x_dtype = backend.dtype(x)
+    for name, a in (("dy", dy), ("the gradient of residual_out", dres)):
+        if a is not None and backend.dtype(a) != x_dtype:
+            raise TypeError(f"normkit: {name} has dtype {backend.dtype(a)}; expected the output's dtype {x_dtype}")
+    if M == 0:
+        return None
+    layout = (*_rows_layout(backend, x), *_rows_layout(backend, dy), *_rows_layout(backend, dres),
+              _param_stride(backend, weight))
+    return plan_backward(op, M, N, x_dtype, _dtype(backend, weight), b_dtype if grads.db else None, dres is not None,
+                         opts, grads, layout, backend.num_sms(x))
 
 
 def backward(backend: Backend, op: Op, x, weight, dy, dres, mean, rstd, opts: Options, grads: Grads,
@@ -84,22 +111,15 @@ def backward(backend: Backend, op: Op, x, weight, dy, dres, mean, rstd, opts: Op
     residual_out, is None when it is zero (then it is not read). dW takes the weight's dtype, dB
     ``b_dtype`` (the bias's dtype; the bias itself is not needed).
     """
-    if not grads.any:
-        return None, None, None
-    M, N = x.shape
-    x_dtype = backend.dtype(x)
-    w_dtype = _dtype(backend, weight)
-    for name, a in (("dy", dy), ("the gradient of residual_out", dres)):
-        if a is not None and backend.dtype(a) != x_dtype:
-            raise TypeError(f"normkit: {name} has dtype {backend.dtype(a)}; expected the output's dtype {x_dtype}")
-    if M == 0:  # no rows: dX is empty and dW/dB are sums of nothing
+    plan = backward_plan(backend, op, x, weight, dy, dres, opts, grads, b_dtype)
+    if plan is None:
+        if not grads.any:
+            return None, None, None
+        M, N = x.shape  # no rows: dX is empty and dW/dB are sums of nothing
         out = {name: backend.zeros(shape, dtype, x) for name, (shape, dtype) in
-               op.bwd_buffers(M, N, x_dtype, grads, w_dtype, b_dtype).items()}
+               op.bwd_buffers(M, N, backend.dtype(x), grads, _dtype(backend, weight), b_dtype).items()}
     else:
-        layout = (*_rows_layout(backend, x), *_rows_layout(backend, dy), *_rows_layout(backend, dres),
-                  _param_stride(backend, weight))
-        call, reduce = plan_backward(op, M, N, x_dtype, w_dtype, b_dtype if grads.db else None, dres is not None,
-                                     opts, grads, layout, backend.num_sms(x))
+        call, reduce = plan
         out = backend.launch(call, {"X": x, "W": weight, "DY": dy, "DRES": dres, "MEAN": mean, "RSTD": rstd})
         if reduce is not None:
             out.update(backend.launch(reduce, out))

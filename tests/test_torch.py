@@ -306,6 +306,40 @@ def test_torch_compile_fullgraph_has_no_graph_breaks():
     assert explanation.graph_break_count == 0
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_repeated_calls_reuse_bound_plans(op, frozen, monkeypatch):
+    """The eager fast path: the first call of a signature validates and plans; later calls with the
+    same shapes, strides, dtypes, devices and options launch the bound plans (no validation), on
+    fresh data, and match the float64 reference every time; another signature plans again."""
+    from torch_frontend import functional
+
+    spec = OPS[op]
+    functional._BOUND.clear()
+    real_check = functional._check
+    for call, shape in enumerate([(2, 3, 40)] * 3 + [(7, 40)]):
+        inp = {name: randn(*shape, seed=100 + 10 * call + i) for i, name in enumerate(spec.row_inputs)}
+        inp.update({name: randn(40, seed=200 + 10 * call + i) for i, name in enumerate(spec.params)})
+        dy = randn(*shape, seed=300 + call)
+        leaves = {k: v.requires_grad_(not (frozen and k in spec.params)) for k, v in inp.items()}
+        if call in (1, 2):  # a repeated signature must not be validated again
+            monkeypatch.setattr(functional, "_check", lambda *a, **k: pytest.fail("validated a bound signature"))
+        else:
+            monkeypatch.setattr(functional, "_check", real_check)
+        y = {"rms_norm": lambda: tf.rms_norm(leaves["x"], leaves["weight"]),
+             "layer_norm": lambda: tf.layer_norm(leaves["x"], leaves["weight"], leaves["bias"]),
+             "fused_add_rms_norm": lambda: tf.fused_add_rms_norm(leaves["x"], leaves["residual"], leaves["weight"])[0],
+             }[op]()
+        wrt = [t for t in leaves.values() if t.requires_grad]
+        got = torch.autograd.grad(y, wrt, dy)
+        np_inp = {k: np64(v) for k, v in inp.items()}
+        ref_out, ref_grads = spec.run_reference(np_inp, spec.options(eps=spec.default_eps), {"y": np64(dy)})
+        assert_close(np64(y), ref_out["y"], "float32", f"{op} call {call}: y")
+        for (name, t), g in zip([(k, v) for k, v in leaves.items() if v.requires_grad], got):
+            assert_close(np64(g), ref_grads[name], "float32", f"{op} call {call}: d{name}", reduced_over=dy.numel() // 40)
+    assert len(functional._BOUND) == 2  # two signatures
+
+
 def test_triton_ops_register_inside_a_compiled_graph():
     """The triton ops register on first compiled use (registering imports torch._dynamo), from
     inside dynamo's trace, with no graph break; afterwards they exist under normkit's namespace."""

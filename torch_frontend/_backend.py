@@ -55,8 +55,10 @@ class TorchBackend:
         return torch.zeros(shape, dtype=TORCH_DTYPES[dtype], device=like.device)
 
     @staticmethod
-    def launch(call: KernelCall, arrays: dict) -> dict:
-        prep, device, args, outs = _operands(call, arrays)
+    def launch(call: KernelCall, arrays: dict, allocs: list | None = None) -> dict:
+        """``allocs``: ``(shape, dtype)`` per output in ``call.out_specs`` order, to allocate the row
+        outputs in the caller's leading shape (same memory layout as the planned ``[M, N]``)."""
+        prep, device, args, outs = _operands(call, arrays, allocs)
         if device.type != "cuda" or _interpreter.is_interpreted(call.kernel):
             _interpreter.interpreted(call.kernel)[call.grid](*args, **call.constexprs, num_warps=call.num_warps,
                                                             num_stages=call.num_stages)
@@ -94,14 +96,14 @@ class InductorBackend(TorchBackend):
         return dict(zip(prep.out_names, outs))
 
 
-def _operands(call: KernelCall, arrays: dict) -> tuple:
+def _operands(call: KernelCall, arrays: dict, allocs: list | None = None) -> tuple:
     """``(prepared plan, device, kernel arguments, outputs)``: every output allocated once, in
     ``call.out_specs`` order (NaN-filled under ``driver.POISON_OUTPUTS``)."""
     prep = call.cache.get("torch")
     if prep is None:
         prep = call.cache["torch"] = _Prepared(call)
     device = arrays[prep.first_input].device
-    outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in prep.allocs]
+    outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in (allocs or prep.allocs)]
     if driver.POISON_OUTPUTS:
         for t in outs:
             t.fill_(float("nan"))

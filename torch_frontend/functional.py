@@ -4,6 +4,10 @@ Which gradients the backward computes comes from ``ctx.needs_input_grad``: a fro
 input turns its COMPUTE_* flag off, so its work, its fp32 partial buffer and its reduction launch
 disappear.
 
+A repeated eager call (same shapes, strides, dtypes, devices and options) skips validation and
+planning: its plans were bound at the first call (``_BOUND``, ``_apply``), and its outputs are
+allocated in the caller's shape.
+
 Inputs are flattened to 2-D rows *inside* the Function, and its gradients reshaped there: had the
 flattening views been recorded by autograd, the fused add's x and residual (which share one
 gradient) would receive two views of one buffer, and their ``.grad`` would alias. (The custom ops
@@ -212,12 +216,16 @@ DOUBLE_BACKWARD_ERROR = (
 
 
 class NormFunction(torch.autograd.Function):
-    """``forward(op, opts, store_stats, x, residual, weight, bias)`` over any leading shape."""
+    """``forward(op, opts, store_stats, bound, x, residual, weight, bias)`` over any leading shape;
+    ``bound``: the call signature's ``_Bound`` plans (eager fast path), or None."""
 
     @staticmethod
-    def forward(ctx, op: Op, opts: Options, store_stats: bool, x, residual, weight, bias):
-        y, s, mean, rstd = _forward(op, x, residual, weight, bias, opts, store_stats)
-        ctx.op, ctx.opts = op, opts
+    def forward(ctx, op: Op, opts: Options, store_stats: bool, bound, x, residual, weight, bias):
+        if bound is not None:
+            y, s, mean, rstd = bound.forward(x, residual, weight, bias)
+        else:
+            y, s, mean, rstd = _forward(op, x, residual, weight, bias, opts, store_stats)
+        ctx.op, ctx.opts, ctx.bound = op, opts, bound
         ctx.b_dtype = bias.dtype if bias is not None else torch.float32
         if op.has_residual:
             ctx.set_materialize_grads(False)
@@ -229,21 +237,24 @@ class NormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, ds=None):
         op = ctx.op
-        needs = ctx.needs_input_grad[3:]  # x, residual, weight, bias
+        needs = ctx.needs_input_grad[4:]  # x, residual, weight, bias
         grads = Grads(dx=needs[0] or needs[1], dw=needs[2], db=needs[3])
         x, weight, mean, rstd = ctx.saved_tensors
         if dy is None and ds is None:
-            return (None,) * 7
+            return (None,) * 8
         twice = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (dy, ds, x, weight))
         with torch.no_grad():
             if dy is None:  # only residual_out was used: y's gradient is exactly zero
                 dy = torch.zeros_like(x)
-            dx, dw, db = _backward(op, x, weight, dy, ds, mean, rstd, ctx.opts, grads, ctx.b_dtype)
+            if ctx.bound is not None:
+                dx, dw, db = ctx.bound.backward(x, weight, dy, ds, mean, rstd, grads)
+            else:
+                dx, dw, db = _backward(op, x, weight, dy, ds, mean, rstd, ctx.opts, grads, ctx.b_dtype)
         results = [dx if needs[0] else None, dx if needs[1] else None, dw, db]
         if twice:
             results = _delayed_error(results)
-        return (None, None, None, *results)
+        return (None, None, None, None, *results)
 
 
 def _delayed_error(results: list) -> list:
@@ -302,6 +313,121 @@ def _needs_stats(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+# ---------------------------------------------------------------------------------------------
+# The eager fast path. A call signature (the op, its options, and each tensor's class, shape,
+# strides, dtype and device) is validated and planned once: ``_BOUND`` keeps its plans, so a
+# repeated eager call (a training loop's) launches without re-validating, re-planning or reshaping.
+# Outputs are allocated in the caller's shape directly (no views of row buffers). The kernel calls
+# are the driver's own plans, so results are those of the general path, bitwise.
+
+
+def _meta(t) -> tuple | None:
+    return None if t is None else (t.__class__, t.shape, t.stride(), t.dtype, t.device)
+
+
+def _rows_in_place(t) -> bool:
+    """``t`` reads as ``[M, D]`` rows without a copy: its last dimension contiguous or broadcast, and
+    its leading dimensions one stride (what ``_as_rows`` views without copying)."""
+    D = t.shape[-1]
+    if D > 1 and t.stride(-1) not in (0, 1):
+        return False
+    try:
+        t.view(-1, D)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _nd_allocs(call, shape) -> list:
+    """``(shape, dtype)`` per output of ``call`` in out_specs order, row outputs in the caller's shape."""
+    return [(_nd_shape(name, shape, spec_shape), TORCH_DTYPES[dtype])
+            for name, (spec_shape, dtype) in call.out_specs.items()]
+
+
+class _Bound:
+    """One call signature's forward plan, and its backward plans per (gradients, dy/dres layout)."""
+
+    __slots__ = ("op", "opts", "b_dtype", "fwd", "fwd_allocs", "bwd")
+
+    def __init__(self, op: Op, opts: Options, b_dtype: str | None, fwd, fwd_allocs):
+        self.op, self.opts, self.b_dtype, self.fwd, self.fwd_allocs = op, opts, b_dtype, fwd, fwd_allocs
+        self.bwd: dict = {}
+
+    def forward(self, x, residual, weight, bias) -> tuple:
+        out = BACKEND.launch(self.fwd, {"X": x, "R": residual, "W": weight, "B": bias}, self.fwd_allocs)
+        return out["Y"], out.get("S"), out.get("MEAN"), out.get("RSTD")
+
+    def backward(self, x, weight, dy, dres, mean, rstd, grads: Grads) -> tuple:
+        key = (grads, _meta(dy), _meta(dres))
+        plan = self.bwd.get(key, False)
+        if plan is False:
+            plan = self.bwd[key] = self._plan_backward(x, weight, dy, dres, grads)
+        if plan is None:  # a dy/dres layout that must be copied: the general path (it warns)
+            return _backward_nd(self.op, x, weight, dy, dres, mean, rstd, self.opts, grads, self.b_dtype)
+        call, reduce, allocs = plan
+        out = BACKEND.launch(call, {"X": x, "W": weight, "DY": dy, "DRES": dres, "MEAN": mean, "RSTD": rstd}, allocs)
+        if reduce is not None:
+            out.update(BACKEND.launch(reduce, out))
+        return out.get("DX"), out.get("DW"), out.get("DB")
+
+    def _plan_backward(self, x, weight, dy, dres, grads: Grads):
+        if not all(t is None or _rows_in_place(t) for t in (dy, dres)):
+            return None
+        D = x.shape[-1]
+        rows = lambda t: t.view(-1, D) if t is not None else None  # noqa: E731
+        plan = driver.backward_plan(BACKEND, self.op, rows(x), weight, rows(dy), rows(dres), self.opts, grads,
+                                    self.b_dtype)
+        if plan is None:
+            return None
+        call, reduce = plan
+        return call, reduce, _nd_allocs(call, x.shape)
+
+
+def _bind(op: Op, opts: Options, store_stats: bool, x, residual, weight, bias) -> _Bound | None:
+    """The bound plans of a validated call, or None where the general path must run (tensor
+    subclasses, no rows, layouts that are copied)."""
+    if _subclassed(x, residual, weight, bias) or x.numel() == 0:
+        return None
+    if not all(t is None or _rows_in_place(t) for t in (x, residual)):
+        return None
+    D = x.shape[-1]
+    fwd = driver.forward_plan(BACKEND, op, x.view(-1, D), residual.view(-1, D) if residual is not None else None,
+                              weight, bias, opts, store_stats)
+    if fwd is None:
+        return None
+    b_dtype = dtype_name(bias.dtype) if bias is not None else "float32"
+    return _Bound(op, opts, b_dtype, fwd, _nd_allocs(fwd, x.shape))
+
+
+_BOUND: dict = {}
+_BOUND_LIMIT = 4096  # distinct call signatures kept (a model has a handful); past it, start again
+
+
+def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode):
+    key = None
+    if not torch.compiler.is_compiling():
+        try:
+            store_stats = _needs_stats(x, residual, weight, bias)
+            key = (op.name, store_stats, eps.__class__, eps, offset.__class__, offset, casting_mode,
+                   _meta(x), _meta(residual), _meta(weight), _meta(bias))
+            bound = _BOUND.get(key)
+        except (AttributeError, TypeError):  # not a tensor, or an unhashable option: the checks below name it
+            key = bound = None
+        if bound is not None:
+            return NormFunction.apply(op, bound.opts, store_stats, bound, x, residual, weight, bias)
+    opts = _check(op, x, residual=residual, weight=weight, bias=bias, eps=eps, offset=offset,
+                  casting_mode=casting_mode)
+    store_stats = _needs_stats(x, residual, weight, bias)
+    bound = None
+    if key is not None:
+        bound = _bind(op, opts, store_stats, x, residual, weight, bias)
+        if bound is not None:
+            if len(_BOUND) >= _BOUND_LIMIT:
+                _BOUND.clear()
+            _BOUND[key] = bound
+    return NormFunction.apply(op, opts, store_stats, bound, x, residual, weight, bias)
+
+
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float = 1e-6, *, offset: float = 0.0,
              casting_mode: str = "llama") -> torch.Tensor:
     """RMSNorm over the last dimension: ``x / sqrt(mean(x**2) + eps) * (weight + offset)``.
@@ -319,8 +445,7 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float 
     Returns:
         ``(..., D)`` in x.dtype. The math is in ``normkit.reference.rms_norm``.
     """
-    opts = _check(RMS_NORM, x, weight=weight, eps=eps, offset=offset, casting_mode=casting_mode)
-    return NormFunction.apply(RMS_NORM, opts, _needs_stats(x, weight), x, None, weight, None)
+    return _apply(RMS_NORM, x, None, weight, None, eps, offset, casting_mode)
 
 
 def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
@@ -335,8 +460,7 @@ def layer_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, bias: Opt
     Returns:
         ``(..., D)`` in x.dtype. The math is in ``normkit.reference.layer_norm``.
     """
-    opts = _check(LAYER_NORM, x, weight=weight, bias=bias, eps=eps)
-    return NormFunction.apply(LAYER_NORM, opts, _needs_stats(x, weight, bias), x, None, weight, bias)
+    return _apply(LAYER_NORM, x, None, weight, bias, eps, 0.0, "llama")
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor] = None,
@@ -349,7 +473,4 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: Optional
         must share shape and dtype; they receive equal gradients, in separate tensors. See ``rms_norm``
         for the options.
     """
-    opts = _check(FUSED_ADD_RMS_NORM, x, residual=residual, weight=weight, eps=eps, offset=offset,
-                  casting_mode=casting_mode)
-    return NormFunction.apply(FUSED_ADD_RMS_NORM, opts, _needs_stats(x, residual, weight), x, residual, weight,
-                              None)
+    return _apply(FUSED_ADD_RMS_NORM, x, residual, weight, None, eps, offset, casting_mode)
