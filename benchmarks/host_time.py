@@ -8,6 +8,9 @@ autograd, dispatch, allocation, launch), since the GPU keeps up. Modes:
 - ``fwd_bwd_frozen``: forward + ``torch.autograd.grad`` with respect to x (weight frozen);
 - ``fwd_bwd_full``: forward + gradients of x and the weight.
 
+``python_floor`` is not a peer: an ``autograd.Function`` that allocates its output and gradient and
+launches nothing, the host-time floor of any norm launched from Python.
+
 Only public APIs are used, so the same script times another checkout of normkit (``PYTHONPATH``)
 for a before/after comparison. ``--profile`` prints a torch.profiler table (CPU and CUDA
 activities) and a cProfile table of normkit's fwd + frozen bwd; ``--breakdown`` times the forward's host
@@ -30,9 +33,25 @@ import torch.nn.functional as F
 MODES = ("fwd", "fwd_bwd_frozen", "fwd_bwd_full")
 
 
+class _Floor(torch.autograd.Function):
+    """The least a Python ``autograd.Function`` can cost: allocate the output in forward and the
+    input's gradient in backward, launch nothing. Not a peer: the host-time floor of any norm
+    launched from Python (normkit, Liger), against which eager ATen's C++ autograd is measured."""
+
+    @staticmethod
+    def forward(ctx, x, *params):
+        ctx.shapes = [p.shape if p is not None else None for p in params]
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        grads = [dy.new_empty(shape) if need else None for shape, need in zip(ctx.shapes, ctx.needs_input_grad[1:])]
+        return torch.empty_like(dy), *grads
+
+
 def _impls(op: str, eps: float):
     """name -> f(x, w, b, r) -> output tensor (the first output)."""
-    impls = {}
+    impls = {"python_floor": lambda x, w, b, r: _Floor.apply(x, w, b)}
     import torch_frontend as tf
 
     impls["normkit"] = {
@@ -148,6 +167,8 @@ def _graphs(args, x, r, dy, rand, sync) -> list[dict]:
         eps = 1e-5 if op == "layer_norm" else 1e-6
         row = []
         for name, f in _impls(op, eps).items():
+            if name == "python_floor":
+                continue
             w = rand(N)
             b = rand(N) if op == "layer_norm" else None
             for how in ("reduce-overhead", "graphed"):

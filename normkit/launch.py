@@ -298,10 +298,11 @@ def pallas_blocks(M: int, N: int, *, reduces: bool = False, persistent: bool = F
       prefetching its next tile (without: 179 -> 129 us at 8192 x 8192); 8192-element tiles get 16
       warps there (129 -> 120 us; 4096-element ones lose with 16). More programs per SM only add
       partials: one program's registers already fill an SM;
-    - persistent forward (``jax_frontend._pallas.persistent_forward``): 2 programs per SM for tiles of >= 8192 elements,
-      else 4. Off by default: LayerNorm 8192 x 8192 ran at 63% of copy persistent (with the
-      prefetch) against 74% with one row per program (RMSNorm: 95%; 32768 x 4096: 93%), where
-      the Triton kernel needed Triton's own loop pipelining to reach 84%.
+    - persistent forward (``jax_frontend._pallas.persistent_forward``, LayerNorm on rows of >= 8192
+      elements): 2 programs per SM for tiles of >= 8192 elements, else 4, with half the warps of a
+      one-tile program (at least 4). LayerNorm bf16 8192 x 8192 (scripts/tune_pallas.py, session 5,
+      against an XLA copy at 4.06 TB/s): 86.3 us (77% of copy) with 4 warps and 2 programs per SM,
+      against 110.7 us (60%) with one row per program and 8 warps, and 95.0 us with 16 warps.
 
     Measured at 8192 x 8192 / 32768 x 4096 bf16 with these choices, against a Pallas copy kernel
     (3.5-3.8 TB/s): forward 95% / 97% (RMSNorm), 74% / 93% (LayerNorm); dx-only backward 93-96%;
@@ -316,6 +317,7 @@ def pallas_blocks(M: int, N: int, *, reduces: bool = False, persistent: bool = F
             num_warps = min(32, 2 * num_warps)
     elif persistent:
         programs = max(1, min(tiles, (2 if big else 4) * num_sms))
+        num_warps = max(4, num_warps // 2)
     else:
         programs = tiles
     return PallasBlocks(block_m, block_n, num_warps, programs, -(-tiles // programs))

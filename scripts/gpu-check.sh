@@ -7,6 +7,7 @@
 #   timing     host time per call through autograd, normkit against its peers (benchmarks/host_time.py;
 #              kernel timings come from the bench target);
 #   bench      the full benchmark (benchmarks/bench.py); tune: the launch-configuration sweep (scripts/tune.py);
+#   tune-pallas  the Pallas launch-shape sweep (scripts/tune_pallas.py);
 #   multi      the two-GPU check (scripts/multi_gpu.py: torchrun + NCCL, then JAX on a 2-device mesh);
 #   lora       the LoRA training-step benchmark (benchmarks/lora_step.py);
 #   build-notebooks  regenerate the executed .ipynb at full size (notebooks/build.py --size full [names]),
@@ -21,7 +22,9 @@ set -uo pipefail
 OUT=${OUT:-$PWD/gpu-check-out}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  # GPU_CHECK_INSTALLED=1: already installed (two targets running side by side must not both install)
+  [ -n "${GPU_CHECK_INSTALLED:-}" ] || \
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD
@@ -32,7 +35,7 @@ what=${1:-all}; shift || true
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton, jax; print('torch', torch.__version__, 'triton', triton.__version__, 'jax', jax.__version__, jax.devices())" | tee -a "$OUT/device.txt"
 status=0
-gpus=$(nvidia-smi --list-gpus | wc -l)
+gpus=${NORMKIT_TEST_GPUS:-$(nvidia-smi --list-gpus | wc -l)}  # set it (with CUDA_VISIBLE_DEVICES) to leave GPUs free
 if [ "$what" = compare ] || [ "$what" = all ]; then
   timeout 120 python3 scripts/compare.py 2>&1 | tee "$OUT/compare.log" || status=1
 fi
@@ -60,6 +63,10 @@ if [ "$what" = timing ]; then
 fi
 if [ "$what" = bench ]; then
   python3 benchmarks/bench.py --out "$OUT/h200.json" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
+fi
+if [ "$what" = tune-pallas ]; then
+  python3 scripts/tune_pallas.py "$@" 2>&1 | tee -a "$OUT/tune_pallas.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$what" = tune ]; then
   python3 scripts/tune.py "$@" 2>&1 | tee "$OUT/tune.log"

@@ -178,6 +178,8 @@ def sweep(op: Op, mode: str, dtype: str, M: int, N: int, num_sms: int, *, dry: b
             print(f"  {label(cfg)}: DISAGREES with the base configuration (not ranked)")
             continue
         rows.append((None if dry else median_us(fn, args, reps), i, cfg))
+        if not dry:  # as it goes: a run cut short by a time limit still says what it measured
+            print(f"  measured {rows[-1][0]:8.1f} us  {label(cfg)}", flush=True)
     what = f"{op.name} {mode} {dtype} {M}x{N}"
     if dry:
         print(f"{what}: {len(rows)}/{len(cfgs)} variants launched as configured, all within tolerance of the base")

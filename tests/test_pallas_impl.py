@@ -250,7 +250,7 @@ def test_parity(impl, op_name, dtype):
 
 def test_row_lengths(impl, monkeypatch):
     """N = 1, a power of two plus one (4097) and the longest row (65536); LayerNorm's long rows also
-    through the (optional) persistent forward, several tiles per program."""
+    through the persistent forward (the default for them), several tiles per program."""
     monkeypatch.setattr(_pallas, "NUM_SMS", 4)
     monkeypatch.setattr(_pallas, "PERSISTENT_LAYER_NORM_FORWARD", True)
     cases = [Case(name, Config(Casting.FP32, 0.0, True, name == "layer_norm"), shape, "float32")
@@ -380,8 +380,11 @@ def test_block_config():
     c = launch.pallas_blocks(32768, 4096, reduces=True, num_sms=132)
     assert (c.block_m, c.block_n, c.num_warps, c.num_programs, c.tiles_per_program) == (1, 4096, 4, 264, 125)
     c = launch.pallas_blocks(8192, 8192, persistent=True, num_sms=132)
-    assert (c.num_warps, c.num_programs, c.tiles_per_program) == (8, 264, 32)
+    assert (c.num_warps, c.num_programs, c.tiles_per_program) == (4, 264, 32)  # half the one-tile warps
     c = launch.pallas_blocks(5, 3)
     assert (c.block_m, c.block_n, c.num_programs) == (8, 4, 1)
-    assert not _pallas.persistent_forward(OPS["layer_norm"], 8192)  # off by default (measured slower)
+    # persistent: LayerNorm's forward on rows of >= 8192 elements only
+    assert _pallas.persistent_forward(OPS["layer_norm"], 8192) and _pallas.persistent_forward(OPS["layer_norm"], 5000)
+    assert not _pallas.persistent_forward(OPS["layer_norm"], 4096)
+    assert not _pallas.persistent_forward(OPS["rms_norm"], 8192)
     assert launch.reduce_blocks(132, 8192) == (32, 64)

@@ -59,13 +59,13 @@ class TorchBackend:
         """``allocs``: ``(shape, dtype)`` per output in ``call.out_specs`` order, to allocate the row
         outputs in the caller's leading shape (same memory layout as the planned ``[M, N]``)."""
         prep, device, args, outs = _operands(call, arrays, allocs)
-        if device.type != "cuda" or _interpreter.is_interpreted(call.kernel):
+        if device.type != "cuda" or prep.interpreted:
             _interpreter.interpreted(call.kernel)[call.grid](*args, **call.constexprs, num_warps=call.num_warps,
                                                             num_stages=call.num_stages)
             call.record("torch", True)
         else:
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            if index != torch.cuda.current_device():
+            index = device.index  # a CUDA tensor's device always has its index
+            if index != torch._C._cuda_getDevice():
                 with torch.cuda.device(index):
                     _launch_compiled(call, args, index)
             else:
@@ -122,6 +122,7 @@ class _Prepared:
         self.out_names = list(call.out_specs)
         self.allocs = [(tuple(shape), TORCH_DTYPES[dtype]) for shape, dtype in call.out_specs.values()]
         self.out_slots = [self.out_names.index(name) if name in call.out_specs else None for name in call.outputs]
+        self.interpreted = _interpreter.is_interpreted(call.kernel)  # TRITON_INTERPRET=1 made it interpreted
 
 
 def _launch_compiled(call: KernelCall, args: list, device_index: int) -> None:

@@ -15,6 +15,7 @@ take the caller's shape too, so that a DTensor's placements apply to it as the u
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from typing import Optional
@@ -80,8 +81,9 @@ def _route(x, *tensors) -> tuple | None:
     shapes)."""
     if not torch.compiler.is_compiling():
         return (torch.ops.normkit.norm_fwd, torch.ops.normkit.norm_bwd) if _subclassed(x, *tensors) else None
-    if (x.device.type == "cuda" and not _subclassed(x, *tensors) and all(isinstance(d, int) for d in x.shape)
-            and _triton_ops_registered()):
+    # Symbolic shapes cannot be told apart here (dynamo answers isinstance(SymInt, int) with True); the
+    # triton ops hand such calls to the opaque ops themselves (_fwd_body / _bwd_body).
+    if x.device.type == "cuda" and not _subclassed(x, *tensors) and _triton_ops_registered():
         return torch.ops.normkit.norm_fwd_cuda, torch.ops.normkit.norm_bwd_cuda
     return torch.ops.normkit.norm_fwd, torch.ops.normkit.norm_bwd
 
@@ -125,11 +127,19 @@ def _backward_nd(op: Op, x, weight, dy, dres, mean, rstd, opts: Options, grads: 
     return (dx.view(shape) if dx is not None else None), dw, db
 
 
+def _symbolic(x: torch.Tensor) -> bool:
+    """Sizes that are SymInts (``torch.compile(dynamic=True)``): no plan can be sized from them. Run
+    inside an op's body (fake-tensor tracing), where a SymInt is not an int, unlike in dynamo's trace."""
+    return not all(isinstance(d, int) for d in x.shape)
+
+
 def _fwd_body(backend):
     def norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
                  bias: Optional[torch.Tensor], op: str, eps: float, offset: float, casting: int,
                  store_stats: bool) -> list[torch.Tensor]:
         """(y, residual_out, mean, rstd); an absent result is an empty (0,) tensor."""
+        if backend is INDUCTOR_BACKEND and _symbolic(x):  # the triton op, traced with symbolic shapes
+            return torch.ops.normkit.norm_fwd(x, residual, weight, bias, op, eps, offset, casting, store_stats)
         outs = _forward_nd(OPS[op], x, residual, weight, bias, Options(eps, offset, Casting(casting)), store_stats,
                            backend)
         return [t if t is not None else _absent(x) for t in outs]
@@ -141,6 +151,8 @@ def _bwd_body(backend):
                  mean: Optional[torch.Tensor], rstd: torch.Tensor, op: str, offset: float, casting: int,
                  dx: bool, dw: bool, db: bool, b_dtype: torch.dtype) -> list[torch.Tensor]:
         """(dx, dweight, dbias); a result not asked for is an empty (0,) tensor."""
+        if backend is INDUCTOR_BACKEND and _symbolic(x):
+            return torch.ops.normkit.norm_bwd(x, weight, dy, dres, mean, rstd, op, offset, casting, dx, dw, db, b_dtype)
         outs = _backward_nd(OPS[op], x, weight, dy, dres, mean, rstd, Options(0.0, offset, Casting(casting)),
                             Grads(dx, dw, db), dtype_name(b_dtype), backend)
         return [t if t is not None else _absent(x) for t in outs]
@@ -236,25 +248,30 @@ class NormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, ds=None):
-        op = ctx.op
-        needs = ctx.needs_input_grad[4:]  # x, residual, weight, bias
-        grads = Grads(dx=needs[0] or needs[1], dw=needs[2], db=needs[3])
+        needs = ctx.needs_input_grad  # (op, opts, store_stats, bound, x, residual, weight, bias)
+        grads = _GRADS[needs[4] or needs[5], needs[6], needs[7]]
         x, weight, mean, rstd = ctx.saved_tensors
         if dy is None and ds is None:
             return (None,) * 8
-        twice = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (dy, ds, x, weight))
-        with torch.no_grad():
+        # Grad mode is on only under create_graph=True: then the kernels' results must refuse to be
+        # differentiated again, and run without recording.
+        grad_mode = torch.is_grad_enabled()
+        twice = grad_mode and any(t is not None and t.requires_grad for t in (dy, ds, x, weight))
+        with torch.no_grad() if grad_mode else _NO_CONTEXT:
             if dy is None:  # only residual_out was used: y's gradient is exactly zero
                 dy = torch.zeros_like(x)
             if ctx.bound is not None:
                 dx, dw, db = ctx.bound.backward(x, weight, dy, ds, mean, rstd, grads)
             else:
-                dx, dw, db = _backward(op, x, weight, dy, ds, mean, rstd, ctx.opts, grads, ctx.b_dtype)
-        results = [dx if needs[0] else None, dx if needs[1] else None, dw, db]
+                dx, dw, db = _backward(ctx.op, x, weight, dy, ds, mean, rstd, ctx.opts, grads, ctx.b_dtype)
+        results = [dx if needs[4] else None, dx if needs[5] else None, dw, db]
         if twice:
             results = _delayed_error(results)
         return (None, None, None, None, *results)
+
+
+_GRADS = {(dx, dw, db): Grads(dx, dw, db) for dx in (False, True) for dw in (False, True) for db in (False, True)}
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 def _delayed_error(results: list) -> list:
@@ -358,7 +375,9 @@ class _Bound:
         return out["Y"], out.get("S"), out.get("MEAN"), out.get("RSTD")
 
     def backward(self, x, weight, dy, dres, mean, rstd, grads: Grads) -> tuple:
-        key = (grads, _meta(dy), _meta(dres))
+        # autograd hands the backward gradients of the outputs' shape, dtype and device (it checks and
+        # converts them), so their class and strides are all that can vary
+        key = (grads, dy.__class__, dy.stride(), None if dres is None else (dres.__class__, dres.stride()))
         plan = self.bwd.get(key, False)
         if plan is False:
             plan = self.bwd[key] = self._plan_backward(x, weight, dy, dres, grads)
