@@ -108,6 +108,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--json", default=None, help="append the records to this JSON-lines file")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--breakdown", action="store_true", help="time the forward's host path layer by layer")
+    p.add_argument("--backward", action="store_true", help="where a repeated RMSNorm backward's host time goes "
+                   "(time inside normkit's layers, measured on the thread that runs the backward)")
     p.add_argument("--graphs", action="store_true", help="also fwd + frozen bwd under CUDA graphs: "
                    "torch.compile(mode='reduce-overhead') and torch.cuda.make_graphed_callables (CUDA only)")
     args = p.parse_args(argv)
@@ -152,6 +154,8 @@ def main(argv=None) -> list[dict]:
                 fh.write(json.dumps(rec) + "\n")
     if args.breakdown:
         _breakdown(x, dy, N, dev, rand, args.iters, sync)
+    if args.backward:
+        _backward_breakdown(x, dy, N, rand, args.iters, sync)
     if args.profile:
         _profile(x, dy, N, dev, rand)
     return records
@@ -244,6 +248,55 @@ def _breakdown(x, dy, N, dev, rand, iters: int, sync) -> None:
     print("host-time breakdown (us per call):")
     for name, fn in rows:
         print(f"  {name:45s} {host_us(fn, iters, sync):8.1f}", flush=True)
+
+
+def _backward_breakdown(x, dy, N, rand, iters: int, sync) -> None:
+    """The backward of a repeated ``rms_norm`` call (a retained graph, weight frozen) against the
+    ``python_floor`` backward, then the time spent inside each normkit layer per call. The backward
+    runs on autograd's device thread (CUDA), where cProfile does not look: each layer is wrapped in a
+    ``perf_counter`` pair instead, which adds a little to every row."""
+    import threading
+    import torch_frontend as tf
+    from torch_frontend import _backend, functional
+
+    w = rand(N)
+    xg = x.clone().requires_grad_(True)
+    y, y_floor = tf.rms_norm(xg, w), _Floor.apply(xg, w)
+    rows = [("python_floor backward", lambda: torch.autograd.grad(y_floor, xg, dy, retain_graph=True)),
+            ("normkit backward", lambda: torch.autograd.grad(y, xg, dy, retain_graph=True))]
+    print("backward host time (us per call), RMSNorm, weight frozen:")
+    for name, fn in rows:
+        print(f"  {name:45s} {host_us(fn, iters, sync):8.1f}", flush=True)
+    spent: dict = {}
+
+    def timed(label, fn):
+        def run(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                key = (label, threading.current_thread().name)
+                spent[key] = spent.get(key, 0.0) + time.perf_counter() - t
+        return run
+
+    layers = [(functional.NormFunction, "backward", "NormFunction.backward", staticmethod),
+              (functional._Bound, "backward", "the bound backward plan", None),
+              (_backend.TorchBackend, "launch", "TorchBackend.launch", staticmethod),
+              (_backend, "_launch_compiled", "the launch (Triton's launcher)", None),
+              (torch, "empty", "torch.empty", None)]
+    saved = [(owner, attr, owner.__dict__[attr]) for owner, attr, _, _ in layers]
+    try:
+        for owner, attr, label, wrap in layers:
+            fn = timed(label, getattr(owner, attr))
+            setattr(owner, attr, wrap(fn) if wrap else fn)
+        n = max(5, iters // 5 * 5)
+        total = host_us(rows[1][1], n, sync)
+    finally:
+        for owner, attr, original in saved:
+            setattr(owner, attr, original)
+    print(f"  {'normkit backward, instrumented':45s} {total:8.1f}")
+    for (label, thread), s in sorted(spent.items(), key=lambda kv: -kv[1]):
+        print(f"    inside {label:38s} {s / (n + 1) * 1e6:8.1f}   (thread {thread})")
 
 
 def _profile(x, dy, N, dev, rand):

@@ -59,9 +59,11 @@ def test_compare():
 
 
 def test_host_time():
-    out = run_script("benchmarks/host_time.py", "--shape", "8x64", "--iters", "10", "--ops", "rms_norm")
+    out = run_script("benchmarks/host_time.py", "--shape", "8x64", "--iters", "10", "--ops", "rms_norm", "--backward")
     for mode in ("fwd", "fwd_bwd_frozen", "fwd_bwd_full"):
         assert re.search(rf"^\s+rms_norm\s+{mode}\s+python_floor\s+[\d.]+ \| normkit\s+[\d.]+ \| torch_eager\s+[\d.]+", out, re.M), out
+    for layer in ("NormFunction.backward", "the bound backward plan", "TorchBackend.launch", "torch.empty"):
+        assert re.search(rf"^\s+inside {layer}\s+[\d.]+", out, re.M), out
 
 
 # ---------------------------------------------------------------------------------------------
