@@ -16,6 +16,9 @@ start from the same weights, and see the same tokens):
   change the other variants of this process) and, given ``model=``, expects an unwrapped Llama, not a
   PEFT model. Only the norm is swapped; no other Liger kernel (RoPE, SwiGLU, loss) is applied;
 - ``normkit``: ``torch_frontend.patch_model(model)``; its report is printed and recorded;
+- ``normkit_fused``: ``patch_model(model, fuse_residual_add=True)``: also each decoder layer's
+  residual add before ``post_attention_layernorm`` fused into that norm (what Inductor does for
+  ``hf`` under ``torch.compile``);
 
 each eager and under ``torch.compile(model)`` (default mode).
 
@@ -41,11 +44,11 @@ The step's CUDA time is the sum of all device activity (kernels, memcpy, memset)
 step; "norm %" is the norm's share of it. On a CPU (``--dry-run``) the times are CPU times of the
 same ranges and mean nothing; the run only exercises the code.
 
-A time budget (``--budget-s``) bounds the run: rows run in the order eager hf, normkit, liger, then
-compiled hf, normkit, liger, and a row that would end after the budget (by the time the same kind of
+A time budget (``--budget-s``) bounds the run: rows run in the order eager hf, normkit, normkit_fused,
+liger, then the same compiled, and a row that would end after the budget (by the time the same kind of
 row took, or an estimate before one has run) is recorded as "skipped: ...". A variant that cannot run
 is recorded as "unavailable: ...", one that raised as "failed: ...". The exit status is 1 when an hf
-or normkit row failed or did not pass its checks (after the results are written); a Liger row's
+or normkit(_fused) row failed or did not pass its checks (after the results are written); a Liger row's
 failure is reported but does not change it.
 
 GPU machine, from the repository root (liger-kernel from its wheel, as benchmarks/README.md installs it)::
@@ -85,7 +88,7 @@ from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 SCHEMA = "normkit-lora-step/1"
-VARIANTS = ("hf", "normkit", "liger")  # run order within a mode; hf first: it is the reference
+VARIANTS = ("hf", "normkit", "normkit_fused", "liger")  # run order within a mode; hf first: it is the reference
 MODES = ("eager", "compile")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 FWD_SCOPE = "lora_step::norm_forward"
@@ -93,6 +96,7 @@ STEP_SCOPE = "lora_step::step"
 EVALUATE = "autograd::engine::evaluate_function"
 NORM_KERNELS = {
     "normkit": re.compile(r"norm_fwd_kernel|norm_bwd_kernel|partial_sum_kernel"),
+    "normkit_fused": re.compile(r"norm_fwd_kernel|norm_bwd_kernel|partial_sum_kernel"),
     "liger": re.compile(r"_(block_)?rms_norm_(forward|backward)_kernel"),
 }
 ESTIMATE_S = {"eager": 20.0, "compile": 90.0}  # a row's cost before one of its kind has run
@@ -188,19 +192,26 @@ def prepare_liger(model, device) -> dict:
             "liger_version": version, "LigerRMSNorm_signature": str(signature)}
 
 
-def prepare_normkit(model, device) -> dict:
+def prepare_normkit(model, device, fuse_residual_add: bool = False) -> dict:
     import torch_frontend
 
     llama_norms = sum(type(m).__name__ == "LlamaRMSNorm" for _, m in norm_modules(model))
-    report = torch_frontend.patch_model(model)
-    if len(report.patched) != llama_norms:
-        raise RuntimeError(f"patch_model swapped {len(report.patched)} of {llama_norms} LlamaRMSNorm modules:\n"
-                           f"{report}")
-    return {"how": "torch_frontend.patch_model(model)", "patch_report": str(report),
-            "patched": len(report.patched), "skipped": len(report.skipped)}
+    layers = sum(type(m).__name__ == "LlamaDecoderLayer" for m in model.modules())
+    report = torch_frontend.patch_model(model, fuse_residual_add=fuse_residual_add)
+    if len(report.patched) != llama_norms or len(report.fused) != (layers if fuse_residual_add else 0):
+        raise RuntimeError(f"patch_model swapped {len(report.patched)} of {llama_norms} LlamaRMSNorm modules and "
+                           f"fused {len(report.fused)} of {layers} decoder layers:\n{report}")
+    how = "torch_frontend.patch_model(model" + (", fuse_residual_add=True)" if fuse_residual_add else ")")
+    return {"how": how, "patch_report": str(report), "patched": len(report.patched),
+            "skipped": len(report.skipped), "fused": len(report.fused)}
 
 
-PREPARE = {"hf": prepare_hf, "liger": prepare_liger, "normkit": prepare_normkit}
+def prepare_normkit_fused(model, device) -> dict:
+    return prepare_normkit(model, device, fuse_residual_add=True)
+
+
+PREPARE = {"hf": prepare_hf, "liger": prepare_liger, "normkit": prepare_normkit,
+           "normkit_fused": prepare_normkit_fused}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,7 +415,9 @@ def run_row(variant: str, mode: str, base, ids, device, args, ref) -> dict:
 def profile_step(step, variant, mode, norms, device) -> dict:
     on_gpu = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    scopes = NormScopes([m for _, m in norms]) if mode == "eager" else None
+    # By module needs every norm call to go through its module's forward; normkit_fused calls the
+    # post-attention norms from the decoder layer (fused with the add), so it is attributed by name only.
+    scopes = NormScopes([m for _, m in norms]) if mode == "eager" and variant != "normkit_fused" else None
     try:
         with profile(activities=activities) as prof:
             with record_function(STEP_SCOPE):
@@ -560,10 +573,10 @@ def markdown(result: dict) -> str:
             by_name, by_module = (r[k]["fwd_ms"] + r[k]["bwd_ms"] for k in ("norm_by_name", "norm_by_module"))
             out.append(f"- `{r['variant']}` {r['mode']}: norm by kernel name {by_name:.3f} ms, by module "
                        f"{by_module:.3f} ms (cross-check of the two attributions)")
-    report = next((r["prepare"]["patch_report"] for r in result["rows"] if r.get("prepare", {}).get("patch_report")),
-                  None)
-    if report:
-        out += ["", "normkit patch report:", "", "```", report, "```"]
+    reports = {r["variant"]: r["prepare"]["patch_report"] for r in result["rows"]
+               if r.get("prepare", {}).get("patch_report")}
+    for variant, report in reports.items():
+        out += ["", f"`{variant}` patch report:", "", "```", report, "```"]
     out += ["", f"Total {result['total_s']:.0f} s, budget {result['budget_s']} s"
                 + ("." if result.get("complete") else "; INCOMPLETE (written after the last row that finished)."), ""]
     return "\n".join(out)
@@ -617,7 +630,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES))
     p.add_argument("--steps", type=int)
     p.add_argument("--warmup", type=int, help="steps before timing, the first (checked, compiling) one included")
-    p.add_argument("--variants", default="hf,liger,normkit", help="comma list of hf, liger, normkit")
+    p.add_argument("--variants", default="hf,liger,normkit,normkit_fused",
+                   help="comma list of hf, liger, normkit, normkit_fused")
     p.add_argument("--modes", default=None, help="eager,compile (default both on a GPU, eager on CPU)")
     p.add_argument("--no-compile", action="store_true", help="eager rows only")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled step (no norm share)")

@@ -388,3 +388,100 @@ def test_shared_module_is_swapped_everywhere():
     assert model["a"][0].weight is norm.weight
     x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
     np.testing.assert_allclose(_np(model["a"](x)), _np(norm(x)), rtol=2e-5, atol=2e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# fuse_residual_add: the decoder layers' add before post_attention_layernorm, fused into that norm.
+
+
+def _tiny_causal_lm(cls_name: str, config_name: str, seed: int):
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, config_name)(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                                             num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=64)
+    model = getattr(transformers, cls_name)(cfg)
+    _randomize_norms(model, torch.Generator().manual_seed(seed + 1))
+    return model
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", [("LlamaForCausalLM", "LlamaConfig"), ("Qwen2ForCausalLM", "Qwen2Config")],
+                         ids=["llama", "qwen2"])
+def test_fused_residual_add_matches_the_unfused_model(arch, dtype):
+    """Under LoRA: the fused layers launch one fused add + RMSNorm per layer (frozen: no dW), their
+    forward is bitwise that of the unfused normkit model (the kernel rounds the sum to x.dtype as
+    torch's add does), and the gradients agree with HF's own model within the tolerance table; in
+    fp32 the gradients equal the unfused model's bitwise."""
+    base = _tiny_causal_lm(*arch, seed=41).to(DTYPES[dtype])
+    ref = _lora(base)
+    unfused, fused = copy.deepcopy(ref), copy.deepcopy(ref)
+    tf.patch_model(unfused)
+    report = tf.patch_model(fused, fuse_residual_add=True)
+    assert len(report.fused) == LAYERS and not report.skipped, str(report)
+    assert "fused   2 x" in str(report)
+
+    ids = _tokens(42)
+    outs = {}
+    for name, model in (("ref", ref), ("unfused", unfused)):
+        outs[name] = model(input_ids=ids, labels=ids)
+        outs[name].loss.backward()
+    with normkit.record_launches() as log:
+        outs["fused"] = fused(input_ids=ids, labels=ids)
+        outs["fused"].loss.backward()
+    fwd = log.of("norm_fwd_kernel")
+    assert sum(launch.flags["HAS_RESIDUAL"] for launch in fwd) == LAYERS and len(fwd) == 2 * LAYERS + 1
+    assert not any(launch.flags["COMPUTE_DW"] for launch in log.of("norm_bwd_kernel"))
+    assert not log.of("partial_sum_kernel")
+
+    assert torch.equal(outs["fused"].logits, outs["unfused"].logits)
+    assert_close(_np(outs["fused"].logits), _np(outs["ref"].logits), dtype, "logits vs HF")
+    grads = {name: {n: p.grad for n, p in m.named_parameters() if p.requires_grad}
+             for name, m in (("ref", ref), ("unfused", unfused), ("fused", fused))}
+    assert grads["fused"].keys() == grads["ref"].keys() and grads["fused"]
+    for n, g in grads["fused"].items():
+        assert g is not None, n
+        assert_close(_np(g), _np(grads["ref"][n]), dtype, f"LoRA grad {n} vs HF", reduced_over=BATCH * SEQ)
+        if dtype == "float32":
+            assert torch.equal(g, grads["unfused"][n]), n
+
+
+def test_fused_residual_add_unpatches_and_survives_deepcopy():
+    model = _tiny("llama", seed=51)
+    report = tf.patch_model(model, fuse_residual_add=True)
+    assert len(report.fused) == LAYERS
+    twin = copy.deepcopy(model)
+    assert all("forward" in layer.__dict__ for layer in twin.model.layers)
+    assert len(tf.patch_model(model, fuse_residual_add=True).fused) == 0  # fused already: nothing to do
+    restored = tf.unpatch_model(model)
+    assert len(restored.fused) == LAYERS and "unfused" in str(restored)
+    assert not any("forward" in layer.__dict__ for layer in model.model.layers)
+    assert not any(isinstance(m, HFRMSNorm) for m in model.modules())
+
+
+def test_fuse_residual_add_leaves_other_layers_alone():
+    """A layer is rewritten only when its forward has the three statements, once, and its
+    post-attention norm is normkit's; anything else is listed with the reason."""
+    gemma = _tiny("gemma", seed=61)  # Gemma's layers: the same statements (with its own norms)
+    rep = tf.patch_model(gemma, fuse_residual_add=True)
+    assert len(rep.fused) == LAYERS, str(rep)
+
+    not_swapped = _tiny("llama", seed=62)
+    rep = tf.patch_model(not_swapped, rms_norm=False, fuse_residual_add=True)
+    assert not rep.fused and sum("not normkit's RMSNorm" in why for _, _, why in rep.skipped) == LAYERS
+
+    class Layer(nn.Module):  # the attributes of a decoder layer, another forward
+        def __init__(self):
+            super().__init__()
+            self.self_attn, self.mlp = nn.Identity(), nn.Linear(8, 8)
+            self.post_attention_layernorm = nn.RMSNorm(8)
+
+        def forward(self, hidden_states):
+            residual = hidden_states
+            hidden_states = self.post_attention_layernorm(hidden_states)
+            return residual + self.mlp(hidden_states)
+
+    model = nn.Sequential(Layer())
+    rep = tf.patch_model(model, fuse_residual_add=True)
+    assert not rep.fused and any("exactly once" in why for _, _, why in rep.skipped), str(rep)
+    x = torch.randn(3, 8)
+    assert torch.equal(model(x), Layer.forward(model[0], x))

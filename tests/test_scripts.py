@@ -119,14 +119,15 @@ def test_lora_step_dry_run(tmp_path):
     out = run_script("benchmarks/lora_step.py", "--dry-run", "--out", str(tmp_path))
     assert re.search(r"^\| variant \| mode \| status \| median ms", out, re.M), out
     result = json.loads((tmp_path / "lora_step.json").read_text())
-    assert (tmp_path / "lora_step.md").read_text().count("| eager |") == 3
+    assert (tmp_path / "lora_step.md").read_text().count("| eager |") == 4
     assert result["complete"] and result["config"]["dry_run"] and result["config"]["modes"] == ["eager"]
     rows = {(r["variant"], r["mode"]): r for r in result["rows"]}
-    assert set(rows) == {("hf", "eager"), ("normkit", "eager"), ("liger", "eager")}, rows.keys()
+    assert set(rows) == {("hf", "eager"), ("normkit", "eager"), ("normkit_fused", "eager"), ("liger", "eager")}, \
+        rows.keys()
     # Liger's kernels need a GPU: recorded with its reason, not dropped
     assert rows["liger", "eager"]["status"].startswith("unavailable: "), rows["liger", "eager"]["status"]
-    hf, nk = rows["hf", "eager"], rows["normkit", "eager"]
-    for row in (hf, nk):
+    hf, nk, fused = rows["hf", "eager"], rows["normkit", "eager"], rows["normkit_fused", "eager"]
+    for row in (hf, nk, fused):
         assert row["status"] == "ok" and row["checks_ok"], (row["status"], row.get("check_notes"))
         assert row["norm_weights_frozen"] and row["norm_weights_with_grad"] == []
         assert row["step_ms"]["min"] <= row["step_ms"]["median"] <= row["step_ms"]["max"]
@@ -134,6 +135,8 @@ def test_lora_step_dry_run(tmp_path):
         assert row["lora_grad_norm_first"] > 0
     assert nk["norm_modules"] == {"HFRMSNorm": 2 * 2 + 1} and hf["norm_modules"] == {"LlamaRMSNorm": 5}
     assert nk["prepare"]["patched"] == 5 and "patched   5 x LlamaRMSNorm -> HFRMSNorm" in nk["prepare"]["patch_report"]
+    assert nk["prepare"]["fused"] == 0 and fused["prepare"]["fused"] == 2, fused["prepare"]
+    assert "fused   2 x LlamaDecoderLayer" in fused["prepare"]["patch_report"]
     # the forward ranges of the 5 norms, and the autograd nodes they made: none for layer 0's input
     # norm (its input comes from the frozen embedding), one NormFunction node for each of the others
     assert nk["norm_by_module"]["forward_ranges"] == 5 and nk["norm_by_module"]["backward_nodes"] == 4

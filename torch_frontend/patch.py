@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from normkit.ops import MAX_N
+from torch_frontend import functional as F
 from torch_frontend.modules import FusedAddRMSNorm, LayerNorm, RMSNorm
 
 __all__ = ["patch_model", "unpatch_model", "PatchReport", "HFRMSNorm"]
@@ -227,6 +228,7 @@ class PatchReport:
 
     patched: list = dataclasses.field(default_factory=list)
     skipped: list = dataclasses.field(default_factory=list)
+    fused: list = dataclasses.field(default_factory=list)  # (name, class) of layers whose residual add was fused
     verb: str = "patched"
 
     def __len__(self) -> int:
@@ -244,6 +246,14 @@ class PatchReport:
             reasons.setdefault((_cls_name(cls), reason), []).append(name)
         for (cls, reason), names in reasons.items():
             lines.append(f"  skipped {len(names):3d} x {cls} ({reason}): {_names(names)}")
+        layers: dict = {}
+        for name, cls in self.fused:
+            layers.setdefault(_cls_name(cls), []).append(name)
+        for cls, names in layers.items():
+            what = ("residual add + post_attention_layernorm -> fused_add_rms_norm" if self.verb == "patched"
+                    else "its own forward again (residual add and norm apart)")
+            lines.append(f"  {'fused' if self.verb == 'patched' else 'unfused'} {len(names):3d} x {cls}: {what}: "
+                         f"{_names(names)}")
         return "\n".join(lines)
 
     def _repr_pretty_(self, p, cycle):  # IPython shows the readable form
@@ -253,6 +263,102 @@ class PatchReport:
 def _names(names: list[str], limit: int = 3) -> str:
     shown = ", ".join(n or "<root>" for n in names[:limit])
     return shown + (f", ... (+{len(names) - limit})" if len(names) > limit else "")
+
+
+# ---------------------------------------------------------------------------------------------
+# Fusing a decoder layer's residual add into its post-attention norm (fuse_residual_add=True).
+#
+# The layer's own ``forward`` source is rewritten: the three statements below become one call of
+# ``_add_norm``, and the function is compiled again in its module's namespace with its decorators.
+# Everything else in it (signature, decorators, the attention call, the MLP) is the original code.
+# A forward that does not contain the three statements exactly, once, at its top level is not
+# touched. The rewritten forward is set on the instance, so unpatch_model can delete it.
+
+_FUSED = "_normkit_fused_forward"  # marks a rewritten forward
+_ADD_NORM_SOURCE = """
+hidden_states = residual + hidden_states
+residual = hidden_states
+hidden_states = self.post_attention_layernorm(hidden_states)
+"""
+_FUSED_SOURCE = "hidden_states, residual = _normkit_add_norm(self.post_attention_layernorm, hidden_states, residual)"
+
+
+def _add_norm(norm: nn.Module, hidden_states: torch.Tensor, residual: torch.Tensor):
+    """``(norm(residual + hidden_states), residual + hidden_states)``: one fused kernel when ``norm``
+    is normkit's RMSNorm and the output keeps x's dtype; otherwise the original two steps."""
+    w = norm.weight if isinstance(norm, RMSNorm) else None
+    if (isinstance(norm, RMSNorm) and hidden_states.dtype == residual.dtype
+            and hidden_states.shape == residual.shape
+            and (w is None or torch.promote_types(w.dtype, hidden_states.dtype) == hidden_states.dtype)):
+        return F.fused_add_rms_norm(hidden_states, residual, w, norm.eps, offset=norm.offset,
+                                    casting_mode=norm.casting_mode)
+    hidden_states = residual + hidden_states
+    return norm(hidden_states), hidden_states
+
+
+_REWRITTEN: dict = {}  # class -> its rewritten forward (a function), or the reason there is none
+
+
+def _rewritten_forward(cls: type):
+    if cls not in _REWRITTEN:
+        _REWRITTEN[cls] = _rewrite(cls)
+    return _REWRITTEN[cls]
+
+
+def _rewrite(cls: type):
+    import ast
+    import inspect
+    import textwrap
+
+    fn = cls.forward
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return "its forward's source is not available"
+    func = tree.body[0] if tree.body else None
+    if not isinstance(func, ast.FunctionDef):
+        return "its forward is not a plain function"
+    if any(isinstance(n, ast.Name) and n.id == "super" for n in ast.walk(func)):
+        return "its forward calls super(), which a recompiled copy cannot"
+    want = [ast.dump(st) for st in ast.parse(_ADD_NORM_SOURCE).body]
+    body = [ast.dump(st) for st in func.body]
+    starts = [i for i in range(len(body) - 2) if body[i:i + 3] == want]
+    if len(starts) != 1:
+        return ("its forward does not contain `hidden_states = residual + hidden_states; residual = "
+                "hidden_states; hidden_states = self.post_attention_layernorm(hidden_states)` exactly once")
+    i = starts[0]
+    func.body[i:i + 3] = ast.parse(_FUSED_SOURCE).body
+    module = sys.modules.get(fn.__module__)
+    if module is None:
+        return "its forward's module is not imported"
+    namespace = dict(vars(module))
+    namespace["_normkit_add_norm"] = _add_norm
+    code = compile(ast.fix_missing_locations(tree), inspect.getsourcefile(fn) or "<normkit>", "exec")
+    exec(code, namespace)  # the function definition only: decorators applied as in the original
+    new = namespace[func.name]
+    setattr(new, _FUSED, True)
+    return new
+
+
+def _fuse_residual_adds(model: nn.Module, report: PatchReport) -> None:
+    for name, module in model.named_modules():
+        if not all(hasattr(module, a) for a in ("post_attention_layernorm", "self_attn", "mlp")):
+            continue
+        cls = type(module)
+        if getattr(module.__dict__.get("forward"), _FUSED, False):
+            continue  # fused already
+        if "forward" in module.__dict__:
+            report.skipped.append((name, cls, "its forward was replaced on the instance; not fused"))
+            continue
+        if not isinstance(module.post_attention_layernorm, RMSNorm):
+            report.skipped.append((name, cls, "its post_attention_layernorm is not normkit's RMSNorm; not fused"))
+            continue
+        new = _rewritten_forward(cls)
+        if isinstance(new, str):
+            report.skipped.append((name, cls, new + "; not fused"))
+            continue
+        module.forward = new.__get__(module, cls)
+        report.fused.append((name, cls))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,6 +379,7 @@ def patch_model(
     rms_norm: bool = True,
     layer_norm: bool = True,
     include: Optional[Callable[[str, nn.Module], bool]] = None,
+    fuse_residual_add: bool = False,
 ) -> PatchReport:
     """Swap the norm modules of ``model`` for normkit's, in place, and report what was done.
 
@@ -283,6 +390,13 @@ def patch_model(
         layer_norm: swap ``torch.nn.LayerNorm``.
         include: optional ``include(qualified_name, module) -> bool``; a known module it rejects is
             skipped.
+        fuse_residual_add: also fuse, in each pre-norm decoder layer, the residual add before
+            ``post_attention_layernorm`` into that norm (``fused_add_rms_norm``: one kernel instead
+            of an add and a norm, forward and backward). Only layers whose ``forward`` contains
+            exactly ``hidden_states = residual + hidden_states; residual = hidden_states;
+            hidden_states = self.post_attention_layernorm(hidden_states)`` (transformers' Llama,
+            Mistral, Qwen2/3 layers) are rewritten, and only those three statements; other layers are
+            listed in the report with the reason.
 
     Returns:
         A ``PatchReport``; ``print(report)`` lists each swap and each skipped norm-looking module with
@@ -321,6 +435,8 @@ def patch_model(
         replacements[id(module)] = new
         report.patched.append((name, cls, type(new)))
     _swap(model, replacements)
+    if fuse_residual_add:
+        _fuse_residual_adds(model, report)
     return report
 
 
@@ -333,6 +449,9 @@ def unpatch_model(model: nn.Module) -> PatchReport:
     report = PatchReport(verb="restored")
     replacements: dict[int, nn.Module] = {}
     for name, module in model.named_modules():
+        if getattr(module.__dict__.get("forward"), _FUSED, False):
+            del module.forward
+            report.fused.append((name, type(module)))
         orig = module.__dict__.get(_ORIGINAL)
         if orig is None:
             continue
