@@ -340,6 +340,33 @@ def test_repeated_calls_reuse_bound_plans(op, frozen, monkeypatch):
     assert len(functional._BOUND) == 2  # two signatures
 
 
+@pytest.mark.filterwarnings("ignore::torch_frontend.functional.NormkitCopyWarning")
+def test_bound_backward_takes_each_gradient_layout():
+    """A bound signature's backward plans are keyed by the gradient's class and strides: contiguous,
+    broadcast (stride 0) and transposed gradients of one forward signature each get a plan (the
+    transposed one, which cannot be read as rows, the copying general path), every one right
+    against float64, and a contiguous gradient again reuses its plan."""
+    from torch_frontend import functional
+
+    functional._BOUND.clear()
+    w = randn(40, seed=400)
+    layouts = {
+        "contiguous": lambda seed: randn(6, 40, seed=seed),
+        "broadcast": lambda seed: randn(40, seed=seed).expand(6, 40),
+        "transposed": lambda seed: randn(40, 6, seed=seed).t(),
+    }
+    for i, (name, make) in enumerate([*layouts.items(), ("contiguous", layouts["contiguous"])]):
+        x = randn(6, 40, seed=410 + i).requires_grad_(True)
+        dy = make(420 + i)
+        (dx,) = torch.autograd.grad(tf.rms_norm(x, w), x, dy)
+        _, ref_grads = OPS["rms_norm"].run_reference({"x": np64(x), "weight": np64(w)},
+                                                      OPS["rms_norm"].options(eps=1e-6), {"y": np64(dy)})
+        assert_close(np64(dx), ref_grads["x"], "float32", f"dx, {name} gradient")
+    (bound,) = functional._BOUND.values()
+    assert len(bound.bwd) == 3  # contiguous, broadcast, transposed; the second contiguous one reused
+    assert sum(plan is None for plan in bound.bwd.values()) == 1  # the transposed one: general path
+
+
 def test_triton_ops_register_inside_a_compiled_graph():
     """The triton ops register on first compiled use (registering imports torch._dynamo), from
     inside dynamo's trace, with no graph break; afterwards they exist under normkit's namespace."""
