@@ -58,6 +58,16 @@ def test_compare():
     assert "Checks passed" in out
 
 
+def test_pallas_ptx():
+    """The Pallas kernels lowered for CUDA and compiled to PTX on this (GPU-less) machine: the
+    forward's row accesses are 128-bit, and a full backward is the row kernel plus the partial sum."""
+    out = run_script("scripts/pallas_ptx.py", "--op", "rms_norm", "--mode", "fwd", "--shape", "64x256")
+    assert re.search(r"kernel 0: normkit_rms_norm_fwd, grid \d+, \d+ warps", out), out
+    assert re.search(r"ld\.global\.v4\.b32\s+x \d+", out) and re.search(r"st\.global\.v4\.b32\s+x \d+", out), out
+    out = run_script("scripts/pallas_ptx.py", "--op", "layer_norm", "--mode", "bwd_full", "--shape", "64x256")
+    assert "kernel 0: normkit_layer_norm_bwd" in out and "kernel 1: normkit_partial_sum" in out, out
+
+
 def test_host_time():
     out = run_script("benchmarks/host_time.py", "--shape", "8x64", "--iters", "10", "--ops", "rms_norm", "--backward")
     for mode in ("fwd", "fwd_bwd_frozen", "fwd_bwd_full"):
