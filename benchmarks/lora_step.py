@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gc
 import importlib.metadata
 import inspect
@@ -94,9 +95,10 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 FWD_SCOPE = "lora_step::norm_forward"
 STEP_SCOPE = "lora_step::step"
 EVALUATE = "autograd::engine::evaluate_function"
+_NORMKIT_KERNELS = re.compile(r"norm_fwd_kernel|norm_bwd_kernel|partial_sum_kernel")
 NORM_KERNELS = {
-    "normkit": re.compile(r"norm_fwd_kernel|norm_bwd_kernel|partial_sum_kernel"),
-    "normkit_fused": re.compile(r"norm_fwd_kernel|norm_bwd_kernel|partial_sum_kernel"),
+    "normkit": _NORMKIT_KERNELS,
+    "normkit_fused": _NORMKIT_KERNELS,
     "liger": re.compile(r"_(block_)?rms_norm_(forward|backward)_kernel"),
 }
 ESTIMATE_S = {"eager": 20.0, "compile": 90.0}  # a row's cost before one of its kind has run
@@ -206,12 +208,8 @@ def prepare_normkit(model, device, fuse_residual_add: bool = False) -> dict:
             "skipped": len(report.skipped), "fused": len(report.fused)}
 
 
-def prepare_normkit_fused(model, device) -> dict:
-    return prepare_normkit(model, device, fuse_residual_add=True)
-
-
 PREPARE = {"hf": prepare_hf, "liger": prepare_liger, "normkit": prepare_normkit,
-           "normkit_fused": prepare_normkit_fused}
+           "normkit_fused": functools.partial(prepare_normkit, fuse_residual_add=True)}
 
 
 # ---------------------------------------------------------------------------------------------

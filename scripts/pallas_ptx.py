@@ -29,10 +29,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jax_frontend import _pallas  # noqa: E402
-from normkit.ops import OPS, Grads  # noqa: E402
+from normkit.ops import OPS  # noqa: E402
+from scripts.tune_pallas import MODES, launcher  # noqa: E402  (the frontend's call for each mode)
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
-MODES = ("fwd", "bwd_full", "bwd_frozen")
 
 
 def lowered_kernels(op_name: str, mode: str, M: int, N: int, dtype: str, num_sms: int) -> list[dict]:
@@ -41,21 +41,13 @@ def lowered_kernels(op_name: str, mode: str, M: int, N: int, dtype: str, num_sms
     _pallas.NUM_SMS = num_sms  # the persistent grids and partial buffers are sized as on the GPU
     x = jax.ShapeDtypeStruct((M, N), jnp.dtype(dtype))
     p = jax.ShapeDtypeStruct((N,), jnp.dtype(dtype))
-    opts = op.options(eps=op.default_eps)
-    params = {"weight": p, "bias": p if "bias" in op.params else None}
-    rows = {"x": x, "residual": x if op.has_residual else None}
+    bias = p if "bias" in op.params else None
     if mode == "fwd":
-        def f(x, r, w, b):
-            return _pallas.forward(op, x, r, w, b, opts=opts, store_stats=False)
-        args = (rows["x"], rows["residual"], params["weight"], params["bias"])
+        args = (x, x if op.has_residual else None, p, bias)
     else:
-        grads = Grads(dx=True, dw=mode == "bwd_full", db=mode == "bwd_full" and "bias" in op.params)
         stats = jax.ShapeDtypeStruct((M,), jnp.float32)
-
-        def f(x, w, dy, mean, rstd):
-            return _pallas.backward(op, x, w, dy, None, mean if not op.is_rms else None, rstd, opts=opts,
-                                    grads=grads, b_dtype=dtype if grads.db else None)
-        args = (x, params["weight"], x, stats, stats)
+        args = (x, p, x, None if op.is_rms else stats, stats)
+    f = launcher(op, mode)
     lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     kernels = []
 

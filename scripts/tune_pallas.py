@@ -86,9 +86,19 @@ def label(cfg: PallasBlocks) -> str:
     return f"BLOCK_M {cfg.block_m:2d}, {cfg.num_warps:2d} warps, {grid}"
 
 
+def launcher(op: Op, mode: str):
+    """The Pallas implementation's call for ``mode``, as the frontend makes it: ``fwd(x, r, w, b)``
+    or ``bwd(x, w, dy, mean, rstd)``, each returning the dict of its outputs."""
+    opts = op.options(eps=op.default_eps)
+    if mode == "fwd":
+        return lambda x, r, w, b: _pallas.forward(op, x, r, w, b, opts=opts, store_stats=False)
+    grads = Grads(dx=True, dw=mode == "bwd_full", db=mode == "bwd_full" and "bias" in op.params)
+    return lambda x, w, dy, mean, rstd: _pallas.backward(
+        op, x, w, dy, None, mean, rstd, opts=opts, grads=grads, b_dtype="float32" if "bias" in op.params else None)
+
+
 def program(op: Op, mode: str, cfg: PallasBlocks):
     """A freshly jitted launch of ``mode`` under the launch shape ``cfg`` (read when it is traced)."""
-    opts = op.options(eps=op.default_eps)
 
     def fixed(*_, **__):
         return cfg
@@ -103,11 +113,7 @@ def program(op: Op, mode: str, cfg: PallasBlocks):
                 _pallas.pallas_blocks = saved
         return jax.jit(run)
 
-    if mode == "fwd":
-        return traced(lambda x, r, w, b: _pallas.forward(op, x, r, w, b, opts=opts, store_stats=False))
-    grads = Grads(dx=True, dw=mode == "bwd_full", db=mode == "bwd_full" and "bias" in op.params)
-    return traced(lambda x, w, dy, mean, rstd: _pallas.backward(
-        op, x, w, dy, None, mean, rstd, opts=opts, grads=grads, b_dtype="float32" if "bias" in op.params else None))
+    return traced(launcher(op, mode))
 
 
 def inputs(op: Op, M: int, N: int, dtype: str, seed: int) -> dict:

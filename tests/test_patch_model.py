@@ -485,3 +485,32 @@ def test_fuse_residual_add_leaves_other_layers_alone():
     assert not rep.fused and any("exactly once" in why for _, _, why in rep.skipped), str(rep)
     x = torch.randn(3, 8)
     assert torch.equal(model(x), Layer.forward(model[0], x))
+
+
+def test_fused_add_norm_falls_back_where_the_kernel_would_change_the_result():
+    """The fused layers' add + norm: one fused kernel for normkit's RMSNorm when the output keeps x's
+    dtype; the original two steps otherwise (a wider weight promotes HF's output to fp32, which the
+    kernel's x.dtype output would not; a norm that is not normkit's), bitwise what they compute."""
+    from torch_frontend.patch import _add_norm
+
+    gen = torch.Generator().manual_seed(91)
+    h, r = (torch.randn(2, 5, HIDDEN, generator=gen).to(torch.bfloat16) for _ in range(2))
+    weight = torch.randn(HIDDEN, generator=gen)
+    for norm_weight, norm, fused in ((weight.to(torch.bfloat16), HFRMSNorm(HIDDEN), True),
+                                     (weight, HFRMSNorm(HIDDEN), False),
+                                     (weight.to(torch.bfloat16), nn.RMSNorm(HIDDEN, dtype=torch.bfloat16), False)):
+        norm.weight.data = norm_weight.clone()  # random, in the dtype under test
+        with normkit.record_launches() as log:
+            y, s = _add_norm(norm, h, r)
+        assert torch.equal(s, r + h)
+        assert torch.equal(y, norm(r + h)) and y.dtype == norm(r + h).dtype
+        assert any(launch.flags.get("HAS_RESIDUAL") for launch in log.of("norm_fwd_kernel")) == fused
+
+
+def test_fuse_residual_add_skips_a_layer_whose_forward_was_replaced():
+    model = _tiny("llama", seed=81)
+    layer = model.model.layers[0]
+    layer.forward = layer.forward  # an instance attribute, as accelerate's hooks leave it
+    report = tf.patch_model(model, fuse_residual_add=True)
+    assert [name for name, _ in report.fused] == ["model.layers.1"]
+    assert any(name == "model.layers.0" and "replaced on the instance" in why for name, _, why in report.skipped)

@@ -419,18 +419,25 @@ def _grads(model, x, dy):
 def test_compile_with_dynamic_shapes_matches_eager():
     """dynamic=True: symbolic row counts cannot size a plan, so the call takes the opaque custom ops
     (their fake implementations handle symbolic shapes); two row counts, one compiled graph."""
+    _check_dynamic_compile(width=48, row_counts=(5, 11), seed=80)
+
+
+def _check_dynamic_compile(width: int, row_counts: tuple, seed: int) -> None:
+    """rms_norm under torch.compile(dynamic=True), one graph over several row counts: the forward
+    against float64, the backward bitwise equal to the eager one (the same kernel)."""
     torch._dynamo.reset()
-    w = randn(48, dtype=BF16, seed=80)
+    w = randn(width, dtype=BF16, seed=seed)
     compiled = torch.compile(lambda x: tf.rms_norm(x, w), dynamic=True, fullgraph=True)
-    for i, rows in enumerate((5, 11)):
-        x = randn(rows, 48, dtype=BF16, seed=81 + i).requires_grad_(True)
-        dy = randn(rows, 48, dtype=BF16, seed=83 + i)
+    for i, rows in enumerate(row_counts):
+        x = randn(rows, width, dtype=BF16, seed=seed + 1 + i).requires_grad_(True)
+        dy = randn(rows, width, dtype=BF16, seed=seed + 1 + len(row_counts) + i)
         y = compiled(x)
         (dx,) = torch.autograd.grad(y, x, dy)
         assert_close(np64(y), ref.rms_norm(np64(x), np64(w)), "bfloat16", f"dynamic forward, {rows} rows")
         x2 = x.detach().clone().requires_grad_(True)
         (want,) = torch.autograd.grad(tf.rms_norm(x2, w), x2, dy)
-        assert torch.equal(dx, want), "the compiled backward runs the same kernel as the eager one"
+        assert torch.equal(dx, want), f"dynamic backward, {rows} rows: the compiled one runs the eager kernel"
+    torch._dynamo.reset()
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -446,19 +453,7 @@ def test_triton_ops_hand_symbolic_shapes_to_the_opaque_ops(monkeypatch):
         return None
 
     monkeypatch.setattr(functional, "_route", route)
-    torch._dynamo.reset()
-    w = randn(40, dtype=BF16, seed=90)
-    compiled = torch.compile(lambda x: tf.rms_norm(x, w), dynamic=True, fullgraph=True)
-    for i, rows in enumerate((6, 13)):
-        x = randn(rows, 40, dtype=BF16, seed=91 + i).requires_grad_(True)
-        dy = randn(rows, 40, dtype=BF16, seed=93 + i)
-        y = compiled(x)
-        (dx,) = torch.autograd.grad(y, x, dy)
-        assert_close(np64(y), ref.rms_norm(np64(x), np64(w)), "bfloat16", f"symbolic forward, {rows} rows")
-        x2 = x.detach().clone().requires_grad_(True)
-        (want,) = torch.autograd.grad(tf.rms_norm(x2, w), x2, dy)
-        assert torch.equal(dx, want), f"symbolic backward, {rows} rows"
-    torch._dynamo.reset()
+    _check_dynamic_compile(width=40, row_counts=(6, 13), seed=90)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -33,21 +33,33 @@ class NormkitCopyWarning(UserWarning):
     """An input could not be viewed as rows with a contiguous (or broadcast) last dimension and was copied."""
 
 
+def _row_view(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as ``[M, D]`` rows without a copy (its last dimension contiguous or broadcast, its leading
+    dimensions one stride), or None where that needs a copy."""
+    D = t.shape[-1]
+    if D > 1 and t.stride(-1) not in (0, 1):
+        return None
+    try:
+        return t.view(-1, D)
+    except RuntimeError:
+        return None
+
+
 def _as_rows(t: torch.Tensor, name: str) -> torch.Tensor:
     """``t`` as ``[M, D]`` rows with column stride 0 or 1; a copy (with a warning) only if it must."""
+    rows = _row_view(t)
+    if rows is not None:
+        return rows
     D = t.shape[-1]
     if D > 1 and t.stride(-1) not in (0, 1):
         warnings.warn(
             f"normkit: {name} of shape {tuple(t.shape)} has strides {t.stride()}; its last dimension is neither "
             "contiguous nor broadcast, so it is copied", NormkitCopyWarning, stacklevel=5)
-        t = t.contiguous()
-    try:
-        return t.view(-1, D)
-    except RuntimeError:
-        warnings.warn(
-            f"normkit: {name} of shape {tuple(t.shape)} with strides {t.stride()} cannot be viewed as rows of one "
-            "stride, so it is copied", NormkitCopyWarning, stacklevel=5)
-        return t.reshape(-1, D)
+        return t.contiguous().view(-1, D)
+    warnings.warn(
+        f"normkit: {name} of shape {tuple(t.shape)} with strides {t.stride()} cannot be viewed as rows of one "
+        "stride, so it is copied", NormkitCopyWarning, stacklevel=5)
+    return t.reshape(-1, D)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,19 +354,6 @@ def _meta(t) -> tuple | None:
     return None if t is None else (t.__class__, t.shape, t.stride(), t.dtype, t.device)
 
 
-def _rows_in_place(t) -> bool:
-    """``t`` reads as ``[M, D]`` rows without a copy: its last dimension contiguous or broadcast, and
-    its leading dimensions one stride (what ``_as_rows`` views without copying)."""
-    D = t.shape[-1]
-    if D > 1 and t.stride(-1) not in (0, 1):
-        return False
-    try:
-        t.view(-1, D)
-    except RuntimeError:
-        return False
-    return True
-
-
 def _nd_allocs(call, shape) -> list:
     """``(shape, dtype)`` per output of ``call`` in out_specs order, row outputs in the caller's shape."""
     return [(_nd_shape(name, shape, spec_shape), TORCH_DTYPES[dtype])
@@ -390,12 +389,11 @@ class _Bound:
         return out.get("DX"), out.get("DW"), out.get("DB")
 
     def _plan_backward(self, x, weight, dy, dres, grads: Grads):
-        if not all(t is None or _rows_in_place(t) for t in (dy, dres)):
+        dy_rows, dres_rows = _row_view(dy), (_row_view(dres) if dres is not None else None)
+        if dy_rows is None or (dres is not None and dres_rows is None):
             return None
-        D = x.shape[-1]
-        rows = lambda t: t.view(-1, D) if t is not None else None  # noqa: E731
-        plan = driver.backward_plan(BACKEND, self.op, rows(x), weight, rows(dy), rows(dres), self.opts, grads,
-                                    self.b_dtype)
+        plan = driver.backward_plan(BACKEND, self.op, x.view(-1, x.shape[-1]), weight, dy_rows, dres_rows, self.opts,
+                                    grads, self.b_dtype)
         if plan is None:
             return None
         call, reduce = plan
@@ -407,11 +405,10 @@ def _bind(op: Op, opts: Options, store_stats: bool, x, residual, weight, bias) -
     subclasses, no rows, layouts that are copied)."""
     if _subclassed(x, residual, weight, bias) or x.numel() == 0:
         return None
-    if not all(t is None or _rows_in_place(t) for t in (x, residual)):
+    x_rows, r_rows = _row_view(x), (_row_view(residual) if residual is not None else None)
+    if x_rows is None or (residual is not None and r_rows is None):
         return None
-    D = x.shape[-1]
-    fwd = driver.forward_plan(BACKEND, op, x.view(-1, D), residual.view(-1, D) if residual is not None else None,
-                              weight, bias, opts, store_stats)
+    fwd = driver.forward_plan(BACKEND, op, x_rows, r_rows, weight, bias, opts, store_stats)
     if fwd is None:
         return None
     b_dtype = dtype_name(bias.dtype) if bias is not None else "float32"

@@ -27,6 +27,7 @@ whose class name contains "Norm" is left as it is and listed in the report with 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from typing import Callable, Optional, Union
 
@@ -286,26 +287,18 @@ _FUSED_SOURCE = "hidden_states, residual = _normkit_add_norm(self.post_attention
 def _add_norm(norm: nn.Module, hidden_states: torch.Tensor, residual: torch.Tensor):
     """``(norm(residual + hidden_states), residual + hidden_states)``: one fused kernel when ``norm``
     is normkit's RMSNorm and the output keeps x's dtype; otherwise the original two steps."""
-    w = norm.weight if isinstance(norm, RMSNorm) else None
-    if (isinstance(norm, RMSNorm) and hidden_states.dtype == residual.dtype
-            and hidden_states.shape == residual.shape
-            and (w is None or torch.promote_types(w.dtype, hidden_states.dtype) == hidden_states.dtype)):
-        return F.fused_add_rms_norm(hidden_states, residual, w, norm.eps, offset=norm.offset,
-                                    casting_mode=norm.casting_mode)
+    if isinstance(norm, RMSNorm) and hidden_states.dtype == residual.dtype and hidden_states.shape == residual.shape:
+        w = norm.weight
+        if w is None or torch.promote_types(w.dtype, hidden_states.dtype) == hidden_states.dtype:
+            return F.fused_add_rms_norm(hidden_states, residual, w, norm.eps, offset=norm.offset,
+                                        casting_mode=norm.casting_mode)
     hidden_states = residual + hidden_states
     return norm(hidden_states), hidden_states
 
 
-_REWRITTEN: dict = {}  # class -> its rewritten forward (a function), or the reason there is none
-
-
-def _rewritten_forward(cls: type):
-    if cls not in _REWRITTEN:
-        _REWRITTEN[cls] = _rewrite(cls)
-    return _REWRITTEN[cls]
-
-
+@functools.lru_cache(maxsize=None)
 def _rewrite(cls: type):
+    """``cls.forward`` with the add and the norm fused (a function), or the reason there is none."""
     import ast
     import inspect
     import textwrap
@@ -353,7 +346,7 @@ def _fuse_residual_adds(model: nn.Module, report: PatchReport) -> None:
         if not isinstance(module.post_attention_layernorm, RMSNorm):
             report.skipped.append((name, cls, "its post_attention_layernorm is not normkit's RMSNorm; not fused"))
             continue
-        new = _rewritten_forward(cls)
+        new = _rewrite(cls)
         if isinstance(new, str):
             report.skipped.append((name, cls, new + "; not fused"))
             continue
