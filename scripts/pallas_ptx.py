@@ -35,6 +35,19 @@ from scripts.tune_pallas import MODES, launcher  # noqa: E402  (the frontend's c
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
 
+def _target_gpu():
+    """Lower for an H200 whatever the machine has. JAX 0.11's Pallas-Triton lowering reads the GPU
+    from the abstract mesh's device when no GPU is present (it raises otherwise); a 1-device
+    abstract mesh names it. A JAX without abstract devices lowers for sm_90 by default."""
+    import contextlib
+
+    sharding = jax.sharding
+    if not hasattr(sharding, "AbstractDevice") or not hasattr(sharding, "use_abstract_mesh"):
+        return contextlib.nullcontext()
+    device = sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
+    return sharding.use_abstract_mesh(sharding.AbstractMesh((1,), ("_",), abstract_device=device))
+
+
 def lowered_kernels(op_name: str, mode: str, M: int, N: int, dtype: str, num_sms: int) -> list[dict]:
     """``[{"name", "grid", "num_warps", "num_stages", "ir"}]``: each Pallas kernel of the op, lowered for CUDA."""
     op = OPS[op_name]
@@ -48,7 +61,8 @@ def lowered_kernels(op_name: str, mode: str, M: int, N: int, dtype: str, num_sms
         stats = jax.ShapeDtypeStruct((M,), jnp.float32)
         args = (x, p, x, None if op.is_rms else stats, stats)
     f = launcher(op, mode)
-    lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+    with _target_gpu():
+        lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     kernels = []
 
     def walk(operation):

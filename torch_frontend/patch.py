@@ -321,14 +321,20 @@ def _rewrite(cls: type):
                 "hidden_states; hidden_states = self.post_attention_layernorm(hidden_states)` exactly once")
     i = starts[0]
     func.body[i:i + 3] = ast.parse(_FUSED_SOURCE).body
+    ast.increment_lineno(func, fn.__code__.co_firstlineno - 1)  # tracebacks name the original lines
     module = sys.modules.get(fn.__module__)
     if module is None:
         return "its forward's module is not imported"
-    namespace = dict(vars(module))
-    namespace["_normkit_add_norm"] = _add_norm
+    # The new forward's globals are its module's own (torch.compile resolves a function's globals
+    # through its module), and _normkit_add_norm reaches it as a closure variable of a factory,
+    # so nothing is added to the module.
+    factory = ast.parse(f"def _normkit_factory(_normkit_add_norm):\n    return {func.name}").body[0]
+    factory.body.insert(0, func)
+    tree.body = [factory]
     code = compile(ast.fix_missing_locations(tree), inspect.getsourcefile(fn) or "<normkit>", "exec")
-    exec(code, namespace)  # the function definition only: decorators applied as in the original
-    new = namespace[func.name]
+    local: dict = {}
+    exec(code, vars(module), local)  # defines the factory only; the decorators run when it is called
+    new = local["_normkit_factory"](_add_norm)
     setattr(new, _FUSED, True)
     return new
 
