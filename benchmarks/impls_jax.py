@@ -171,37 +171,53 @@ class Jitted:
         self.bwd = jax.jit(lambda fn, ct: fn(ct))
 
 
-def time_e2e(jitted: Jitted, inp: JaxInputs, mode: str, timer) -> dict:
-    import jax
+def mode_call(jitted: Jitted, inp: JaxInputs, mode: str):
+    """``(call, vjp0)``: ``call(i)`` issues the i-th call of ``mode`` on input set ``i % n_sets``,
+    asynchronously (nothing synchronized); ``vjp0`` is the first set's saved vjp function for the
+    backward modes, None otherwise. The one mode -> call mapping, used by ``time_e2e`` and
+    ``benchmarks/device_time.py``.
 
+    ``fwd``: ``jitted.fwd(*primals)``. ``bwd_full`` / ``bwd_frozen``: ``jitted.bwd(vjp_fn, cotangents)``
+    with the vjp functions of the separately jitted ``jitted.fwd_train[frozen]``, made here, once per
+    input set. ``fwd_bwd``: the training forward then the backward, back to back."""
     k = inp.n_sets
-    sync = jax.block_until_ready
-    t0 = time.perf_counter()
     if mode == "fwd":
         jf = jitted.fwd
-        sync(jf(*inp.primals(0)))
-        compile_s = time.perf_counter() - t0
-        us = timer.loop(lambda i: jf(*inp.primals(i)), sync)
-        mem = _mem(jf.lower(*inp.primals(0)).compile())
-        return {"median_us": us, "peak_mem_bytes": mem, "compile_s": round(compile_s, 3),
-                "mem_method": "xla memory_analysis: temp + output"}
-
+        return (lambda i: jf(*inp.primals(i))), None
     fwd_train, bwd = jitted.fwd_train[mode == "bwd_frozen"], jitted.bwd
     if mode == "fwd_bwd":
         def call(i):
             _, vjp_fn = fwd_train(*inp.primals(i))
             return bwd(vjp_fn, inp.cotangents(i))
-        sync(call(0))
+        return call, None
+    saved = [fwd_train(*inp.primals(i))[1] for i in range(k)]
+
+    def call(i):
+        i %= k
+        return bwd(saved[i], inp.cotangents(i))
+    return call, saved[0]
+
+
+def time_e2e(jitted: Jitted, inp: JaxInputs, mode: str, timer) -> dict:
+    import jax
+
+    sync = jax.block_until_ready
+    t0 = time.perf_counter()
+    call, vjp0 = mode_call(jitted, inp, mode)
+    sync(call(0))
+    if mode == "fwd":
+        compile_s = time.perf_counter() - t0
+        us = timer.loop(call, sync)
+        mem = _mem(jitted.fwd.lower(*inp.primals(0)).compile())
+        return {"median_us": us, "peak_mem_bytes": mem, "compile_s": round(compile_s, 3),
+                "mem_method": "xla memory_analysis: temp + output"}
+
+    fwd_train, bwd = jitted.fwd_train[mode == "bwd_frozen"], jitted.bwd
+    if mode == "fwd_bwd":
         _, vjp0 = fwd_train(*inp.primals(0))
         mem_f = _mem(fwd_train.lower(*inp.primals(0)).compile())
     else:
-        saved = [fwd_train(*inp.primals(i))[1] for i in range(k)]
-
-        def call(i):
-            i %= k
-            return bwd(saved[i], inp.cotangents(i))
-        sync(call(0))
-        vjp0, mem_f = saved[0], 0
+        mem_f = 0
     compile_s = time.perf_counter() - t0
     us = timer.loop(call, sync)
     mem_b = _mem(bwd.lower(vjp0, inp.cotangents(0)).compile())

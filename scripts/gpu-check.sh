@@ -8,6 +8,8 @@
 #              kernel timings come from the bench target);
 #   bench      the full benchmark (benchmarks/bench.py); tune: the launch-configuration sweep (scripts/tune.py);
 #   tune-pallas  the Pallas launch-shape sweep (scripts/tune_pallas.py);
+#   device-time  device vs wall time per call of the JAX implementations, from jax.profiler traces
+#              (benchmarks/device_time.py; results in $OUT/device_time.{json,log});
 #   multi      the two-GPU check (scripts/multi_gpu.py: torchrun + NCCL, then JAX on a 2-device mesh);
 #   lora       the LoRA training-step benchmark (benchmarks/lora_step.py);
 #   build-notebooks  regenerate the executed .ipynb at full size (notebooks/build.py --size full [names]),
@@ -66,6 +68,10 @@ if [ "$what" = bench ]; then
 fi
 if [ "$what" = tune-pallas ]; then
   python3 scripts/tune_pallas.py "$@" 2>&1 | tee -a "$OUT/tune_pallas.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "$what" = device-time ]; then
+  python3 benchmarks/device_time.py --out "$OUT/device_time.json" "$@" 2>&1 | tee "$OUT/device_time.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$what" = tune ]; then

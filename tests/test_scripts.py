@@ -76,6 +76,67 @@ def test_host_time():
         assert re.search(rf"^\s+inside {layer}\s+[\d.]+", out, re.M), out
 
 
+def test_device_time_dry_run(tmp_path):
+    import json
+
+    out = run_script("benchmarks/device_time.py", "--dry-run", "--ops", "rms_norm", "--impls", "pallas,xla",
+                     "--out", str(tmp_path / "device_time.json"))
+    assert "DRY RUN" in out and "say nothing about speed" in out, out
+    for mode in ("fwd", "bwd_full", "bwd_frozen"):
+        for impl in ("pallas", "xla"):
+            assert re.search(rf"^rms_norm\s+{mode}\s+bf16\s+24x256\s+{impl}(\s+[\d.]+){{4}}\s", out, re.M), \
+                f"no row for {mode} {impl}:\n{out}"
+    result = json.loads((tmp_path / "device_time.json").read_text())
+    assert result["dry_run"] and result["event_source"] == "host" and result["copy"]["device_busy_us"] > 0
+    assert result["versions"]["jax"] and result["device"]
+    recs = result["records"]
+    assert sorted((r["mode"], r["impl"]) for r in recs) == sorted(
+        (m, i) for m in ("fwd", "bwd_full", "bwd_frozen") for i in ("pallas", "xla")), recs
+    for r in recs:
+        assert r["error"] is None, r["error"]
+        assert r["device_busy_us"] > 0 and r["events_per_call"] > 0 and r["wall_us"] > 0, r
+        assert r["kernels"] and all(k["median_us"] >= 0 and k["per_call"] > 0 for k in r["kernels"]), r["kernels"]
+        assert r["pct_copy_device"] > 0 and r["bytes"] > 0 and r["bench_impl"].startswith("normkit_jax_")
+
+
+def test_device_time_aggregation():
+    """The GPU rule on synthetic events: two stream lines count, the derived "XLA Ops" line (and the
+    host plane) do not; every expected value would change if they were counted."""
+    from benchmarks.device_time import Event, is_stream_line, select_events, summarize
+
+    def ev(name, start, dur, hlo_op=None):
+        return Event(name, start, dur, {} if hlo_op is None else {"hlo_op": hlo_op, "correlation_id": 7})
+
+    planes = {
+        "/host:CPU": {"python": [ev("fusion.1", 5000, 900, "fusion.1")]},
+        "/device:GPU:0": {
+            "Stream #13(Kernel,MemsetD)": [ev("k_a", 0, 100, "fusion.1"), ev("memset", 100, 10),
+                                           ev("k_a", 1000, 120, "fusion.1"), ev("memset", 1120, 20)],
+            "Stream #14(Kernel)": [ev("k_b", 50, 100, "custom-call.3"), ev("k_b", 1100, 170, "custom-call.3")],
+            "XLA Ops": [ev("fusion.1", -500, 3000, "fusion.1"), ev("custom-call.3", 1100, 170, "custom-call.3")],
+        },
+    }
+    assert is_stream_line("Stream #13(Kernel,MemcpyD2D)") and not is_stream_line("XLA Ops")
+    assert not is_stream_line("CUPTI overhead") and not is_stream_line("Steps")
+    events, listing = select_events(planes, "gpu")
+    assert {(ln["plane"], ln["line"]): ln["kept"] for ln in listing} == {
+        ("/host:CPU", None): 0, ("/device:GPU:0", "Stream #13(Kernel,MemsetD)"): 4,
+        ("/device:GPU:0", "Stream #14(Kernel)"): 2, ("/device:GPU:0", "XLA Ops"): 0}
+    s = summarize(events, calls=2)
+    assert s["events_per_call"] == 3.0                                      # 6 events / 2 calls
+    assert s["device_busy_us"] == pytest.approx((100 + 10 + 120 + 20 + 100 + 170) / 2 / 1e3)
+    assert s["device_span_us"] == pytest.approx((1270 - 0) / 2 / 1e3)      # k_b ends last, at 1100 + 170
+    assert s["device_union_us"] == pytest.approx((150 + 270) / 2 / 1e3)    # [0, 150] and [1000, 1270]
+    kernels = {(k["name"], k["hlo_op"]): k for k in s["kernels"]}
+    assert list(kernels) == [("k_b", "custom-call.3"), ("k_a", "fusion.1"), ("memset", None)]  # by total time
+    assert [(k["median_us"], k["per_call"]) for k in kernels.values()] == [
+        pytest.approx((0.135, 1.0)), pytest.approx((0.110, 1.0)), pytest.approx((0.015, 1.0))]
+    # the CPU rule: only /host:CPU's events with an hlo_op stat
+    events, _ = select_events(planes, "host")
+    assert [e.name for e in events] == ["fusion.1"] and summarize(events, 1)["device_busy_us"] == pytest.approx(0.9)
+    assert summarize([], 2)["events_per_call"] == 0.0
+
+
 # ---------------------------------------------------------------------------------------------
 # The sweep's guards (scripts/tune.py, imported).
 

@@ -1,0 +1,404 @@
+"""Device time of the JAX implementations, split from the per-call host and dispatch time.
+
+Each (op, mode, dtype, shape, impl) call is built exactly as ``benchmarks/impls_jax.py`` builds it for
+bench.py's e2e records (``impls_jax.mode_call``: the same jit, the same separately jitted vjp,
+the same input rotation). Impls: ``triton`` (jax_frontend auto, which must resolve to Triton),
+``pallas``, ``xla`` (jax_frontend's ``implementation=``) and ``jnp`` (bench.py's ``xla`` peer: a jnp
+expression under JAX's autodiff). Per row:
+
+- ``wall``: the median per-call wall time of back-to-back calls, one sync per batch (``timing._loop``,
+  bench.py's e2e timer);
+- a ``jax.profiler`` trace of ``--calls`` back-to-back calls, read with ``ProfileData``: the events on
+  the per-stream lines ("Stream ...") of the ``/device:GPU:n`` planes (kernels, memcpys, memsets; the
+  other lines are derived views, see ``is_stream_line``). ``busy`` = sum of their durations / calls,
+  ``span`` = first start to last end / calls, ``union`` = busy with overlapping streams counted once,
+  events per call, and each kernel's median duration and count per call;
+- bandwidth under ``bytemodel.py`` from busy (and from wall), as % of an XLA device copy of 1 GiB
+  bf16 (read + write) whose busy time is traced the same way.
+
+wall >> busy: the call costs host or dispatch time; span >> busy: the device waits between kernels.
+The lines seen and kept are printed, so a first run shows whether the stream rule holds.
+
+    python3 benchmarks/device_time.py [--ops rms_norm] [--modes fwd] [--impls triton,pallas] \\
+        [--shapes 8192x8192] [--calls 20] [--out device_time.json]
+    python3 benchmarks/device_time.py --dry-run
+    bash scripts/gpu-check.sh device-time [same flags]     # on the GPU machine: $OUT/device_time.{json,log}
+
+On CPU, or with ``--dry-run`` (which forces JAX onto the CPU): a 24x256 shape, 2 calls, and the
+"device" events are XLA's CPU thunks on the ``/host:CPU`` plane (events with an ``hlo_op`` stat).
+It proves the code path end to end and says nothing about speed.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):
+    sys.path.insert(0, str(REPO))
+
+from benchmarks import bytemodel  # noqa: E402
+from benchmarks.bench import ITEMSIZE, _short, set_bytes, versions  # noqa: E402
+from benchmarks.timing import DryTimer, _loop, num_sets  # noqa: E402
+
+OPS = ("rms_norm", "layer_norm", "fused_add_rms_norm")
+MODES = ("fwd", "bwd_full", "bwd_frozen")
+DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32"}
+# name -> (bench.py's impl name, jax_frontend's implementation=; None: not jax_frontend)
+IMPLS = {"triton": ("normkit_jax", "triton"), "pallas": ("normkit_jax_pallas", "pallas"),
+         "xla": ("normkit_jax_xla", "xla"), "jnp": ("xla", None)}
+DEFAULT_SHAPES = "8192x8192,16384x8192,32768x4096"
+DRY_SHAPES, DRY_CALLS, CALLS = "24x256", 2, 20
+WARMUP_MS, REP_MS = 5.0, 25.0
+COPY_ELEMS, DRY_COPY_ELEMS = 1 << 29, 1 << 16  # bf16: 1 GiB on the GPU, 128 KiB in the dry run
+
+
+# ---------------------------------------------------------------------------------------------
+# Trace events: which count as device work, and what they add up to (pure functions).
+
+Event = collections.namedtuple("Event", "name start_ns duration_ns stats")  # stats: a dict
+
+
+def is_stream_line(line_name: str) -> bool:
+    """On a GPU plane, the lines that hold the device's own events are one per CUDA stream
+    ("Stream #13(...)": kernels, memcpys, memsets, as CUPTI reports them). Every other line
+    ("XLA Modules", "XLA Ops", "Steps", ...) is a view derived from those, and counting it would count
+    the same time twice."""
+    return line_name.startswith("Stream")
+
+
+def is_gpu_plane(plane_name: str) -> bool:
+    return plane_name.startswith("/device:GPU:")
+
+
+def select_events(planes: dict, source: str) -> tuple[list[Event], list[dict]]:
+    """The device events of a trace, and a listing of the lines looked at.
+
+    ``planes``: {plane name: {line name: [Event, ...]}}. ``source="gpu"``: every event on the stream
+    lines of the GPU planes. ``source="host"`` (CPU backend): the events with an ``hlo_op`` stat on
+    ``/host:CPU``, XLA's thunks (nested thunks, e.g. a while loop's body, are counted with their
+    parent: on CPU the sum means nothing). The listing: one {plane, line, events, kept} per line of the
+    planes looked at, and one with line None for each other plane."""
+    if source not in ("gpu", "host"):
+        raise ValueError(f"source must be 'gpu' or 'host', not {source!r}")
+    events, listing = [], []
+    for plane, lines in planes.items():
+        if not (is_gpu_plane(plane) if source == "gpu" else plane == "/host:CPU"):
+            listing.append({"plane": plane, "line": None, "events": sum(map(len, lines.values())), "kept": 0})
+            continue
+        for line, evs in lines.items():
+            if source == "gpu":
+                kept = list(evs) if is_stream_line(line) else []
+            else:
+                kept = [e for e in evs if "hlo_op" in e.stats]
+            events += kept
+            listing.append({"plane": plane, "line": line, "events": len(evs), "kept": len(kept)})
+    return events, listing
+
+
+def _union_ns(events: list[Event]) -> float:
+    """Time during which at least one event ran (overlapping streams counted once)."""
+    total, end = 0.0, None
+    for s, d in sorted((e.start_ns, e.duration_ns) for e in events):
+        if end is None or s >= end:
+            total, end = total + d, s + d
+        elif s + d > end:
+            total, end = total + (s + d - end), s + d
+    return total
+
+
+def summarize(events: list[Event], calls: int) -> dict:
+    """Per-call figures of the events of ``calls`` traced calls: events per call, device busy
+    (sum of durations), span (first start to last end), union (busy with overlaps counted once),
+    and the distinct kernels (by name and hlo_op), longest total first."""
+    if calls <= 0:
+        raise ValueError("calls must be positive")
+    if not events:
+        return {"events_per_call": 0.0, "device_busy_us": 0.0, "device_span_us": 0.0, "device_union_us": 0.0,
+                "kernels": []}
+    groups: dict[tuple, list[float]] = collections.defaultdict(list)
+    for e in events:
+        groups[e.name, e.stats.get("hlo_op")].append(e.duration_ns)
+    kernels = [{"name": name, "hlo_op": None if hlo_op is None else str(hlo_op),
+                "median_us": statistics.median(d) / 1e3, "per_call": len(d) / calls, "total_us": sum(d) / 1e3}
+               for (name, hlo_op), d in groups.items()]
+    kernels.sort(key=lambda k: -k["total_us"])
+    start = min(e.start_ns for e in events)
+    end = max(e.start_ns + e.duration_ns for e in events)
+    return {"events_per_call": len(events) / calls,
+            "device_busy_us": sum(e.duration_ns for e in events) / calls / 1e3,
+            "device_span_us": (end - start) / calls / 1e3,
+            "device_union_us": _union_ns(events) / calls / 1e3,
+            "kernels": kernels}
+
+
+# ---------------------------------------------------------------------------------------------
+# Tracing.
+
+
+def planes_of(profile) -> dict:
+    """A ``jax.profiler.ProfileData`` as {plane name: {line name: [Event, ...]}}."""
+    out: dict = {}
+    for plane in profile.planes:
+        lines = out.setdefault(plane.name, {})
+        for line in plane.lines:
+            lines.setdefault(line.name, []).extend(
+                Event(ev.name, float(ev.start_ns), float(ev.duration_ns), dict(ev.stats)) for ev in line.events)
+    return out
+
+
+def trace(call, calls: int, source: str) -> tuple[list[Event], list[dict]]:
+    """``calls`` back-to-back ``call(i)`` and one sync, inside ``jax.profiler.trace``; the device events."""
+    import jax
+    from jax.profiler import ProfileData, ProfileOptions
+
+    options = ProfileOptions()
+    options.python_tracer_level = 0  # no Python function events: they would slow the dispatch down
+    d = tempfile.mkdtemp(prefix="normkit-device-time-")
+    try:
+        with jax.profiler.trace(d, profiler_options=options):
+            out = None
+            for i in range(calls):
+                out = call(i)
+            jax.block_until_ready(out)
+        files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+        if len(files) != 1:
+            raise RuntimeError(f"expected one .xplane.pb under the trace directory, found {files}")
+        planes = planes_of(ProfileData.from_file(files[0]))
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    events, listing = select_events(planes, source)
+    if not events:
+        raise RuntimeError(f"no device events in the trace ({source} rule); planes and lines: " + "; ".join(
+            f"{plane} | {line!r} ({len(evs)} events)"
+            for plane, lines in planes.items() for line, evs in lines.items()))
+    return events, listing
+
+
+class Lines:
+    """Prints each trace line the first time it is seen, with whether its events were kept."""
+
+    def __init__(self):
+        self.seen: dict[tuple, dict] = {}
+
+    def show(self, listing: list[dict]) -> None:
+        for ln in listing:
+            key = (ln["plane"], ln["line"])
+            if key in self.seen:
+                self.seen[key]["kept"] |= bool(ln["kept"])
+                continue
+            self.seen[key] = {"plane": ln["plane"], "line": ln["line"], "kept": bool(ln["kept"])}
+            if ln["line"] is None:
+                print(f"  trace plane {ln['plane']}: not looked at ({ln['events']} events)", flush=True)
+                continue
+            verdict = f"kept ({ln['kept']} of {ln['events']} events)" if ln["kept"] else \
+                f"not counted ({ln['events']} events)"
+            print(f"  trace line {ln['plane']} | {ln['line']!r}: {verdict}", flush=True)
+
+
+def measure(call, *, calls: int, source: str, dry: bool, rep_ms: float, lines: Lines) -> dict:
+    """Compile and warm ``call``, time it by the loop, then trace it."""
+    import jax
+
+    sync = jax.block_until_ready
+    t0 = time.perf_counter()
+    sync(call(0))
+    compile_s = time.perf_counter() - t0
+    wall = DryTimer().loop(call, sync) if dry else _loop(call, sync, WARMUP_MS, rep_ms, 5)
+    events, listing = trace(call, calls, source)
+    lines.show(listing)
+    res = summarize(events, calls)
+    return {"wall_us": wall, "compile_s": round(compile_s, 3), **res,
+            "lines_kept": sorted({f"{ln['plane']} | {ln['line']}" for ln in listing if ln["kept"]})}
+
+
+def copy_reference(*, calls: int, source: str, dry: bool, rep_ms: float, lines: Lines) -> dict:
+    """An XLA device copy (``jax.jit(lambda a: a * 1)``), read + write counted, traced like the rows."""
+    import jax
+    import jax.numpy as jnp
+
+    n = DRY_COPY_ELEMS if dry else COPY_ELEMS
+    x = jnp.ones((n,), jnp.bfloat16)
+    f = jax.jit(lambda a: a * 1)
+    res = measure(lambda i: f(x), calls=calls, source=source, dry=dry, rep_ms=rep_ms, lines=lines)
+    moved = 2 * 2 * n
+    del x
+    return {"what": f"XLA copy (jit of a * 1) of {2 * n / 2**20:g} MiB bf16", "bytes": moved, **res,
+            "tbps_device": moved / (res["device_busy_us"] * 1e-6) / 1e12,
+            "tbps_wall": moved / (res["wall_us"] * 1e-6) / 1e12}
+
+
+# ---------------------------------------------------------------------------------------------
+# The run.
+
+
+def _list(value: str, allowed, aliases=None) -> list[str]:
+    out = []
+    for item in (v.strip() for v in value.split(",")):
+        if not item:
+            continue
+        item = (aliases or {}).get(item, item)
+        if item not in allowed:
+            raise SystemExit(f"device_time: unknown value {item!r}; expected one of {', '.join(allowed)}")
+        out.append(item)
+    return out
+
+
+def impl_fn(impl: str, op: str):
+    """The function of ``impl`` for ``op`` as bench.py builds it; raises why it cannot run here."""
+    from benchmarks import impls_jax as ij
+
+    bench_name, implementation = IMPLS[impl]
+    if implementation is None:
+        return ij.xla_fn(op), "jnp"
+    import jax_frontend as jf
+
+    resolved = jf.resolve_implementation(implementation)  # raises when it cannot run here
+    if impl == "triton" and jf.resolve_implementation(None) != "triton":  # bench.py's normkit_jax is auto
+        raise RuntimeError(f"auto resolves to {jf.resolve_implementation(None)!r}, not triton")
+    return ij.NORMKIT_JAX_FNS[bench_name](op), resolved
+
+
+HEADER = (f"{'op':<18} {'mode':<10} {'dtype':<5} {'shape':<11} {'impl':<6} {'wall us':>9} {'busy us':>9} "
+          f"{'span us':>9} {'ev/call':>7} {'%copy dev':>9} {'%copy wall':>10}")
+
+
+def row_line(r: dict) -> str:
+    head = f"{r['op']:<18} {r['mode']:<10} {r['dtype']:<5} {r['shape']:<11} {r['impl']:<6}"
+    if r.get("error"):
+        return f"{head} {r['error']}"
+    pct = "".join(f" {'-' if v is None else f'{v:.1f}':>{w}}" for v, w in
+                  ((r["pct_copy_device"], 9), (r["pct_copy_wall"], 10)))
+    return (f"{head} {r['wall_us']:9.1f} {r['device_busy_us']:9.1f} {r['device_span_us']:9.1f} "
+            f"{r['events_per_call']:7.2f}{pct}")
+
+
+def kernel_lines(kernels: list[dict], top: int = 6) -> list[str]:
+    out = [f"    {k['per_call']:5.2f}/call {k['median_us']:9.1f} us  {k['name'][:90]}"
+           + (f"  [{k['hlo_op']}]" if k["hlo_op"] and k["hlo_op"] != k["name"] else "") for k in kernels[:top]]
+    if len(kernels) > top:
+        out.append(f"    ... {len(kernels) - top} more (see the JSON)")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--dtypes", default="bf16", help="bf16,fp32")
+    p.add_argument("--shapes", default=None, help=f"MxN,... (default {DEFAULT_SHAPES}; dry run {DRY_SHAPES})")
+    p.add_argument("--impls", default=",".join(IMPLS), help=f"of {','.join(IMPLS)}")
+    p.add_argument("--calls", type=int, default=None,
+                   help=f"traced calls per row (default {CALLS}; dry run {DRY_CALLS})")
+    p.add_argument("--rep-ms", type=float, default=REP_MS, help="wall-time loop: milliseconds over 5 batches")
+    p.add_argument("--out", default=None, help="JSON file, rewritten after every row")
+    p.add_argument("--dry-run", action="store_true", help="JAX on the CPU, a tiny shape, 2 calls: the code path only")
+    args = p.parse_args(argv)
+    ops, modes = _list(args.ops, OPS), _list(args.modes, MODES)
+    dtypes, impls = _list(args.dtypes, tuple(DTYPES), DTYPES), _list(args.impls, tuple(IMPLS))
+    dtypes = [DTYPES[d] for d in dtypes]
+
+    import jax
+
+    if args.dry_run:
+        jax.config.update("jax_platforms", "cpu")
+    dry = args.dry_run or jax.default_backend() == "cpu"
+    source = "host" if jax.default_backend() == "cpu" else "gpu"
+    calls = args.calls or (DRY_CALLS if dry else CALLS)
+    shapes = [tuple(map(int, s.lower().split("x")))
+              for s in (args.shapes or (DRY_SHAPES if dry else DEFAULT_SHAPES)).split(",")]
+    device = jax.devices()[0]
+    print(f"device_time: backend {jax.default_backend()}, device {device.device_kind}, {calls} traced calls per row, "
+          f"events from {'the GPU planes, stream lines only' if source == 'gpu' else '/host:CPU, hlo_op thunks'}",
+          flush=True)
+    if dry:
+        print("device_time: DRY RUN on the CPU: proves the code path end to end; the numbers say nothing about speed",
+              flush=True)
+
+    from benchmarks import impls_jax as ij
+
+    lines = Lines()
+    kw = {"calls": calls, "source": source, "dry": dry, "rep_ms": args.rep_ms, "lines": lines}
+    try:
+        copy = copy_reference(**kw)
+        print(f"copy: {copy['what']}: device busy {copy['device_busy_us']:.1f} us ({copy['tbps_device']:.2f} TB/s), "
+              f"wall {copy['wall_us']:.1f} us ({copy['tbps_wall']:.2f} TB/s); kernels:", flush=True)
+        print("\n".join(kernel_lines(copy["kernels"], 3)), flush=True)
+    except Exception as e:  # noqa: BLE001 (the rows still run; their % of copy is null)
+        copy = {"error": _short(e), "tbps_device": None}
+        print(f"copy: ERROR {copy['error']}", flush=True)
+    copy_tbps = copy["tbps_device"]
+    result = {"schema": "normkit-device-time/1", "argv": sys.argv[1:] if argv is None else list(argv),
+              "dry_run": dry, "backend": jax.default_backend(), "device": device.device_kind,
+              "versions": versions(), "calls": calls, "event_source": source,
+              "copy": copy, "lines": [], "records": []}
+
+    def write():
+        if args.out:
+            result["lines"] = list(lines.seen.values())
+            Path(args.out).write_text(json.dumps(result, indent=1))
+
+    print(HEADER, flush=True)
+    failed = 0
+    for M, N in shapes:
+        for dtype in dtypes:
+            for op in ops:
+                k = 1 if dry else num_sets(set_bytes(op, M, N, ITEMSIZE[dtype]))
+                nbytes = {mode: sum(bytemodel.terms(op, mode, M, N, ITEMSIZE[dtype]).values()) for mode in modes}
+                inp, setup_error = None, None
+                try:
+                    inp = ij.JaxInputs(op, M, N, dtype, k)
+                except Exception as e:  # noqa: BLE001 (e.g. out of memory): an error on each row
+                    setup_error = f"setup: {_short(e)}"
+                for impl in impls:
+                    base = {"op": op, "dtype": dtype, "shape": f"{M}x{N}", "M": M, "N": N, "impl": impl,
+                            "bench_impl": IMPLS[impl][0], "n_sets": k, "calls": calls}
+                    why_not, resolved = setup_error, None
+                    if why_not is None:
+                        try:
+                            f, resolved = impl_fn(impl, op)
+                            jitted = ij.Jitted(op, f)
+                        except Exception as e:  # noqa: BLE001 (cannot run here: skipped, with the reason)
+                            why_not = f"skipped: {_short(e)}"
+                    for mode in modes:
+                        rec = {**base, "mode": mode, "implementation": resolved, "bytes": nbytes[mode]}
+                        if why_not:
+                            rec["error"] = why_not
+                        else:
+                            try:
+                                call, _ = ij.mode_call(jitted, inp, mode)
+                                res = measure(call, **kw)
+                                # both against the copy's device bandwidth: they differ by busy / wall only
+                                tbps_dev = nbytes[mode] / (res["device_busy_us"] * 1e-6) / 1e12
+                                tbps_wall = nbytes[mode] / (res["wall_us"] * 1e-6) / 1e12
+                                rec.update(res, error=None, tbps_device=tbps_dev, tbps_wall=tbps_wall,
+                                           pct_copy_device=copy_tbps and 100 * tbps_dev / copy_tbps,
+                                           pct_copy_wall=copy_tbps and 100 * tbps_wall / copy_tbps)
+                                del call
+                            except Exception as e:  # noqa: BLE001 (recorded, the run goes on)
+                                rec["error"] = _short(e)
+                        failed += bool(rec["error"]) and not rec["error"].startswith("skipped")
+                        result["records"].append(rec)
+                        print(row_line(rec), flush=True)
+                        if not rec["error"]:
+                            print("\n".join(kernel_lines(rec["kernels"])), flush=True)
+                        write()
+                if inp is not None:
+                    inp.free()
+                inp = None
+    write()
+    print(f"device_time: {len(result['records'])} rows, {failed} failed"
+          + (f"; JSON in {args.out}" if args.out else ""), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
