@@ -112,8 +112,13 @@ def num_partials(M: int, N: int, num_sms: int) -> int:
     return max(1, min(tiles, (1 if block_m * block_n >= 8192 else 2) * num_sms))
 
 
-def _rows_contiguous(M: int, N: int, row_strides, col_strides) -> bool:
-    return all(c == 1 for c in col_strides) and (M <= 1 or all(s == N for s in row_strides))
+def _rows_contiguous(M: int, N: int, present) -> bool:
+    """Every present row input is [M, N] contiguous (``present``: their (row stride, column stride)),
+    so the kernel addresses them with the compile-time N. An absent input does not count: its
+    placeholder strides would otherwise send the common case to the runtime-stride path, whose
+    row starts Triton can prove 16-byte aligned only where the launcher specializes integer
+    arguments (Triton's own launcher does, jax-triton 0.3.1 does not: scalar loads there)."""
+    return all(c == 1 for _, c in present) and (M <= 1 or all(s == N for s, _ in present))
 
 
 @functools.lru_cache(maxsize=8192)
@@ -136,7 +141,7 @@ def plan_forward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_dt
             grid = min(tiles, (4 if block_m * block_n <= 4096 else 2) * num_sms)
     present = {"X"} | ({"R"} if op.has_residual else set()) | ({"W"} if has_w else set()) | (
         {"B"} if has_b else set())
-    rows_contiguous = _rows_contiguous(M, N, (stride_xm, stride_rm), (x_col, r_col))
+    rows_contiguous = _rows_contiguous(M, N, [(stride_xm, x_col)] + ([(stride_rm, r_col)] if op.has_residual else []))
     return KernelCall(
         kernel=norm_fwd_kernel,
         grid=(grid,),
@@ -194,7 +199,8 @@ def plan_backward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_d
         out_specs["DB_PART"] = ((grid, N), "float32")
     present = {"X", "DY", "RSTD"} | ({"W"} if has_w else set()) | ({"DRES"} if has_dres else set())
     present |= set() if op.is_rms else {"MEAN"}
-    rows_contiguous = _rows_contiguous(M, N, (stride_xm, stride_dym, stride_dresm), (x_col, dy_col, dres_col))
+    rows_contiguous = _rows_contiguous(M, N, [(stride_xm, x_col), (stride_dym, dy_col)]
+                                       + ([(stride_dresm, dres_col)] if has_dres else []))
     bwd = KernelCall(
         # LayerNorm's dx = rstd * (g - mean(g) - ...): contracting g = dy * w into an FMA with the
         # subtraction leaves g's rounding error amplified by rstd where it should cancel exactly.
