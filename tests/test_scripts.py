@@ -137,6 +137,33 @@ def test_device_time_aggregation():
     assert summarize([], 2)["events_per_call"] == 0.0
 
 
+def test_device_time_report_leaves_the_boundary_copy_out_of_the_kernel_share():
+    """The report's target table: a Pallas row's kernel bandwidth leaves its memcpy events out
+    (the fused op's jit-boundary copy), and a full backward is compared by wall time to each peer."""
+    from benchmarks.device_time import is_memcpy, report
+
+    assert is_memcpy("MemcpyD2D") and is_memcpy("memcpy128") and not is_memcpy("normkit_partial_sum")
+    M, N = 8192, 8192
+    nbytes = 4 * M * N * 2  # 537 MB
+    copy_tbps = 4.0
+
+    def rec(impl, mode, wall, busy, kernels):
+        return {"op": "fused_add_rms_norm", "mode": mode, "dtype": "bf16", "shape": f"{M}x{N}", "M": M, "N": N,
+                "impl": impl, "calls": 10, "bytes": nbytes, "error": None, "wall_us": wall, "device_busy_us": busy,
+                "pct_copy_device": 100 * nbytes / (busy * 1e-6) / 1e12 / copy_tbps,
+                "kernels": [{"name": n, "total_us": 10 * us} for n, us in kernels]}
+
+    kernel_us = nbytes / (0.9 * copy_tbps * 1e12) * 1e6  # 90% of copy on its own
+    run = {"device": "H", "versions": {}, "copy": {"tbps_device": copy_tbps}, "records": [
+        rec("pallas", "bwd_frozen", kernel_us + 80, kernel_us + 60, [("k", kernel_us), ("MemcpyD2D", 60)]),
+        rec("pallas", "bwd_full", 200.0, 190.0, [("k", 130.0), ("MemcpyD2D", 60)]),
+        rec("xla", "bwd_full", 310.0, 300.0, [("f", 240.0), ("memcpy128", 60)]),
+        rec("jnp", "bwd_full", 280.0, 270.0, [("f", 210.0), ("memcpy128", 60)])]}
+    text = report([run])
+    assert "| fused_add_rms_norm | bwd_frozen | bf16 8192x8192 | 90% of copy | met (≥ 85%) |" in text
+    assert "| fused_add_rms_norm | bwd_full | bf16 8192x8192 | 1.55× vs xla, 1.40× vs jnp | missed (≥ 1.5×) |" in text
+
+
 # ---------------------------------------------------------------------------------------------
 # The sweep's guards (scripts/tune.py, imported).
 
