@@ -70,6 +70,10 @@ def main(argv=None) -> int:
 
     import torch
 
+    if not torch.cuda.is_available():
+        print("triton_paths: needs a CUDA GPU (it compares two GPU launchers of one kernel)", file=sys.stderr)
+        return 2
+
     import normkit
     import torch_frontend as tf
 

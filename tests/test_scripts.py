@@ -137,6 +137,12 @@ def test_device_time_aggregation():
     assert summarize([], 2)["events_per_call"] == 0.0
 
 
+def test_triton_paths_refuses_without_a_gpu():
+    proc = subprocess.run([sys.executable, "scripts/triton_paths.py"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=300)
+    assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_device_time_report_leaves_the_boundary_copy_out_of_the_kernel_share():
     """The report's target table: a Pallas row's kernel bandwidth leaves its memcpy events out
     (the fused op's jit-boundary copy), and a full backward is compared by wall time to each peer."""
@@ -160,8 +166,10 @@ def test_device_time_report_leaves_the_boundary_copy_out_of_the_kernel_share():
         rec("xla", "bwd_full", 310.0, 300.0, [("f", 240.0), ("memcpy128", 60)]),
         rec("jnp", "bwd_full", 280.0, 270.0, [("f", 210.0), ("memcpy128", 60)])]}
     text = report([run])
-    assert "| fused_add_rms_norm | bwd_frozen | bf16 8192x8192 | 90% of copy | met (≥ 85%) |" in text
+    assert "| fused_add_rms_norm | bwd_frozen | bf16 8192x8192 | 90.0% of copy | met (≥ 85%) |" in text
     assert "| fused_add_rms_norm | bwd_full | bf16 8192x8192 | 1.55× vs xla, 1.40× vs jnp | missed (≥ 1.5×) |" in text
+    run["records"] = run["records"][:2]  # no XLA rows: the full backward has nothing to be compared with
+    assert "| bwd_full | bf16 8192x8192 |" not in report([run])
 
 
 # ---------------------------------------------------------------------------------------------
