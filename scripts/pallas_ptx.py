@@ -59,7 +59,7 @@ def lowered_kernels(op_name: str, mode: str, M: int, N: int, dtype: str, num_sms
         args = (x, x if op.has_residual else None, p, bias)
     else:
         stats = jax.ShapeDtypeStruct((M,), jnp.float32)
-        args = (x, p, x, None if op.is_rms else stats, stats)
+        args = (x, p, x, x if op.has_residual else None, None if op.is_rms else stats, stats)
     f = launcher(op, mode)
     with _target_gpu():
         lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))

@@ -88,13 +88,14 @@ def label(cfg: PallasBlocks) -> str:
 
 def launcher(op: Op, mode: str):
     """The Pallas implementation's call for ``mode``, as the frontend makes it: ``fwd(x, r, w, b)``
-    or ``bwd(x, w, dy, mean, rstd)``, each returning the dict of its outputs."""
+    or ``bwd(x, w, dy, dres, mean, rstd)``, each returning the dict of its outputs. ``dres``, the
+    gradient of the fused add's residual output, is what a training step passes (None otherwise)."""
     opts = op.options(eps=op.default_eps)
     if mode == "fwd":
         return lambda x, r, w, b: _pallas.forward(op, x, r, w, b, opts=opts, store_stats=False)
     grads = Grads(dx=True, dw=mode == "bwd_full", db=mode == "bwd_full" and "bias" in op.params)
-    return lambda x, w, dy, mean, rstd: _pallas.backward(
-        op, x, w, dy, None, mean, rstd, opts=opts, grads=grads, b_dtype="float32" if "bias" in op.params else None)
+    return lambda x, w, dy, dres, mean, rstd: _pallas.backward(
+        op, x, w, dy, dres, mean, rstd, opts=opts, grads=grads, b_dtype="float32" if "bias" in op.params else None)
 
 
 def program(op: Op, mode: str, cfg: PallasBlocks):
@@ -120,7 +121,8 @@ def inputs(op: Op, M: int, N: int, dtype: str, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     rand = lambda *s: jnp.asarray(rng.standard_normal(s, dtype=np.float32)).astype(dtype)  # noqa: E731
     a = {"x": rand(M, N), "r": rand(M, N) if op.has_residual else None, "w": rand(N),
-         "b": rand(N) if "bias" in op.params else None, "dy": rand(M, N)}
+         "b": rand(N) if "bias" in op.params else None, "dy": rand(M, N),
+         "dres": rand(M, N) if op.has_residual else None}
     opts = op.options(eps=op.default_eps)
     stats = _pallas.forward(op, a["x"], a["r"], a["w"], a["b"], opts=opts, store_stats=True)
     a["s"] = stats.get("S", a["x"])  # what the backward normalizes
@@ -131,7 +133,7 @@ def inputs(op: Op, M: int, N: int, dtype: str, seed: int) -> dict:
 def args_of(mode: str, a: dict) -> tuple:
     if mode == "fwd":
         return a["x"], a["r"], a["w"], a["b"]
-    return a["s"], a["w"], a["dy"], a["mean"], a["rstd"]
+    return a["s"], a["w"], a["dy"], a["dres"], a["mean"], a["rstd"]
 
 
 def agree(out: dict, base: dict, dtype: str) -> bool:

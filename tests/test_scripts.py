@@ -66,6 +66,13 @@ def test_pallas_ptx():
     assert re.search(r"ld\.global\.v4\.b32\s+x \d+", out) and re.search(r"st\.global\.v4\.b32\s+x \d+", out), out
     out = run_script("scripts/pallas_ptx.py", "--op", "layer_norm", "--mode", "bwd_full", "--shape", "64x256")
     assert "kernel 0: normkit_layer_norm_bwd" in out and "kernel 1: normkit_partial_sum" in out, out
+    # the fused add's backward as a training step runs it, with the residual output's gradient:
+    # one more row stream (128-bit loads) than RMSNorm's, same shape and launch
+    loads = {}
+    for op in ("rms_norm", "fused_add_rms_norm"):
+        out = run_script("scripts/pallas_ptx.py", "--op", op, "--mode", "bwd_frozen", "--shape", "64x256")
+        loads[op] = int(re.search(r"ld\.global\.v4\.b32\s+x (\d+)", out).group(1))
+    assert loads["fused_add_rms_norm"] == loads["rms_norm"] * 3 // 2, loads  # rows x, dy -> s, dy, d_residual
 
 
 def test_host_time():
