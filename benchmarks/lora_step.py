@@ -390,7 +390,7 @@ def run_row(variant: str, mode: str, base, ids, device, args, ref) -> dict:
         row["timer"] = "cuda events around each step" if device.type == "cuda" else "perf_counter (CPU)"
 
         if not args.no_profile:
-            row.update(profile_step(step, variant, mode, norms, device))
+            row.update(profile_step(step, variant, mode, norms, device, steps=args.profile_steps))
         row["status"] = "ok"
     except Unavailable as e:
         row["status"] = f"unavailable: {e}"
@@ -410,7 +410,9 @@ def run_row(variant: str, mode: str, base, ids, device, args, ref) -> dict:
     return row
 
 
-def profile_step(step, variant, mode, norms, device) -> dict:
+def profile_step(step, variant, mode, norms, device, steps: int = 1) -> dict:
+    """Profile ``steps`` steps; every time and count is per step (one step's profile moved by
+    ±2 ms between runs, as much as the differences it is meant to explain)."""
     on_gpu = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     # By module needs every norm call to go through its module's forward; normkit_fused calls the
@@ -418,44 +420,50 @@ def profile_step(step, variant, mode, norms, device) -> dict:
     scopes = NormScopes([m for _, m in norms]) if mode == "eager" and variant != "normkit_fused" else None
     try:
         with profile(activities=activities) as prof:
-            with record_function(STEP_SCOPE):
-                step()
+            for _ in range(steps):
+                with record_function(STEP_SCOPE):
+                    step()
             _sync(device)
     finally:
         if scopes is not None:
             scopes.remove()
-    return analyze(prof.events(), variant, mode, on_gpu, scoped=scopes is not None)
+    return analyze(prof.events(), variant, mode, on_gpu, scoped=scopes is not None, steps=steps)
 
 
-def analyze(events, variant: str, mode: str, on_gpu: bool, scoped: bool) -> dict:
-    """The profiled step's total and the norm's part of it (see the module docstring)."""
-    out: dict = {}
+def analyze(events, variant: str, mode: str, on_gpu: bool, scoped: bool, steps: int = 1) -> dict:
+    """The profiled steps' total and the norm's part of it, per step (see the module docstring)."""
+    out: dict = {"profiled_steps": steps}
     if on_gpu:
         dev = _device_events(events)
-        total_us = sum(_us(e) for e in dev)
-        out["profile_basis"] = "CUDA device time (kernels, memcpy, memset) of one profiled step"
-        top: dict = {}
+        total_us = sum(_us(e) for e in dev) / steps
+        out["profile_basis"] = f"CUDA device time (kernels, memcpy, memset) per step, {steps} profiled step(s)"
+        every: dict = {}
         for e in dev:
-            entry = top.setdefault(e.name, [0, 0.0])
+            entry = every.setdefault(e.name, [0, 0.0])
             entry[0] += 1
             entry[1] += _us(e)
-        out["top_kernels"] = [{"name": n[:160], "count": c, "ms": us / 1e3}
-                              for n, (c, us) in sorted(top.items(), key=lambda kv: -kv[1][1])[:12]]
+        kernels = [{"name": n[:200], "count": c / steps, "ms": us / steps / 1e3}
+                   for n, (c, us) in sorted(every.items(), key=lambda kv: -kv[1][1])]
+        out["top_kernels"] = kernels[:12]
+        # Inductor names a generated kernel after the ops it fused; a norm's reduction carries rsqrt.
+        out["inductor_rsqrt_kernels"] = [k for k in kernels if k["name"].startswith("triton_") and "rsqrt" in k["name"]]
+        out["all_kernels"] = kernels
     else:
         total_us = sum(float(e.cpu_time_total) for e in events
-                       if e.name == STEP_SCOPE and e.device_type == DeviceType.CPU)
+                       if e.name == STEP_SCOPE and e.device_type == DeviceType.CPU) / steps
         out["profile_basis"] = "CPU time of one profiled step (dry run: no device kernels; meaningless as a share)"
     out["profiled_step_ms"] = total_us / 1e3
 
     by_name = norm_by_name(events, variant) if on_gpu else None
     if by_name is not None:
         f, b, kernels = by_name
-        out["norm_by_name"] = {"fwd_ms": f / 1e3, "bwd_ms": b / 1e3,
-                               "kernels": {n: {"count": c, "ms": us / 1e3} for n, (c, us) in kernels.items()}}
+        out["norm_by_name"] = {"fwd_ms": f / steps / 1e3, "bwd_ms": b / steps / 1e3,
+                               "kernels": {n: {"count": c / steps, "ms": us / steps / 1e3}
+                                           for n, (c, us) in kernels.items()}}
     if scoped:
         f, b, n_fwd, n_bwd = norm_by_module(events, on_gpu)
-        out["norm_by_module"] = {"fwd_ms": f / 1e3, "bwd_ms": b / 1e3, "forward_ranges": n_fwd,
-                                 "backward_nodes": n_bwd}
+        out["norm_by_module"] = {"fwd_ms": f / steps / 1e3, "bwd_ms": b / steps / 1e3,
+                                 "forward_ranges": n_fwd / steps, "backward_nodes": n_bwd / steps}
 
     if "norm_by_name" in out:
         chosen, method = out["norm_by_name"], "by kernel name"
@@ -567,6 +575,11 @@ def markdown(result: dict) -> str:
             out.append(f"- `{r['variant']}`: {how}")
         if r.get("check_notes"):
             out.append(f"- `{r['variant']}` {r['mode']}: " + "; ".join(r["check_notes"]))
+        if r.get("inductor_rsqrt_kernels"):
+            ks = r["inductor_rsqrt_kernels"]
+            out.append(f"- `{r['variant']}` {r['mode']}: Inductor kernels with a norm's rsqrt, per step: "
+                       f"{sum(k['count'] for k in ks):g} launches, {sum(k['ms'] for k in ks):.3f} ms; "
+                       + "; ".join(f"`{k['name'][:90]}` x{k['count']:g} {k['ms']:.3f} ms" for k in ks[:4]))
         if r.get("norm_by_module") and r.get("norm_by_name"):
             by_name, by_module = (r[k]["fwd_ms"] + r[k]["bwd_ms"] for k in ("norm_by_name", "norm_by_module"))
             out.append(f"- `{r['variant']}` {r['mode']}: norm by kernel name {by_name:.3f} ms, by module "
@@ -632,7 +645,8 @@ def parse_args(argv=None):
                    help="comma list of hf, liger, normkit, normkit_fused")
     p.add_argument("--modes", default=None, help="eager,compile (default both on a GPU, eager on CPU)")
     p.add_argument("--no-compile", action="store_true", help="eager rows only")
-    p.add_argument("--no-profile", action="store_true", help="skip the profiled step (no norm share)")
+    p.add_argument("--no-profile", action="store_true", help="skip the profiled steps (no norm share)")
+    p.add_argument("--profile-steps", type=int, default=3, help="steps profiled for the norm share (per-step means)")
     p.add_argument("--budget-s", type=float, default=210.0,
                    help="skip rows that would end after this many seconds from the start (0: no budget)")
     p.add_argument("--loss-rtol", type=float, help="relative tolerance of the first loss vs hf (eager if it ran)")

@@ -252,6 +252,7 @@ def test_lora_step_dry_run(tmp_path):
     assert "fused   2 x LlamaDecoderLayer" in fused["prepare"]["patch_report"]
     # the forward ranges of the 5 norms, and the autograd nodes they made: none for layer 0's input
     # norm (its input comes from the frozen embedding), one NormFunction node for each of the others
+    assert nk["profiled_steps"] == 3  # per-step figures: the ranges and nodes of three steps, divided
     assert nk["norm_by_module"]["forward_ranges"] == 5 and nk["norm_by_module"]["backward_nodes"] == 4
     assert hf["norm_by_module"]["forward_ranges"] == 5 and hf["norm_by_module"]["backward_nodes"] > 4
     assert 0 < nk["norm_pct"] <= 100
