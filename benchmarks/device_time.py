@@ -142,9 +142,9 @@ def summarize(events: list[Event], calls: int) -> dict:
 
 
 def is_memcpy(name: str) -> bool:
-    """A copy event (CUPTI's "MemcpyD2D", XLA's "memcpy128"...), not a compute kernel. The fused op's
-    backward shows one per call: its jit returns d_residual and dx, one array, as two outputs, and
-    XLA copies it; inside a larger jit, where the two feed other ops, there is no such copy."""
+    """A copy event (CUPTI's "MemcpyD2D", XLA's "memcpy128"...), not a compute kernel. Runs before
+    ``impls_jax._one_residual_grad`` show one per fused-op backward: its jit returned d_residual and
+    dx, one array, as two outputs, and XLA copied it; inside a larger jit there is no such copy."""
     return name.lower().startswith("memcpy")
 
 
@@ -322,8 +322,9 @@ def report(results: list[dict]) -> str:
                "(back-to-back calls, one sync per batch: what a caller waits) / device **busy** µs (the sum of "
                "the GPU events of a traced call) and, in brackets, busy as % of an XLA device copy's bandwidth "
                f"(copy: {', '.join(format(c['tbps_device'], '.2f') for c in copies)} TB/s, traced the same way). "
-               "Bytes from `benchmarks/bytemodel.py`. The fused op's backward includes one memcpy of an "
-               "[M, N] array per call (its jit returns one array as both dx and d_residual; see `is_memcpy`).")
+               "Bytes from `benchmarks/bytemodel.py`. In runs made before `impls_jax._one_residual_grad` "
+               "(session 6), the fused op's backward includes one memcpy of an [M, N] array per call (its jit "
+               "returned one array as both dx and d_residual; see `is_memcpy`).")
     rows = [r for res in results for r in res["records"]]
     impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
     groups: dict = collections.defaultdict(dict)
