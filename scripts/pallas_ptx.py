@@ -115,6 +115,27 @@ def ptx_of(ttir: str, num_warps: int, num_stages: int | None, arch: int = 90) ->
         return triton.compile(str(path), target=GPUTarget("cuda", arch, 32), options=options).asm["ptx"]
 
 
+def ptxas_usage(ptx: str, arch: str = "sm_90a") -> dict:
+    """Registers per thread and spill bytes of the PTX as ptxas (Triton's own copy) assembles it."""
+    import os
+    import subprocess
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(ptx)
+        proc = subprocess.run([ptxas, f"-arch={arch}", "-v", str(src), "-o", str(Path(tmp) / "kernel.cubin")],
+                              capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ptxas failed: {proc.stderr[-2000:]}")
+    regs = re.search(r"Used (\d+) registers", proc.stderr)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", proc.stderr)
+    return {"registers": int(regs.group(1)) if regs else None,
+            "spill_stores": int(spills.group(1)) if spills else 0, "spill_loads": int(spills.group(2)) if spills else 0}
+
+
 def summary(ptx: str) -> dict:
     """Global memory instructions by kind (e.g. ``ld.global.v4.b32``: 128-bit loads) and a few counts."""
     body = [line.strip() for line in ptx.splitlines()]
@@ -132,6 +153,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--num-sms", type=int, default=132, help="SM count the launch shapes are planned for (H200: 132)")
     p.add_argument("--out", type=Path, default=None, help="write <kernel>.ttir and <kernel>.ptx here")
+    p.add_argument("--ptxas", action="store_true", help="also assemble with ptxas: registers per thread, spills")
     args = p.parse_args(argv)
     M, N = map(int, args.shape.split("x"))
     print(f"{args.op} {args.mode} {args.dtype} {M}x{N}, Pallas-Triton lowering, PTX for sm_90")
@@ -143,6 +165,10 @@ def main(argv=None) -> int:
               f"{s['instructions']} instructions, bar.sync {s['bar.sync']}, shfl {s['shfl']}")
         for kind, count in s["global"].items():
             print(f"    {kind:24s} x {count}")
+        if args.ptxas:
+            u = ptxas_usage(ptx)
+            print(f"    ptxas: {u['registers']} registers, spill stores {u['spill_stores']} B, "
+                  f"spill loads {u['spill_loads']} B")
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / f"{i}_{k['name']}.ttir").write_text(ttir)

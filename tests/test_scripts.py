@@ -64,8 +64,10 @@ def test_pallas_ptx():
     out = run_script("scripts/pallas_ptx.py", "--op", "rms_norm", "--mode", "fwd", "--shape", "64x256")
     assert re.search(r"kernel 0: normkit_rms_norm_fwd, grid \d+, \d+ warps", out), out
     assert re.search(r"ld\.global\.v4\.b32\s+x \d+", out) and re.search(r"st\.global\.v4\.b32\s+x \d+", out), out
-    out = run_script("scripts/pallas_ptx.py", "--op", "layer_norm", "--mode", "bwd_full", "--shape", "64x256")
+    out = run_script("scripts/pallas_ptx.py", "--op", "layer_norm", "--mode", "bwd_full", "--shape", "64x256", "--ptxas")
     assert "kernel 0: normkit_layer_norm_bwd" in out and "kernel 1: normkit_partial_sum" in out, out
+    usage = re.findall(r"ptxas: (\d+) registers, spill stores (\d+) B", out)
+    assert len(usage) == 2 and all(0 < int(r) <= 255 and s == "0" for r, s in usage), out  # small tiles: no spills
     # the fused add's backward as a training step runs it, with the residual output's gradient:
     # one more row stream (128-bit loads) than RMSNorm's, same shape and launch
     loads = {}
