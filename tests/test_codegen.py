@@ -25,25 +25,27 @@ M, N, SMS = 8192, 4096, 132
 TYPES = {"bfloat16": "bf16", "float32": "fp32"}
 
 
-def ptx(call, *, integer_hints: bool) -> str:
-    """The PTX of ``call``'s kernel for sm_90. Pointers are marked 16-byte aligned (both launchers do);
-    integers divisible by 16 only with ``integer_hints`` (Triton's launcher, not jax-triton's)."""
+def ptx(call, dtypes: dict, *, integer_hints: bool) -> str:
+    """The PTX of ``call``'s kernel for sm_90. ``dtypes``: the element dtype of each present array
+    input (absent ones are fp32 placeholders, as both frontends pass them). Pointers are marked
+    16-byte aligned (both launchers do); integers divisible by 16 only with ``integer_hints``
+    (Triton's launcher, not jax-triton's)."""
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.compiler import ASTSource
 
-    out_types = {name: "*" + TYPES[dtype] for name, (_, dtype) in call.out_specs.items()}
+    pointer = {name: "*" + TYPES[dtypes[name]] for name in call.present_inputs}
+    pointer.update({name: "*" + TYPES[dtype] for name, (_, dtype) in call.out_specs.items()})
     signature, attrs = {}, {}
     for i, name in enumerate(call.inputs + call.scalar_names + call.outputs):
-        if name in call.inputs or name in call.outputs:
-            dtype = call.cache.get("dtypes", {}).get(name)
-            signature[name] = out_types.get(name) or dtype or "*fp32"
-            attrs[(i,)] = CUDABackend.parse_attr("D")
-        else:
+        if name in call.scalar_names:
             value = call.scalars[call.scalar_names.index(name)]
             signature[name] = "fp32" if isinstance(value, float) else "i32"
             if integer_hints and isinstance(value, int) and value % 16 == 0 and value != 0:
                 attrs[(i,)] = CUDABackend.parse_attr("D")
+        else:
+            signature[name] = pointer.get(name, "*fp32")
+            attrs[(i,)] = CUDABackend.parse_attr("D")
     signature.update({name: "constexpr" for name in call.constexprs})
     src = ASTSource(call.kernel, signature, constexprs=dict(call.constexprs), attrs=attrs)
     options = {"num_warps": call.num_warps, "num_stages": call.num_stages, "enable_fp_fusion": call.fp_fusion}
@@ -54,29 +56,23 @@ def accesses(text: str) -> collections.Counter:
     return collections.Counter(m.group(0) for m in re.finditer(r"\b(ld|st)\.global(\.v\d)?\.b(16|32|64)\b", text))
 
 
-def _inputs_typed(call, dtypes: dict):
-    """Record the pointer element types of the present inputs (absent ones stay fp32 placeholders)."""
-    call = type(call)(**{f: getattr(call, f) for f in call.__dataclass_fields__ if f != "cache"})
-    call.cache["dtypes"] = {name: "*" + TYPES[dtypes.get(name, "float32")] for name in call.present_inputs}
-    return call
-
-
 def fwd_call(op_name: str):
+    """The forward plan of bf16 rows and parameters, and its inputs' dtypes."""
     op = OPS[op_name]
-    w, b = "bfloat16", "bfloat16" if "bias" in op.params else None
+    b = "bfloat16" if "bias" in op.params else None
     layout = (N, 1, *((N, 1) if op.has_residual else (0, 1)), 1, 1)  # as normkit.driver reads an absent array
-    call = plan_forward(op, M, N, "bfloat16", w, b, op.options(eps=op.default_eps), True, layout, SMS)
-    return _inputs_typed(call, {"X": "bfloat16", "R": "bfloat16", "W": w, "B": b or "float32"})
+    call = plan_forward(op, M, N, "bfloat16", "bfloat16", b, op.options(eps=op.default_eps), True, layout, SMS)
+    return call, dict.fromkeys(("X", "R", "W", "B"), "bfloat16")
 
 
 def bwd_call(op_name: str, trained: bool):
     op = OPS[op_name]
-    w, b = "bfloat16", "bfloat16" if "bias" in op.params else None
+    b = "bfloat16" if "bias" in op.params else None
     grads = Grads(dx=True, dw=trained, db=trained and b is not None)
-    dres = op.has_residual
-    layout = (N, 1, N, 1, *((N, 1) if dres else (0, 1)), 1)
-    call, _ = plan_backward(op, M, N, "bfloat16", w, b, dres, op.options(eps=op.default_eps), grads, layout, SMS)
-    return _inputs_typed(call, {"X": "bfloat16", "DY": "bfloat16", "DRES": "bfloat16", "W": w})
+    layout = (N, 1, N, 1, *((N, 1) if op.has_residual else (0, 1)), 1)
+    call, _ = plan_backward(op, M, N, "bfloat16", "bfloat16", b, op.has_residual, op.options(eps=op.default_eps),
+                            grads, layout, SMS)
+    return call, {**dict.fromkeys(("X", "DY", "DRES", "W"), "bfloat16"), "MEAN": "float32", "RSTD": "float32"}
 
 
 CALLS = [(f"{op} fwd", op, None) for op in sorted(OPS)] + \
@@ -85,10 +81,10 @@ CALLS = [(f"{op} fwd", op, None) for op in sorted(OPS)] + \
 
 @pytest.mark.parametrize("what,op,trained", CALLS, ids=[c[0] for c in CALLS])
 def test_contiguous_rows_are_accessed_128_bits_wide_under_either_launcher(what, op, trained):
-    call = fwd_call(op) if trained is None else bwd_call(op, trained)
+    call, dtypes = fwd_call(op) if trained is None else bwd_call(op, trained)
     assert call.constexprs["ROWS_CONTIGUOUS"] is True, f"{what}: contiguous rows planned on the run-time strides"
     for hints in (False, True):
-        got = accesses(ptx(call, integer_hints=hints))
+        got = accesses(ptx(call, dtypes, integer_hints=hints))
         narrow = {k: v for k, v in got.items() if ".v" not in k and k.endswith(".b16")}
         assert not narrow, f"{what}, integer hints {hints}: 16-bit row accesses {dict(got)}"
         assert got["ld.global.v4.b32"] > 0 and got["st.global.v4.b32"] > 0, (what, hints, dict(got))
@@ -100,5 +96,5 @@ def test_an_absent_input_does_not_decide_the_row_addressing():
     strided = plan_forward(op, M, N, "bfloat16", "bfloat16", None, op.options(eps=op.default_eps), True,
                            (N, 1, 2 * N, 1, 1, 1), SMS)
     assert strided.constexprs["ROWS_CONTIGUOUS"] is False
-    assert fwd_call("rms_norm").constexprs["ROWS_CONTIGUOUS"] is True
-    assert bwd_call("layer_norm", True).constexprs["ROWS_CONTIGUOUS"] is True
+    assert fwd_call("rms_norm")[0].constexprs["ROWS_CONTIGUOUS"] is True
+    assert bwd_call("layer_norm", True)[0].constexprs["ROWS_CONTIGUOUS"] is True
