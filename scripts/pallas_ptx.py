@@ -117,12 +117,11 @@ def ptx_of(ttir: str, num_warps: int, num_stages: int | None, arch: int = 90) ->
 
 def ptxas_usage(ptx: str, arch: str = "sm_90a") -> dict:
     """Registers per thread and spill bytes of the PTX as ptxas (Triton's own copy) assembles it."""
-    import os
     import subprocess
 
-    import triton
+    from triton.backends.nvidia.compiler import get_ptxas  # the ptxas Triton itself compiles with
 
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    ptxas = get_ptxas(int(re.sub(r"\D", "", arch))).path
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernel.ptx"
         src.write_text(ptx)

@@ -125,29 +125,14 @@ def main(argv=None) -> int:
                      open(path).read(), keep)
 
     import jax
-    import jax.numpy as jnp
 
-    import jax_frontend as jf
     from benchmarks import device_time
+    from benchmarks import impls_jax as ij
 
-    to_jax = lambda t: jnp.asarray(t.detach().float().cpu().numpy()).astype(jnp.bfloat16)  # noqa: E731
-    jx, jr, jw, jb, jdy = map(to_jax, (x, r, w, b, dy))
-    if args.op == "rms_norm":
-        f, prim = (lambda a, c: jf.rms_norm(a, c, implementation="triton")), (jx, jw)
-    elif args.op == "layer_norm":
-        f, prim = (lambda a, c, d: jf.layer_norm(a, c, d, implementation="triton")), (jx, jw, jb)
-    else:
-        f, prim = (lambda a, c, d: jf.fused_add_rms_norm(a, d, c, implementation="triton")[0]), (jx, jw, jr)
-    if args.mode == "fwd":
-        call = jax.jit(f)
-        run = lambda: call(*prim)  # noqa: E731
-    else:
-        def g(*p):
-            p = tuple(v if (i == 0 or trained) else jax.lax.stop_gradient(v) for i, v in enumerate(p))
-            return f(*p)
-        _, vjp = jax.jit(lambda *p: jax.vjp(g, *p))(*prim)
-        bwd = jax.jit(lambda fn, ct: fn(ct))
-        run = lambda: bwd(vjp, jdy)  # noqa: E731
+    # the JAX call exactly as the JAX benchmark makes it (its inputs, jit, vjp split and freezing)
+    inp = ij.JaxInputs(args.op, M, N, "bf16", 1)
+    call, _ = ij.mode_call(ij.Jitted(args.op, ij.normkit_jax_fn(args.op, "triton")), inp, args.mode)
+    run = lambda: call(0)  # noqa: E731
     with normkit.record_launches() as jlog:
         jax.block_until_ready(run())
     events, _ = device_time.trace(lambda i: run(), args.calls, "gpu")

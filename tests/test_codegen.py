@@ -12,7 +12,6 @@ the RMSNorm forward 91 µs instead of 71 µs at 8192×8192 bf16.
 from __future__ import annotations
 
 import collections
-import re
 
 import pytest
 
@@ -20,6 +19,8 @@ from normkit.launch import plan_backward, plan_forward
 from normkit.ops import OPS, Grads
 
 triton = pytest.importorskip("triton")
+
+from scripts.pallas_ptx import summary  # noqa: E402  (global loads and stores of a PTX, by kind)
 
 M, N, SMS = 8192, 4096, 132
 TYPES = {"bfloat16": "bf16", "float32": "fp32"}
@@ -52,10 +53,6 @@ def ptx(call, dtypes: dict, *, integer_hints: bool) -> str:
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
-def accesses(text: str) -> collections.Counter:
-    return collections.Counter(m.group(0) for m in re.finditer(r"\b(ld|st)\.global(\.v\d)?\.b(16|32|64)\b", text))
-
-
 def fwd_call(op_name: str):
     """The forward plan of bf16 rows and parameters, and its inputs' dtypes."""
     op = OPS[op_name]
@@ -84,7 +81,7 @@ def test_contiguous_rows_are_accessed_128_bits_wide_under_either_launcher(what, 
     call, dtypes = fwd_call(op) if trained is None else bwd_call(op, trained)
     assert call.constexprs["ROWS_CONTIGUOUS"] is True, f"{what}: contiguous rows planned on the run-time strides"
     for hints in (False, True):
-        got = accesses(ptx(call, dtypes, integer_hints=hints))
+        got = collections.Counter(summary(ptx(call, dtypes, integer_hints=hints))["global"])
         narrow = {k: v for k, v in got.items() if ".v" not in k and k.endswith(".b16")}
         assert not narrow, f"{what}, integer hints {hints}: 16-bit row accesses {dict(got)}"
         assert got["ld.global.v4.b32"] > 0 and got["st.global.v4.b32"] > 0, (what, hints, dict(got))
