@@ -43,6 +43,10 @@ def norm_fwd_kernel(
 ):
     # Tiles of BLOCK_M rows are dealt round-robin to the programs; LOOP_STAGES > 1 prefetches the
     # next tile's rows while this one is reduced.
+    # The float scalars are pinned to fp32: Inductor passes a Python float to a user kernel as fp64,
+    # which would silently carry the whole row's math into fp64 (values are fp32-exact: launch._f32).
+    eps = tl.cast(eps, tl.float32)
+    offset = tl.cast(offset, tl.float32)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     if HAS_W:
@@ -138,6 +142,7 @@ def norm_bwd_kernel(
     # so the reduction order is fixed and the result bitwise reproducible (no atomics).
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
+    offset = tl.cast(offset, tl.float32)  # fp64 when Inductor launches the kernel (see norm_fwd_kernel)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     if HAS_W:
