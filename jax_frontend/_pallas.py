@@ -5,9 +5,10 @@ Two entry points with the interface every implementation provides (see ``jax_fro
 ``Op.bwd_buffers``. Launches:
 
 - forward: one ``[BLOCK_M, BLOCK_N]`` row block per program, except LayerNorm on rows of >= 8192
-  elements: a persistent grid (``persistent_forward``; measured in ``normkit.launch.pallas_blocks``);
-- backward without dW/dB (frozen weight and bias): one row block per program, no partial buffer,
-  no reduction;
+  elements (>= 4096 in fp32): a persistent grid (``persistent_grid``; measured in
+  ``normkit.launch.pallas_blocks``);
+- backward without dW/dB (frozen weight and bias): one row block per program (LayerNorm's 8192-wide
+  rows: a persistent grid), no partial buffer, no reduction;
 - backward with dW/dB: a persistent grid of about 1-2 programs per SM, each accumulating one fp32
   partial row over the tiles dealt to it round-robin (prefetching the next), then
   ``partial_sum_kernel`` sums the ``[G, N]`` partials column-wise in a fixed order: dW/dB are
@@ -67,18 +68,31 @@ from normkit.ops import MAX_N, Grads, Op, Options
 LOWERINGS = ("triton", "mosaic_gpu")
 GPU_LOWERING = os.environ.get("NORMKIT_PALLAS_LOWERING", "triton")  # read when a call is traced
 NUM_SMS: int | None = None  # sizes the persistent grids (and the [G, N] partials); None: ask the device
-PERSISTENT_LAYER_NORM_FORWARD = True  # LayerNorm forward on >= 8192-wide rows as a persistent grid (1.28x at 8192^2)
+PERSISTENT_LAYER_NORM = True  # LayerNorm's forward and dx-only backward on >= 8192-wide rows as a persistent grid
 
 
 # ---------------------------------------------------------------------------------------------
 # The launch shapes come from normkit.launch (pallas_blocks), the project's one place for them.
 
 
-def persistent_forward(op: Op, N: int) -> bool:
-    """Whether the forward runs a persistent grid: only LayerNorm's on rows of >= 8192 elements (two
-    dependent reductions per row; measured in ``normkit.launch.pallas_blocks``), unless
-    ``PERSISTENT_LAYER_NORM_FORWARD`` is turned off."""
-    return PERSISTENT_LAYER_NORM_FORWARD and not op.is_rms and _next_pow2(N) >= 8192
+def persistent_grid(op: Op, N: int, elem_bytes: int = 2, backward: bool = False) -> bool:
+    """Whether a pass without dW/dB runs a persistent grid: only LayerNorm's (two reductions per row),
+    where measured faster (``normkit.launch.pallas_blocks``): its forward on rows of >= 8192 elements
+    (>= 4096 in fp32), its dx-only backward on rows of 8192 (next power of two). Never when
+    ``PERSISTENT_LAYER_NORM`` is turned off."""
+    if not PERSISTENT_LAYER_NORM or op.is_rms:
+        return False
+    if backward:
+        return _next_pow2(N) == 8192
+    return _next_pow2(N) >= (4096 if elem_bytes >= 4 else 8192)
+
+
+def blocks(op: Op, M: int, N: int, dtype, *, backward: bool = False, reduces: bool = False):
+    """The launch shape of one pass (``normkit.launch.pallas_blocks``), as ``forward`` and
+    ``backward`` launch it (``scripts/tune_pallas.py`` starts its sweep from it)."""
+    elem_bytes = jnp.dtype(dtype).itemsize
+    return pallas_blocks(M, N, reduces=reduces, persistent=not reduces and persistent_grid(op, N, elem_bytes, backward),
+                         backward=backward, elem_bytes=elem_bytes, num_sms=num_sms())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,7 +199,7 @@ def forward(op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bo
     M, N = x.shape
     assert 1 <= N <= MAX_N, N
     buffers = op.fwd_buffers(M, N, jnp.dtype(x.dtype).name, store_stats)
-    cfg = pallas_blocks(M, N, persistent=persistent_forward(op, N), num_sms=num_sms())
+    cfg = blocks(op, M, N, x.dtype)
     inputs = {"x_ref": x, "r_ref": residual if op.has_residual else None, "w_ref": weight, "b_ref": bias}
     inputs = {k: v for k, v in inputs.items() if v is not None}
     in_spec = {"x_ref": _WHOLE, "r_ref": _WHOLE, "w_ref": _col_block(cfg.block_n), "b_ref": _col_block(cfg.block_n)}
@@ -226,7 +240,7 @@ def backward(op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: G
     if not buffers:
         return {}
     has_dres = dres is not None and grads.dx  # without dX it would not be read: leave it out
-    cfg = pallas_blocks(M, N, reduces=grads.reduces, num_sms=num_sms())
+    cfg = blocks(op, M, N, x.dtype, backward=True, reduces=grads.reduces)
     G = cfg.num_programs
     inputs = {"x_ref": x, "w_ref": weight, "dy_ref": dy, "dres_ref": dres if has_dres else None,
               "mean_ref": None if op.is_rms else mean, "rstd_ref": rstd}

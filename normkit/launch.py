@@ -290,37 +290,59 @@ class PallasBlocks:
 
 
 @functools.lru_cache(maxsize=4096)
-def pallas_blocks(M: int, N: int, *, reduces: bool = False, persistent: bool = False,
-                  num_sms: int = 132) -> PallasBlocks:
+def pallas_blocks(M: int, N: int, *, reduces: bool = False, persistent: bool = False, backward: bool = False,
+                  elem_bytes: int = 2, num_sms: int = 132) -> PallasBlocks:
     """Launch shape of a Pallas row-wise pass over M x N (jax_frontend._pallas).
 
-    ``reduces``: a backward with dW/dB partials; ``persistent``: a forward whose programs walk
-    several tiles. Measured on an H200 in bf16 at 8192 x 8192 and 32768 x 4096 (starting from
-    ``normkit.launch``'s choices for the Triton kernels):
+    ``reduces``: a backward with dW/dB partials; ``persistent``: a pass whose programs walk several
+    tiles although nothing is reduced (``jax_frontend._pallas.persistent_grid`` says where: LayerNorm's
+    long rows), the forward or (``backward``) the dx-only backward; ``elem_bytes``: the rows' element
+    size. Measured on an H200 at 8192 x 8192, 16384 x 8192 and 32768 x 4096 (starting
+    from ``normkit.launch``'s choices for the Triton kernels; ``scripts/tune_pallas.py``):
     - a tile is BLOCK_M rows x BLOCK_N (next power of two >= N) columns, ~4096 elements, with
       about 8-16 elements per thread (4 warps per 4096, 8 per 8192, up to 32);
-    - forward and dx-only backward: one tile per program;
+    - forward and dx-only backward: one tile per program, except on LayerNorm's long rows;
     - dW/dB backward: min(tiles, 1 program per SM for tiles of >= 8192 elements, else 2), each
       prefetching its next tile (without: 179 -> 129 us at 8192 x 8192); 8192-element tiles get 16
       warps there (129 -> 120 us; 4096-element ones lose with 16). More programs per SM only add
       partials: one program's registers already fill an SM;
-    - persistent forward (``jax_frontend._pallas.persistent_forward``, LayerNorm on rows of >= 8192
-      elements): 2 programs per SM for tiles of >= 8192 elements, else 4, with half the warps of a
-      one-tile program (at least 4). LayerNorm bf16 8192 x 8192 (scripts/tune_pallas.py, session 5,
+    - persistent forward in bf16/fp16: 2 programs per SM for tiles of >= 8192 elements, else 4, with
+      half the warps of a one-tile program (at least 4). LayerNorm bf16 8192 x 8192 (session 5,
       against an XLA copy at 4.06 TB/s): 86.3 us (77% of copy) with 4 warps and 2 programs per SM,
-      against 110.7 us (60%) with one row per program and 8 warps, and 95.0 us with 16 warps.
+      against 110.7 us (60%) with one row per program and 8 warps, and 95.0 us with 16 warps;
+    - persistent forward in fp32, rows of >= 8192: tiles of >= 16384 elements, 16 warps (32 on wider
+      rows), 1 program per SM. LayerNorm fp32 8192 x 8192 (session 7): 151.6 us (87% of copy) against
+      170.2 us (78%) with the bf16 choice, whose 4 warps assemble to 255 registers and spill in fp32;
+    - persistent forward in fp32, narrower rows: twice the one-tile warps, 2 programs per SM.
+      LayerNorm fp32 32768 x 4096 (session 7): 300.4 us (89% of a 3.99 TB/s copy) against 363.3 us
+      with one row per program at 4 warps;
+    - persistent dx-only backward (rows of 8192 only): 1 program per SM, 32 warps. LayerNorm bf16
+      (session 7): 123.4 against 127.2 us at 8192 x 8192, 231.2 against 236.4 us at 16384 x 8192 (one
+      row per program). Wider rows keep one row per program: there a prefetched fp32 tile spills.
 
     Measured at 8192 x 8192 / 32768 x 4096 bf16 with these choices, against a Pallas copy kernel
     (3.5-3.8 TB/s): forward 95% / 97% (RMSNorm), 74% / 93% (LayerNorm); dx-only backward 93-96%;
     full backward 1.44x / 1.55x (RMSNorm) and 2.1x / 2.1x (LayerNorm) faster than ``jax_frontend._xla``'s.
     """
     block_m, block_n, num_warps = tile_config(M, N)  # the Triton kernels' tiles
+    wide_fp32_forward = persistent and not reduces and not backward and elem_bytes >= 4 and block_n >= 8192
+    if wide_fp32_forward:
+        block_m = max(block_m, 16384 // block_n)
+        num_warps = 16 if block_n <= 8192 else 32  # 16 on 16384-wide rows: 128 registers and spills
     tiles = -(-M // block_m)
     big = block_m * block_n >= 8192
     if reduces:
         programs = max(1, min(tiles, (1 if big else 2) * num_sms))
         if big:
             num_warps = min(32, 2 * num_warps)
+    elif persistent and backward:
+        programs = max(1, min(tiles, num_sms))
+        num_warps = 32
+    elif wide_fp32_forward:
+        programs = max(1, min(tiles, num_sms))
+    elif persistent and elem_bytes >= 4:  # fp32 rows of < 8192: twice the warps, 2 programs per SM
+        programs = max(1, min(tiles, 2 * num_sms))
+        num_warps = min(32, 2 * num_warps)
     elif persistent:
         programs = max(1, min(tiles, (2 if big else 4) * num_sms))
         num_warps = max(4, num_warps // 2)

@@ -8,7 +8,8 @@ per variant, and times each through ``jax_frontend._pallas`` exactly as the fron
   persistent grid of 1, 2 or 4 programs per SM;
 - ``bwd_full``: dx and dW (and dB), with the partial reduction; variants of num_warps and the
   persistent grid (1 or 2 programs per SM: the number of fp32 partial rows follows it);
-- ``bwd_frozen``: dx only; variants of BLOCK_M and num_warps.
+- ``bwd_frozen``: dx only; variants of BLOCK_M, num_warps, and one program per tile or a
+  persistent grid (as the forward).
 
 Every variant's outputs are checked against the base configuration's (within the tolerance table;
 a variant that disagrees is reported and not ranked). On a GPU, times are medians over 5 batches of
@@ -40,7 +41,7 @@ import numpy as np  # noqa: E402
 from benchmarks import bytemodel  # noqa: E402
 from jax_frontend import _pallas  # noqa: E402
 from normkit import record  # noqa: E402
-from normkit.launch import PallasBlocks, pallas_blocks  # noqa: E402
+from normkit.launch import PallasBlocks  # noqa: E402
 from normkit.ops import OPS, Grads, Op  # noqa: E402
 from normkit.testing import TOLERANCES  # noqa: E402
 
@@ -50,16 +51,14 @@ DRY_RUN_SHAPES = "24x256"
 WARPS = (4, 8, 16, 32)
 
 
-def base_blocks(op: Op, mode: str, M: int, N: int, num_sms: int) -> PallasBlocks:
+def base_blocks(op: Op, mode: str, M: int, N: int, dtype: str) -> PallasBlocks:
     """What ``jax_frontend._pallas`` launches today."""
-    if mode == "fwd":
-        return pallas_blocks(M, N, persistent=_pallas.persistent_forward(op, N), num_sms=num_sms)
-    return pallas_blocks(M, N, reduces=mode == "bwd_full", num_sms=num_sms)
+    return _pallas.blocks(op, M, N, dtype, backward=mode != "fwd", reduces=mode == "bwd_full")
 
 
-def variants(op: Op, mode: str, M: int, N: int, num_sms: int) -> list[PallasBlocks]:
+def variants(op: Op, mode: str, M: int, N: int, num_sms: int, dtype: str = "bfloat16") -> list[PallasBlocks]:
     """The base configuration first, then the distinct variants around it."""
-    base = base_blocks(op, mode, M, N, num_sms)
+    base = base_blocks(op, mode, M, N, dtype)
     found = [base]
     block_n = base.block_n
     rows = sorted({base.block_m, *(b for b in (1, 2, 4, 8, 16) if b * block_n <= 32768 and b <= max(M, 1))})
@@ -67,10 +66,8 @@ def variants(op: Op, mode: str, M: int, N: int, num_sms: int) -> list[PallasBloc
         tiles = -(-M // block_m)
         if mode == "bwd_full":
             grids = sorted({base.num_programs, *(min(tiles, k * num_sms) for k in (1, 2))})
-        elif mode == "fwd":
+        else:  # one program per tile, or a persistent grid of 1, 2 or 4 programs per SM
             grids = [tiles, *(min(tiles, k * num_sms) for k in (1, 2, 4))]
-        else:
-            grids = [tiles]
         for warps in WARPS:
             if block_m * block_n < 32 * warps:  # fewer than one element per thread
                 continue
@@ -170,7 +167,7 @@ def sweep(op: Op, mode: str, dtype: str, M: int, N: int, num_sms: int, *, dry: b
           copy: float | None, top: int) -> None:
     a = inputs(op, M, N, dtype, seed=0)
     args = args_of(mode, a)
-    cfgs = variants(op, mode, M, N, num_sms)
+    cfgs = variants(op, mode, M, N, num_sms, dtype)
     base_out = None
     rows = []
     for i, cfg in enumerate(cfgs):

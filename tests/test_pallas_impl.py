@@ -250,16 +250,21 @@ def test_parity(impl, op_name, dtype):
 
 def test_row_lengths(impl, monkeypatch):
     """N = 1, a power of two plus one (4097) and the longest row (65536); LayerNorm's long rows also
-    through the persistent forward (the default for them), several tiles per program."""
+    through the persistent grids (the default for them: forward and dx-only backward, bf16 and fp32),
+    several tiles per program."""
     monkeypatch.setattr(_pallas, "NUM_SMS", 4)
-    monkeypatch.setattr(_pallas, "PERSISTENT_LAYER_NORM_FORWARD", True)
+    monkeypatch.setattr(_pallas, "PERSISTENT_LAYER_NORM", True)
     cases = [Case(name, Config(Casting.FP32, 0.0, True, name == "layer_norm"), shape, "float32")
              for name in sorted(OPS) for shape in ((3, 1), (2, 4097))]
     cases.append(Case("rms_norm", Config(Casting.ROUND_NORMALIZED, 1.0, True, False), (2, 65536), "bfloat16"))
     cases.append(Case("layer_norm", Config(Casting.FP32, 0.0, True, True), (20, 5000), "bfloat16"))
+    cases.append(Case("layer_norm", Config(Casting.FP32, 0.0, True, True), (20, 3000), "float32"))  # fp32: persistent from 4096
     if impl is _pallas:
-        assert _pallas.persistent_forward(OPS["layer_norm"], 5000)
-        assert launch.pallas_blocks(20, 5000, persistent=True, num_sms=4).tiles_per_program > 1
+        assert _pallas.persistent_grid(OPS["layer_norm"], 5000)
+        for backward in (False, True):
+            for elem_bytes in (2, 4):
+                assert launch.pallas_blocks(20, 5000, persistent=True, backward=backward, elem_bytes=elem_bytes,
+                                            num_sms=4).tiles_per_program > 1
     _run_and_check(impl, cases)
 
 
@@ -372,7 +377,7 @@ def test_vmap_forward():
 
 
 def test_block_config():
-    """The launch heuristic: one tile per program unless dW/dB are reduced or the forward is persistent."""
+    """The launch heuristic: one tile per program unless dW/dB are reduced or LayerNorm's long rows run persistent."""
     c = launch.pallas_blocks(8192, 8192, num_sms=132)
     assert (c.block_m, c.block_n, c.num_warps, c.num_programs, c.tiles_per_program) == (1, 8192, 8, 8192, 1)
     c = launch.pallas_blocks(8192, 8192, reduces=True, num_sms=132)
@@ -381,10 +386,19 @@ def test_block_config():
     assert (c.block_m, c.block_n, c.num_warps, c.num_programs, c.tiles_per_program) == (1, 4096, 4, 264, 125)
     c = launch.pallas_blocks(8192, 8192, persistent=True, num_sms=132)
     assert (c.num_warps, c.num_programs, c.tiles_per_program) == (4, 264, 32)  # half the one-tile warps
+    c = launch.pallas_blocks(8192, 8192, persistent=True, elem_bytes=4, num_sms=132)  # fp32: 16384-element tiles
+    assert (c.block_m, c.num_warps, c.num_programs, c.tiles_per_program) == (2, 16, 132, 32)
+    c = launch.pallas_blocks(16384, 8192, persistent=True, backward=True, num_sms=132)  # dx-only backward
+    assert (c.block_m, c.num_warps, c.num_programs, c.tiles_per_program) == (1, 32, 132, 125)
     c = launch.pallas_blocks(5, 3)
     assert (c.block_m, c.block_n, c.num_programs) == (8, 4, 1)
-    # persistent: LayerNorm's forward on rows of >= 8192 elements only
-    assert _pallas.persistent_forward(OPS["layer_norm"], 8192) and _pallas.persistent_forward(OPS["layer_norm"], 5000)
-    assert not _pallas.persistent_forward(OPS["layer_norm"], 4096)
-    assert not _pallas.persistent_forward(OPS["rms_norm"], 8192)
+    # persistent: LayerNorm's forward and dx-only backward on rows of >= 8192 elements only
+    ln = OPS["layer_norm"]
+    assert _pallas.persistent_grid(ln, 8192) and _pallas.persistent_grid(ln, 5000)
+    assert not _pallas.persistent_grid(ln, 4096) and _pallas.persistent_grid(ln, 4096, elem_bytes=4)
+    assert not _pallas.persistent_grid(ln, 2048, elem_bytes=4)
+    assert _pallas.persistent_grid(ln, 8192, backward=True) and not _pallas.persistent_grid(ln, 16384, backward=True)
+    assert not _pallas.persistent_grid(OPS["rms_norm"], 8192)
+    c = launch.pallas_blocks(32768, 4096, persistent=True, elem_bytes=4, num_sms=132)  # fp32, 4096 wide
+    assert (c.block_m, c.num_warps, c.num_programs, c.tiles_per_program) == (1, 8, 264, 125)
     assert launch.reduce_blocks(132, 8192) == (32, 64)

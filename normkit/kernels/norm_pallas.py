@@ -198,8 +198,6 @@ def norm_bwd_kernel(
                 "rstd": _load(rstd_ref.at[rows], row_mask)}
         if not IS_RMS:
             tile["mean"] = _load(mean_ref.at[rows], row_mask)
-        if HAS_DRES and COMPUTE_DX:
-            tile["dres"] = _load(dres_ref.at[rows, cols], mask)
         return tile
 
     def compute_tile(t, tile, acc):
@@ -220,7 +218,9 @@ def norm_bwd_kernel(
                 c2 = jnp.sum(g, axis=1) * (1.0 / N)
                 dx = (g - c2[:, None] - xn * c1[:, None]) * rstd[:, None]
             if HAS_DRES:
-                dx = dx + tile["dres"].astype(F32)
+                # read here, after the row sums, not with the prefetched tile: it is needed only for
+                # this add, and carrying it across the loop would add a third tile to the registers
+                dx = dx + _load(dres_ref.at[rows, cols], mask).astype(F32)
             pltriton.store(dx_ref.at[rows, cols], dx.astype(dx_ref.dtype), mask=mask)
         dw_acc, db_acc = acc
         if COMPUTE_DW:
