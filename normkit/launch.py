@@ -320,9 +320,11 @@ def pallas_blocks(M: int, N: int, *, reduces: bool = False, persistent: bool = F
       (session 7): 123.4 against 127.2 us at 8192 x 8192, 231.2 against 236.4 us at 16384 x 8192 (one
       row per program). Wider rows keep one row per program: there a prefetched fp32 tile spills.
 
-    Measured at 8192 x 8192 / 32768 x 4096 bf16 with these choices, against a Pallas copy kernel
-    (3.5-3.8 TB/s): forward 95% / 97% (RMSNorm), 74% / 93% (LayerNorm); dx-only backward 93-96%;
-    full backward 1.44x / 1.55x (RMSNorm) and 2.1x / 2.1x (LayerNorm) faster than ``jax_frontend._xla``'s.
+    Device time with these choices at M x N >= 64M, bf16 and fp32 (session 7, against an XLA copy
+    traced at 4.26 TB/s; ``benchmarks/results/device_time/h200_device_time.md``): forward 88-92% of
+    copy (RMSNorm, fused add) and 84-89% (LayerNorm); dx-only backward 87-93%; full backward, wall,
+    1.43-1.55x (RMSNorm), 1.69-2.26x (LayerNorm) and 1.2-1.59x (fused add) faster than
+    ``jax_frontend._xla``'s.
     """
     block_m, block_n, num_warps = tile_config(M, N)  # the Triton kernels' tiles
     wide_fp32_forward = persistent and not reduces and not backward and elem_bytes >= 4 and block_n >= 8192
