@@ -68,7 +68,7 @@ from normkit.ops import MAX_N, Grads, Op, Options
 LOWERINGS = ("triton", "mosaic_gpu")
 GPU_LOWERING = os.environ.get("NORMKIT_PALLAS_LOWERING", "triton")  # read when a call is traced
 NUM_SMS: int | None = None  # sizes the persistent grids (and the [G, N] partials); None: ask the device
-PERSISTENT_LAYER_NORM = True  # LayerNorm's forward and dx-only backward on >= 8192-wide rows as a persistent grid
+PERSISTENT_LAYER_NORM = True  # LayerNorm's long rows as a persistent grid, where persistent_grid says
 
 
 # ---------------------------------------------------------------------------------------------
