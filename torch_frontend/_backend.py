@@ -84,7 +84,9 @@ class InductorBackend(TorchBackend):
 
     Inductor compiles the kernel with its own options: Triton's default FMA contraction applies to
     every kernel (the eager LayerNorm backward turns it off for bitwise agreement with JAX), so a
-    compiled LayerNorm backward may differ from the eager one in the last bits.
+    compiled LayerNorm backward may differ from the eager one in the last bits. It also types the
+    float scalars (eps, offset) fp64; the kernels round them to fp32 first, so the row math is the
+    eager math (``tests/test_codegen.py``).
     """
 
     @staticmethod
