@@ -451,7 +451,7 @@ def analyze(events, variant: str, mode: str, on_gpu: bool, scoped: bool, steps: 
     else:
         total_us = sum(float(e.cpu_time_total) for e in events
                        if e.name == STEP_SCOPE and e.device_type == DeviceType.CPU) / steps
-        out["profile_basis"] = "CPU time of one profiled step (dry run: no device kernels; meaningless as a share)"
+        out["profile_basis"] = f"CPU time per step, {steps} profiled step(s) (dry run: no device kernels; meaningless as a share)"
     out["profiled_step_ms"] = total_us / 1e3
 
     by_name = norm_by_name(events, variant) if on_gpu else None

@@ -56,7 +56,7 @@ def base_blocks(op: Op, mode: str, M: int, N: int, dtype: str) -> PallasBlocks:
     return _pallas.blocks(op, M, N, dtype, backward=mode != "fwd", reduces=mode == "bwd_full")
 
 
-def variants(op: Op, mode: str, M: int, N: int, num_sms: int, dtype: str = "bfloat16") -> list[PallasBlocks]:
+def variants(op: Op, mode: str, M: int, N: int, num_sms: int, dtype: str) -> list[PallasBlocks]:
     """The base configuration first, then the distinct variants around it."""
     base = base_blocks(op, mode, M, N, dtype)
     found = [base]
