@@ -153,8 +153,7 @@ def run_cases(impl, cases: list[Case], arrays: list[dict], stats_free: bool = Fa
             for grads, with_ds in case.backwards:
                 res["bwd"].append(impl.backward(
                     op, saved, a.get("weight"), a["dy"], a["ds"] if with_ds else None, fwd.get("MEAN"), fwd["RSTD"],
-                    opts=case.opts, grads=grads, w_dtype=case.w_dtype or case.dtype if case.cfg.has_w else None,
-                    b_dtype=case.w_dtype or case.dtype if case.cfg.has_b else None))
+                    opts=case.opts, grads=grads, b_dtype=case.w_dtype or case.dtype if case.cfg.has_b else None))
             results.append(res)
         return results
 
@@ -260,11 +259,9 @@ def test_row_lengths(impl, monkeypatch):
     cases.append(Case("layer_norm", Config(Casting.FP32, 0.0, True, True), (20, 5000), "bfloat16"))
     cases.append(Case("layer_norm", Config(Casting.FP32, 0.0, True, True), (20, 3000), "float32"))  # fp32: persistent from 4096
     if impl is _pallas:
-        assert _pallas.persistent_grid(OPS["layer_norm"], 5000)
         for backward in (False, True):
-            for elem_bytes in (2, 4):
-                assert launch.pallas_blocks(20, 5000, persistent=True, backward=backward, elem_bytes=elem_bytes,
-                                            num_sms=4).tiles_per_program > 1
+            for dtype in ("bfloat16", "float32"):
+                assert _pallas.blocks(OPS["layer_norm"], 20, 5000, dtype, backward=backward).tiles_per_program > 1
     _run_and_check(impl, cases)
 
 
@@ -291,7 +288,7 @@ def test_dw_deterministic(impl, op_name, monkeypatch):
     def program(a):
         fwd = impl.forward(op, a["x"], a.get("residual"), a["weight"], a.get("bias"), opts=opts, store_stats=True)
         return impl.backward(op, fwd["S"] if op.has_residual else a["x"], a["weight"], a["dy"], a.get("ds"),
-                             fwd.get("MEAN"), fwd["RSTD"], opts=opts, grads=grads, w_dtype="bfloat16",
+                             fwd.get("MEAN"), fwd["RSTD"], opts=opts, grads=grads,
                              b_dtype="bfloat16" if cfg.has_b else None)
 
     first = jax.device_get(_jit(program)(a))
@@ -299,7 +296,7 @@ def test_dw_deterministic(impl, op_name, monkeypatch):
     for name in first:
         assert np.array_equal(first[name], again[name]), name
     if impl is _pallas:  # the case does walk several tiles per program over several partial rows
-        cfg_b = launch.pallas_blocks(M, N, reduces=True, num_sms=_pallas.num_sms())
+        cfg_b = _pallas.blocks(op, M, N, "bfloat16", backward=True, reduces=True)
         assert cfg_b.num_programs > 1 and cfg_b.tiles_per_program > 1, cfg_b
 
 
@@ -307,7 +304,7 @@ def test_many_partials(monkeypatch):
     """More partial rows than one reduction step takes (G > BLOCK_G = 32), as on a GPU's SM count."""
     monkeypatch.setattr(_pallas, "NUM_SMS", 40)
     shape = (200, 1000)  # tiles of 4 x 1024: 50 tiles, 50 programs of one tile each
-    cfg = launch.pallas_blocks(*shape, reduces=True, num_sms=40)
+    cfg = _pallas.blocks(OPS["rms_norm"], *shape, "float32", backward=True, reduces=True)
     assert cfg.num_programs > launch.reduce_blocks(cfg.num_programs, shape[1])[0], cfg
     _run_and_check(_pallas, [Case("rms_norm", Config(Casting.FP32, 0.0, True, False), shape, "float32"),
                              Case("layer_norm", Config(Casting.FP32, 0.0, True, True), shape, "float32")])
@@ -346,9 +343,9 @@ def test_frozen_params_cost_nothing(impl, op_name):
     for grads in grads_subsets(True, has_b):
         jaxpr = jax.make_jaxpr(lambda x, w, dy, m, r, grads=grads: impl.backward(
             op, x, w, dy, dy if op.has_residual else None, None if op.is_rms else m, r, opts=opts, grads=grads,
-            w_dtype="bfloat16", b_dtype="bfloat16" if has_b else None))(x, w, x, stats, stats)
+            b_dtype="bfloat16" if has_b else None))(x, w, x, stats, stats)
         if impl is _pallas:
-            G = launch.pallas_blocks(M, N, reduces=True, num_sms=_pallas.num_sms()).num_programs
+            G = _pallas.blocks(op, M, N, "bfloat16", backward=True, reduces=True).num_programs
             for branch in _branches(jaxpr):
                 calls = [e for e in _walk(branch) if e.primitive.name == "pallas_call"]
                 assert len(calls) == (2 if grads.reduces else 1), (grads, len(calls))
@@ -378,27 +375,31 @@ def test_vmap_forward():
 
 def test_block_config():
     """The launch heuristic: one tile per program unless dW/dB are reduced or LayerNorm's long rows run persistent."""
-    c = launch.pallas_blocks(8192, 8192, num_sms=132)
+    rms, ln = OPS["rms_norm"], OPS["layer_norm"]
+    blocks = functools.partial(launch.pallas_blocks, num_sms=132)
+    c = blocks(rms, 8192, 8192, elem_bytes=2)
     assert (c.block_m, c.block_n, c.num_warps, c.num_programs, c.tiles_per_program) == (1, 8192, 8, 8192, 1)
-    c = launch.pallas_blocks(8192, 8192, reduces=True, num_sms=132)
+    c = blocks(rms, 8192, 8192, elem_bytes=2, backward=True, reduces=True)
     assert (c.num_warps, c.num_programs, c.tiles_per_program) == (16, 132, 63)
-    c = launch.pallas_blocks(32768, 4096, reduces=True, num_sms=132)
+    c = blocks(ln, 32768, 4096, elem_bytes=2, backward=True, reduces=True)
     assert (c.block_m, c.block_n, c.num_warps, c.num_programs, c.tiles_per_program) == (1, 4096, 4, 264, 125)
-    c = launch.pallas_blocks(8192, 8192, persistent=True, num_sms=132)
+    c = blocks(ln, 8192, 8192, elem_bytes=2)  # persistent
     assert (c.num_warps, c.num_programs, c.tiles_per_program) == (4, 264, 32)  # half the one-tile warps
-    c = launch.pallas_blocks(8192, 8192, persistent=True, elem_bytes=4, num_sms=132)  # fp32: 16384-element tiles
+    c = blocks(ln, 8192, 8192, elem_bytes=2, persistent=False)
+    assert (c.num_warps, c.num_programs, c.tiles_per_program) == (8, 8192, 1)
+    c = blocks(ln, 8192, 8192, elem_bytes=4)  # fp32: 16384-element tiles
     assert (c.block_m, c.num_warps, c.num_programs, c.tiles_per_program) == (2, 16, 132, 32)
-    c = launch.pallas_blocks(16384, 8192, persistent=True, backward=True, num_sms=132)  # dx-only backward
+    c = blocks(ln, 16384, 8192, elem_bytes=2, backward=True)  # dx-only backward
     assert (c.block_m, c.num_warps, c.num_programs, c.tiles_per_program) == (1, 32, 132, 125)
-    c = launch.pallas_blocks(5, 3)
+    c = launch.pallas_blocks(rms, 5, 3, elem_bytes=2, num_sms=4)
     assert (c.block_m, c.block_n, c.num_programs) == (8, 4, 1)
     # persistent: LayerNorm's forward and dx-only backward on rows of >= 8192 elements only
-    ln = OPS["layer_norm"]
-    assert _pallas.persistent_grid(ln, 8192) and _pallas.persistent_grid(ln, 5000)
-    assert not _pallas.persistent_grid(ln, 4096) and _pallas.persistent_grid(ln, 4096, elem_bytes=4)
-    assert not _pallas.persistent_grid(ln, 2048, elem_bytes=4)
-    assert _pallas.persistent_grid(ln, 8192, backward=True) and not _pallas.persistent_grid(ln, 16384, backward=True)
-    assert not _pallas.persistent_grid(OPS["rms_norm"], 8192)
-    c = launch.pallas_blocks(32768, 4096, persistent=True, elem_bytes=4, num_sms=132)  # fp32, 4096 wide
+    persistent = functools.partial(launch.pallas_persistent, ln)
+    assert persistent(8192, elem_bytes=2, backward=False) and persistent(5000, elem_bytes=2, backward=False)
+    assert not persistent(4096, elem_bytes=2, backward=False) and persistent(4096, elem_bytes=4, backward=False)
+    assert not persistent(2048, elem_bytes=4, backward=False)
+    assert persistent(8192, elem_bytes=2, backward=True) and not persistent(16384, elem_bytes=2, backward=True)
+    assert not launch.pallas_persistent(rms, 8192, elem_bytes=2, backward=False)
+    c = blocks(ln, 32768, 4096, elem_bytes=4)  # fp32, 4096 wide
     assert (c.block_m, c.num_warps, c.num_programs, c.tiles_per_program) == (1, 8, 264, 125)
-    assert launch.reduce_blocks(132, 8192) == (32, 64)
+    assert launch.reduce_blocks(132, 8192) == (32, 64, 4)
