@@ -112,8 +112,16 @@ def _batch(args, dims, *, pass_: Pass, route):
     return outs, [0] * len(outs)
 
 
+def _eager(*args, pass_: Pass, route):
+    """Outside jit: on arrays spread over several devices, compiled alone (so partitioned per device
+    like under jit); otherwise run as traced code, op by op."""
+    if any(len(a.sharding.device_set) > 1 for a in args if isinstance(a, jax.Array)):
+        return dispatch.apply_primitive(rows_p, *args, pass_=pass_, route=route)
+    return pass_.run(*args)
+
+
 rows_p.def_abstract_eval(_abstract)
-rows_p.def_impl(lambda *args, pass_, route: pass_.run(*args))
+rows_p.def_impl(_eager)
 ad.primitive_jvps[rows_p] = _no_jvp
 batching.primitive_batchers[rows_p] = _batch
 

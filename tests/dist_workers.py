@@ -9,8 +9,8 @@ placement errors; a ``SequenceParallel`` module; DDP and FSDP2 on a small model 
 JAX (``jax_cases``): in one process with 2 devices, every op through every implementation under
 ``jit`` on inputs sharded over a mesh of Auto axes and one of Explicit axes, placed three ways,
 trained and with frozen parameters; against the float64 reference and the unsharded run, reading
-the compiled HLO's collectives (``benchmarks.hlo``). Also a weight sharded FSDP-style, vmap, the
-GSPMD partitioner, the caller's own shard_map, replicated inputs and the placement errors.
+the compiled HLO's collectives (``benchmarks.hlo``). Also a weight sharded FSDP-style, vmap, eager
+calls, the GSPMD partitioner, the caller's own shard_map, replicated inputs and the placement errors.
 
 Every case is a JSON-able dict; ``torch_failures`` / ``jax_failures`` list what is wrong with one
 (empty when it passes), so that the tests and the GPU script judge results the same way.
@@ -707,6 +707,37 @@ def jax_vmap_auto(shape=TINY, devices=None) -> list[dict]:
              "specs": [_spec_str(g.sharding.spec) for g in got], "spec": _spec_str(P("data"))}]
 
 
+def jax_eager_auto(shape=TINY, devices=None) -> list[dict]:
+    """Outside jit, arrays sequence-split on an Auto mesh: each implementation's forward and backward
+    still run per device (outputs and dx split like x)."""
+    import jax
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jax_frontend as jf
+
+    rng = np.random.default_rng(4)
+    x = np.asarray(rng.standard_normal(shape), np.float32)
+    w = np.asarray(rng.uniform(0.5, 1.5, shape[-1]), np.float32)
+    dy = np.asarray(rng.standard_normal(shape), np.float32)
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,), devices=devices)
+    row = NamedSharding(mesh, P(None, "data"))
+    out = []
+    for implementation in JAX_IMPLEMENTATIONS:
+        def step(x, w, dy, implementation=implementation):
+            y, vjp = jax.vjp(lambda x, w: jf.rms_norm(x, w, implementation=implementation), x, w)
+            return (y, *vjp(dy))
+
+        ref = jax.jit(step)(x, w, dy)
+        got = step(jax.device_put(x, row), w, jax.device_put(dy, row))
+        M = int(np.prod(shape[:-1]))
+        out.append({"kind": "eager", "name": f"eager_auto_{implementation}", "spec": _spec_str(row.spec),
+                    "specs": [_spec_str(g.sharding.spec) for g in got[:2]],
+                    "errors": {k: _err(np.asarray(g), np.asarray(r), "float32", k, M if k == "dweight" else 1)
+                               for k, g, r in zip(("y", "dx", "dweight"), got, ref)}})
+    return out
+
+
 def jax_gspmd(shape=TINY, devices=None) -> list[dict]:
     """The rule under the GSPMD partitioner (``jax_use_shardy_partitioner=False``; Shardy is the default):
     a trained LayerNorm, batch-split, on an Auto mesh."""
@@ -847,7 +878,8 @@ def jax_cases(shape=TINY, devices=None) -> list[dict]:
             out.append(jax_case(name, *spec, shape=shape, devices=devices))
         except Exception:  # noqa: BLE001
             out.append({"kind": "sharded", "name": name, "crash": traceback.format_exc()[-3000:]})
-    for fn in (jax_fsdp, jax_vmap_auto, jax_gspmd, jax_user_shard_map, jax_replicated, jax_error_cases):
+    for fn in (jax_fsdp, jax_vmap_auto, jax_eager_auto, jax_gspmd, jax_user_shard_map, jax_replicated,
+               jax_error_cases):
         try:
             out.extend(fn(shape, devices))
         except Exception:  # noqa: BLE001
@@ -893,8 +925,8 @@ def jax_failures(case: dict) -> list[str]:
             bad.append(f"{name}: collectives {found}; expected the {N}-element weight gathered, no activation moved")
         if case["axis_type"] == "explicit" and case["dweight_spec"] != "('data',)":
             bad.append(f"{name}: dweight is sharded {case['dweight_spec']}, expected the weight's ('data',)")
-    elif kind == "vmap":
-        if case["collectives"]:
+    elif kind in ("vmap", "eager"):
+        if case.get("collectives"):
             bad.append(f"{name}: collectives {case['collectives']}; expected none")
         if any(s != case["spec"] for s in case["specs"]):
             bad.append(f"{name}: outputs sharded {case['specs']}, expected {case['spec']}")
