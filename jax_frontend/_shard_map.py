@@ -1,9 +1,10 @@
 """Shardings that are in the inputs' types: Explicit mesh axes (``jax.shard_map`` inside the op) and
 manual axes (inside the caller's ``jax.shard_map``).
 
-When x's type carries a sharding over Explicit mesh axes (``jax.make_mesh``'s default axis type; the
+When x's type splits its rows over Explicit mesh axes (``jax.make_mesh``'s default axis type; the
 mode ``jax.set_mesh`` enables; also inside a jit whose inputs are ``NamedSharding``-placed on such a
-mesh), ``functional._call`` runs the op with ``ShardedImpl``:
+mesh), ``functional._call`` runs the op with ``ShardedImpl`` (rows the type leaves whole, e.g. the
+replicated arrays made after ``jax.set_mesh``, go to ``_custom_partitioning`` like any other):
 
 - forward: ``shard_map`` over the mesh's Explicit axes with x (and residual) split as their type
   says and the weight and bias replicated; each device runs the pass on its own rows
@@ -71,7 +72,7 @@ def whole_params(weight, bias) -> tuple:
 
 
 def sharded_impl(op: Op, base: Implementation, x, residual=None, weight=None, bias=None):
-    """A ``ShardedImpl`` over ``base`` when x's type is sharded over Explicit mesh axes, else None.
+    """A ``ShardedImpl`` over ``base`` when x's type splits its rows over Explicit mesh axes, else None.
 
     Raises (before any launch) for placements the kernels cannot run on locally."""
     sharding = _sharding(x)
@@ -88,11 +89,8 @@ def sharded_impl(op: Op, base: Implementation, x, residual=None, weight=None, bi
                 f"normkit: residual has sharding {_rows.show(r_spec)} but x has {_rows.show(spec)}; they must be "
                 "sharded alike (jax.sharding.reshard one of them)")
     row_axes = tuple(a for e in spec[:-1] for a in _rows.mesh_axes(e))
-    if not row_axes and mesh.size == 1:
+    if not row_axes:
         return None
-    # Replicated rows on a mesh of several devices still go through shard_map (with nothing split and
-    # nothing reduced): every device computes all rows from its own copy. On CPU a pure_callback
-    # outside shard_map fails on mesh-typed operands, and Pallas's padding mixes types.
     return ShardedImpl(base=base, mesh=mesh, spec=spec, row_axes=row_axes, manual_axes=tuple(mesh.explicit_axes))
 
 

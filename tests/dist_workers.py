@@ -677,11 +677,12 @@ def jax_fsdp(shape=TINY, devices=None) -> list[dict]:
     return out
 
 
-def jax_vmap_auto(shape=TINY, devices=None) -> list[dict]:
-    """vmap over a sharded axis on an Auto mesh: the batch axis folds into the rows and stays split; the
-    forward and a frozen weight's backward move nothing."""
+def jax_vmap(shape=TINY, devices=None) -> list[dict]:
+    """vmap over a split axis, Auto and Explicit: the batch axis folds into the rows and stays split;
+    the forward and a frozen weight's backward move nothing."""
+    import contextlib
+
     import jax
-    import jax.numpy as jnp
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -697,14 +698,20 @@ def jax_vmap_auto(shape=TINY, devices=None) -> list[dict]:
         return y, vjp(dy)[0]
 
     ref = jax.jit(step)(x, w, dy)
-    mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,), devices=devices)
-    args = jax.device_put((x, w, dy), (NamedSharding(mesh, P("data")), NamedSharding(mesh, P()),
-                                       NamedSharding(mesh, P("data"))))
-    f = jax.jit(step)
-    got = f(*args)
-    return [{"kind": "vmap", "name": "vmap_auto", "collectives": _collectives(f.lower(*args).compile().as_text()),
-             "errors": {k: _err(np.asarray(g), np.asarray(r), "float32", k) for k, g, r in zip(("y", "dx"), got, ref)},
-             "specs": [_spec_str(g.sharding.spec) for g in got], "spec": _spec_str(P("data"))}]
+    out = []
+    for axis_type, axis in (("auto", AxisType.Auto), ("explicit", AxisType.Explicit)):
+        mesh = jax.make_mesh((2,), ("data",), axis_types=(axis,), devices=devices)
+        with jax.set_mesh(mesh) if axis_type == "explicit" else contextlib.nullcontext():
+            args = jax.device_put((x, w, dy), (NamedSharding(mesh, P("data")), NamedSharding(mesh, P()),
+                                               NamedSharding(mesh, P("data"))))
+            f = jax.jit(step)
+            got = f(*args)
+            hlo = _collectives(f.lower(*args).compile().as_text())
+        out.append({"kind": "vmap", "name": f"vmap_{axis_type}", "collectives": hlo,
+                    "errors": {k: _err(np.asarray(g), np.asarray(r), "float32", k)
+                               for k, g, r in zip(("y", "dx"), got, ref)},
+                    "specs": [_spec_str(g.sharding.spec) for g in got], "spec": _spec_str(P("data"))})
+    return out
 
 
 def jax_eager_auto(shape=TINY, devices=None) -> list[dict]:
@@ -878,7 +885,7 @@ def jax_cases(shape=TINY, devices=None) -> list[dict]:
             out.append(jax_case(name, *spec, shape=shape, devices=devices))
         except Exception:  # noqa: BLE001
             out.append({"kind": "sharded", "name": name, "crash": traceback.format_exc()[-3000:]})
-    for fn in (jax_fsdp, jax_vmap_auto, jax_eager_auto, jax_gspmd, jax_user_shard_map, jax_replicated,
+    for fn in (jax_fsdp, jax_vmap, jax_eager_auto, jax_gspmd, jax_user_shard_map, jax_replicated,
                jax_error_cases):
         try:
             out.extend(fn(shape, devices))

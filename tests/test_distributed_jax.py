@@ -67,7 +67,7 @@ def test_weight_sharded_along_n_is_gathered(cases, name):
     _check(cases, name)
 
 
-@pytest.mark.parametrize("name", ["vmap_auto", "layer_norm_triton_auto_device_put_batch_gspmd"]
+@pytest.mark.parametrize("name", ["vmap_auto", "vmap_explicit", "layer_norm_triton_auto_device_put_batch_gspmd"]
                          + [f"eager_auto_{i}" for i in dist_workers.JAX_IMPLEMENTATIONS])
 def test_vmap_eager_and_gspmd(cases, name):
     """vmap over a sharded axis keeps it split; eager calls on split arrays run per device too; the rule
