@@ -1,10 +1,12 @@
 """Inputs whose sharding XLA's partitioner chooses (Auto mesh axes, or no mesh): a sharding rule for it.
 
 ``PartitionedImpl`` runs each pass of an op (``_rows.Pass``) as one primitive, ``normkit_rows``,
-over arrays of the caller's shape ``(..., N)``. Under ``jit`` on one device it lowers to the
+over arrays of the caller's shape ``(..., N)``; every call takes it except those ``_shard_map``
+takes (rows split over Explicit mesh axes). Under ``jit`` on one device it lowers to the
 implementation's kernels as they are. When the computation is partitioned over several devices
 (inputs placed with a ``NamedSharding`` on a mesh whose axes are Auto: ``jax.sharding.Mesh``'s
-default, Flax and most training code), it lowers through ``jax.experimental.custom_partitioning``:
+default, Flax and most training code; host arrays placed by ``jit(in_shardings=...)``; replicated
+arrays on any mesh), it lowers through ``jax.experimental.custom_partitioning``:
 
 - the Shardy sharding rule (``sharding_rule``) says what the op is to the partitioner's
   propagation: row buffers ``"... n"``, statistics ``"..."``, weight, bias, dW and dB ``"n"``, with
@@ -31,6 +33,8 @@ is lowered and the per-device launches call it.
 ``vmap`` folds its batch axis into the leading dimensions (one partitioned launch), except where
 folding would change the result: a batched weight or bias, and a backward that reduces dW/dB (vmap
 wants one per batch element). Those run the implementation's own ``vmap`` rule, unpartitioned.
+Outside ``jit``, a call on arrays spread over several devices compiles the primitive alone, so it
+runs per device too.
 """
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ import functools
 import jax
 import jax.extend as jex
 import jax.numpy as jnp
-from jax._src import dispatch
+from jax._src import dispatch  # prim_requires_devices_during_lowering, apply_primitive: below
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding
@@ -146,6 +150,8 @@ def _lower(ctx, *args, pass_: Pass, route):
 
 
 def _lower_partitioned(ctx, *args, pass_: Pass):
+    # On CPU the dispatcher is registered whatever the implementation (one host callback per module;
+    # only the Triton implementation's interpreted launches call it).
     cpu = tuple(ctx.module_context.platforms) == ("cpu",)
     route = _launch.host_dispatcher_index(ctx.module_context) if cpu else None
 

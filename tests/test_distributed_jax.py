@@ -101,7 +101,7 @@ def test_sharding_errors(cases, name):
 
 def test_case_table_covers_every_implementation():
     assert dist_workers.JAX_IMPLEMENTATIONS == jf.IMPLEMENTATIONS
-    table = {(impl, op, axis, placement) for _, impl, op, axis, placement, _ in dist_workers.JAX_CASES}
+    table = {(impl, op, axis, placement) for _, impl, op, axis, placement, *_ in dist_workers.JAX_CASES}
     for axis in ("auto", "explicit"):  # every placement meets every op and every implementation
         for placement in dist_workers.JAX_PLACEMENTS:
             assert {op for _, op, a, p in table if (a, p) == (axis, placement)} == set(dist_workers.OPS)
@@ -153,7 +153,8 @@ def test_hlo_collectives():
 def test_failures_read_merged_reductions():
     """The judge counts elements: dW and dB merged into one instruction pass; a frozen parameter's
     reduction, or a gathered activation, fails."""
-    row = {"ok": True, "message": "", "layout": "row", "spec": "('data',)", "unsharded_diff": 0.0}
+    row = {"ok": True, "message": "", "layout": "row", "spec": "('data',)", "placed_as_expected": True,
+           "unsharded_diff": 0.0}
     case = {"kind": "sharded", "name": "c", "implementation": "xla", "spec": "('data',)", "params": ["weight", "bias"],
             "N": 16, "results": {"y": row}, "frozen_param_grads_max": [0.0, 0.0],
             "collectives": {"trained": [["all-reduce", "f32", [16], 16], ["all-reduce", "f32", [16], 16]], "frozen": []}}
