@@ -46,11 +46,15 @@ def test_tune_pallas_dry_run():
 
 def test_compare():
     out = run_script("scripts/compare.py", "--shape", "8x64", "--reps", "1")
-    assert re.search(r"^op\s+frontend\s+backward\s+kernels\s+partials \(B\)\s+dx err", out, re.M), out
+    header = re.search(r"^op\s+frontend\s+backward\s+kernels launched\s+fp32 partials \(B\)\s+dx rel err\s+"
+                       r"dW rel err\s+dx frozen==full\s+fwd\+bwd \(us\)$", out, re.M)
+    assert header, out
+    for column in re.split(r"\s{2,}", header[0]):  # every column is explained under the table
+        assert re.search(rf"^  {re.escape(column)}: \S", out, re.M), f"no legend line for {column!r}:\n{out}"
     for op in OPS.values():
         for frontend in ("torch", "jax"):
             full = re.search(rf"^{op.name}\s+{frontend}\s+full\s+norm_fwd,norm_bwd,partial_sum\s+(\d+)\s", out, re.M)
-            frozen = re.search(rf"^{op.name}\s+{frontend}\s+frozen\s+norm_fwd,norm_bwd\s+0\s+\S+\s+-\s+True\s", out,
+            frozen = re.search(rf"^{op.name}\s+{frontend}\s+frozen\s+norm_fwd,norm_bwd\s+0\s+\S+\s+-\s+yes\s", out,
                                re.M)
             assert full and frozen, f"rows missing for {op.name} {frontend}:\n{out}"
             # one fp32 partial row of N per program, for dW (and dB)
