@@ -275,12 +275,12 @@ def torch_part(device: str, cfg: dict, skip_cases: bool = False) -> dict:
                     "device_name": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"}}
 
 
-def _torch_dry_rank(rank: int, world: int, port: int, out: str, skip_cases: bool) -> None:
+def _torch_dry_rank(rank: int, world: int, init_method: str, out: str, skip_cases: bool) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     try:
         result = torch_part("cpu", DRY, skip_cases)

@@ -181,9 +181,9 @@ class _Capture:
     def __getattr__(self, name):
         return getattr(backend, name)
 
-    def launch(self, call, arrays):
+    def launch(self, call, arrays, rows_shape=None):
         self.launches.append((call, dict(arrays)))
-        return backend.launch(call, arrays)
+        return backend.launch(call, arrays, rows_shape)
 
     def plan(self) -> tuple[list, dict]:
         return [call for call, _ in self.launches], self.launches[0][1]

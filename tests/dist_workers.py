@@ -24,7 +24,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import sys
 import tempfile
 import traceback
@@ -43,12 +42,6 @@ from normkit.testing import assert_close  # noqa: E402
 TINY = (2, 4, 16)  # B, S, D: the CPU tests' shape (D differs from B and S, so HLO shapes identify params)
 COLLECTIVE_NAMES = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "all_to_all",
                     "alltoall", "broadcast", "reduce_", "gather_", "scatter_")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _err(actual, ref, dtype: str, what: str, reduced_over: int = 1) -> dict:
@@ -442,13 +435,13 @@ def torch_failures(case: dict) -> list[str]:
     return bad
 
 
-def _torch_rank(rank: int, world: int, port: int, out_dir: str, device: str) -> None:
-    """One spawned CPU rank: gloo on 127.0.0.1, the torch cases, results to ``out_dir/rank{rank}.json``."""
+def _torch_rank(rank: int, world: int, init_method: str, out_dir: str, device: str) -> None:
+    """One spawned CPU rank: gloo, the torch cases, results to ``out_dir/rank{rank}.json``."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=180))
     try:
         cases = torch_cases(device)
@@ -458,10 +451,14 @@ def _torch_rank(rank: int, world: int, port: int, out_dir: str, device: str) -> 
 
 
 def spawn_cpu_ranks(fn, world: int, *args) -> None:
-    """``fn(rank, world, port, *args)`` in ``world`` spawned processes (gloo on 127.0.0.1)."""
+    """``fn(rank, world, init_method, *args)`` in ``world`` spawned processes. The ranks meet through a
+    file in a fresh directory (``file://`` rendezvous), not a TCP port: a port found free here could
+    be taken by another process before the ranks bind it."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=True, start_method="spawn")
+    with tempfile.TemporaryDirectory() as rendezvous:
+        init_method = Path(rendezvous, "store").as_uri()
+        mp.start_processes(fn, args=(world, init_method, *args), nprocs=world, join=True, start_method="spawn")
 
 
 def run_torch_cpu(out: Path, world: int = 2) -> list[dict]:

@@ -24,6 +24,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
 
 
+def nd_shape(name: str, shape: tuple, buffer_shape: tuple) -> tuple:
+    """A buffer's shape over the caller's leading shape: rows (M, N) -> shape, statistics (M,) -> shape[:-1]."""
+    if len(buffer_shape) == 2 and name not in ("DW_PART", "DB_PART"):
+        return tuple(shape)
+    if name in ("MEAN", "RSTD"):
+        return tuple(shape[:-1])
+    return tuple(buffer_shape)
+
+
 @functools.lru_cache(maxsize=None)
 def _cuda_num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -55,10 +64,10 @@ class TorchBackend:
         return torch.zeros(shape, dtype=TORCH_DTYPES[dtype], device=like.device)
 
     @staticmethod
-    def launch(call: KernelCall, arrays: dict, allocs: list | None = None) -> dict:
-        """``allocs``: ``(shape, dtype)`` per output in ``call.out_specs`` order, to allocate the row
-        outputs in the caller's leading shape (same memory layout as the planned ``[M, N]``)."""
-        prep, device, args, outs = _operands(call, arrays, allocs)
+    def launch(call: KernelCall, arrays: dict, rows_shape: tuple | None = None) -> dict:
+        """``rows_shape``: the caller's ``(..., N)`` shape, in which the row outputs are allocated
+        (the same memory layout as the planned ``[M, N]``); see ``normkit.driver.Backend``."""
+        prep, device, args, outs = _operands(call, arrays, rows_shape)
         if device.type != "cuda" or prep.interpreted:
             _interpreter.interpreted(call.kernel)[call.grid](*args, **call.constexprs, num_warps=call.num_warps,
                                                             num_stages=call.num_stages)
@@ -90,22 +99,23 @@ class InductorBackend(TorchBackend):
     """
 
     @staticmethod
-    def launch(call: KernelCall, arrays: dict) -> dict:
-        prep, _, args, outs = _operands(call, arrays)
+    def launch(call: KernelCall, arrays: dict, rows_shape: tuple | None = None) -> dict:
+        prep, _, args, outs = _operands(call, arrays, rows_shape)
         torch.library.wrap_triton(call.kernel)[call.grid](*args, **call.constexprs, num_warps=call.num_warps,
                                                           num_stages=call.num_stages)
         call.record("torch", False)
         return dict(zip(prep.out_names, outs))
 
 
-def _operands(call: KernelCall, arrays: dict, allocs: list | None = None) -> tuple:
+def _operands(call: KernelCall, arrays: dict, rows_shape: tuple | None = None) -> tuple:
     """``(prepared plan, device, kernel arguments, outputs)``: every output allocated once, in
     ``call.out_specs`` order (NaN-filled under ``driver.POISON_OUTPUTS``)."""
     prep = call.cache.get("torch")
     if prep is None:
         prep = call.cache["torch"] = _Prepared(call)
     device = arrays[prep.first_input].device
-    outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in (allocs or prep.allocs)]
+    allocs = prep.allocs if rows_shape is None else prep.allocs_in(rows_shape)
+    outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in allocs]
     if driver.POISON_OUTPUTS:
         for t in outs:
             t.fill_(float("nan"))
@@ -123,8 +133,18 @@ class _Prepared:
         self.inputs = [(name, name in call.present_inputs) for name in call.inputs]
         self.out_names = list(call.out_specs)
         self.allocs = [(tuple(shape), TORCH_DTYPES[dtype]) for shape, dtype in call.out_specs.values()]
+        self._allocs_in: dict = {}
         self.out_slots = [self.out_names.index(name) if name in call.out_specs else None for name in call.outputs]
         self.interpreted = _interpreter.is_interpreted(call.kernel)  # TRITON_INTERPRET=1 made it interpreted
+
+    def allocs_in(self, rows_shape: tuple) -> list:
+        """``allocs`` with the row outputs in ``rows_shape`` (the caller's ``(..., N)``) and the per-row
+        statistics in ``rows_shape[:-1]``; remembered per shape (a plan serves one M, so few shapes)."""
+        allocs = self._allocs_in.get(rows_shape)
+        if allocs is None:
+            allocs = self._allocs_in[rows_shape] = [
+                (nd_shape(name, rows_shape, shape), dtype) for name, (shape, dtype) in zip(self.out_names, self.allocs)]
+        return allocs
 
 
 def _launch_compiled(call: KernelCall, args: list, device_index: int) -> None:
