@@ -759,3 +759,60 @@ def test_module_options_are_checked_at_construction():
         tf.LayerNorm(8, eps=1e39)
     with pytest.raises(TypeError, match=r"normkit: normalized_shape must be an int D"):
         tf.LayerNorm(8.0)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the direct launch is the compiled (CUDA) path")
+def test_direct_launch_matches_tritons_launcher_and_respects_alignment():
+    """After Triton's launcher compiled a plan's kernel for aligned pointers, later launches call its C
+    launcher directly: bitwise the same results as Triton's own path. A tensor 2 bytes off 16-byte
+    alignment needs the unaligned specialization, so it takes Triton's path, and is right."""
+    def run(x, w, dy):
+        x = x.detach().requires_grad_(True)
+        y = tf.rms_norm(x, w)
+        (dx,) = torch.autograd.grad(y, x, dy)
+        return y, dx
+
+    w = randn(96, dtype=BF16, seed=501)
+    x, dy = randn(64, 96, dtype=BF16, seed=502), randn(64, 96, dtype=BF16, seed=503)
+    first = run(x, w, dy)  # compiles through Triton's launcher
+    preps = [call.cache["torch"] for call in _bound_plans(x)]
+    assert all(prep.direct.get(x.device.index) for prep in preps), "the aligned kernels were not kept"
+    again = run(x, w, dy)  # the direct launches
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    buf = randn(64 * 96 + 1, dtype=BF16, seed=504)
+    unaligned = buf[1:].view(64, 96)
+    assert unaligned.data_ptr() % 16 != 0
+    y, dx = run(unaligned, w, dy)
+    want_dx, _ = ref.rms_norm_bwd(np64(unaligned), np64(w), np64(dy))
+    assert_close(np64(y), ref.rms_norm(np64(unaligned), np64(w)), "bfloat16", "y, unaligned x")
+    assert_close(np64(dx), want_dx, "bfloat16", "dx, unaligned x")
+    with _LaunchHook():  # a launch hook (a profiler's): Triton's own path, same results
+        hooked = run(x, w, dy)
+    for a, b in zip(first, hooked):
+        assert torch.equal(a, b)
+
+
+def _bound_plans(x):
+    """The forward and backward plans the fast path bound for ``rms_norm(x, w)``."""
+    from torch_frontend import _fastpath
+
+    bound = next(b for b in _fastpath.BOUND.values() if b.fwd.out_specs["Y"][0] == (x.shape[0], x.shape[1])
+                 and b.op.name == "rms_norm")
+    plans = [bound.fwd] + [plan[0] for plan in bound.bwd.values() if plan]
+    return plans
+
+
+class _LaunchHook:
+    def __enter__(self):
+        from triton import knobs
+        self.saved = knobs.runtime.launch_enter_hook
+        self.calls = []
+        knobs.runtime.launch_enter_hook = lambda meta: self.calls.append(meta)
+        return self
+
+    def __exit__(self, *exc):
+        from triton import knobs
+        knobs.runtime.launch_enter_hook = self.saved
+        assert self.calls, "Triton's launcher did not run under the hook"
+        return False
