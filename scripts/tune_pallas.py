@@ -24,7 +24,6 @@ checked once, nothing timed.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
