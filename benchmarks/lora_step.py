@@ -5,25 +5,16 @@ q_proj/k_proj/v_proj/o_proj), so every norm weight is frozen, and a training ste
 
     loss = model(input_ids=ids, labels=ids).loss; loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
 
-with AdamW over the LoRA parameters only. Variants (each from a deep copy of one base model, so all
-start from the same weights, and see the same tokens):
+with AdamW over the LoRA parameters only. The model is ``benchmarks.models.llama_lora``'s; its
+variants (each from a deep copy of one base model, so all start from the same weights, and see the
+same tokens) are the norms of ``benchmarks.models.swap_norms``: ``hf`` (transformers' ``LlamaRMSNorm``),
+``liger`` (``LigerRMSNorm`` swapped in), ``normkit`` (``torch_frontend.patch_model(model)``; its report
+is printed and recorded) and ``normkit_fused`` (``patch_model(model, fuse_residual_add=True)``: what
+Inductor does for ``hf`` under ``torch.compile``); each eager and under ``torch.compile(model)``
+(default mode).
 
-- ``hf``: the model as built (``LlamaRMSNorm``, the plain PyTorch expression);
-- ``liger``: every ``LlamaRMSNorm`` replaced by ``liger_kernel.transformers.LigerRMSNorm`` with the
-  HF module's eps and its weight ``Parameter``, configured as Liger's own Llama patch configures it
-  (offset 0, casting "llama", in_place=True). Liger's ``apply_liger_kernel_to_llama`` is not used:
-  it also rebinds ``transformers.models.llama.modeling_llama.LlamaRMSNorm`` process-wide (which would
-  change the other variants of this process) and, given ``model=``, expects an unwrapped Llama, not a
-  PEFT model. Only the norm is swapped; no other Liger kernel (RoPE, SwiGLU, loss) is applied;
-- ``normkit``: ``torch_frontend.patch_model(model)``; its report is printed and recorded;
-- ``normkit_fused``: ``patch_model(model, fuse_residual_add=True)``: also each decoder layer's
-  residual add before ``post_attention_layernorm`` fused into that norm (what Inductor does for
-  ``hf`` under ``torch.compile``);
-
-each eager and under ``torch.compile(model)`` (default mode).
-
-Per row: median / min / max step time over ``--steps`` steps after ``--warmup`` (CUDA events around
-each step, no synchronization in between), the first step's loss and LoRA gradient norm against the
+Per row: median / min / max step time over ``--steps`` steps after ``--warmup`` (wall time of each
+step, synchronized before and after: ``benchmarks.timing.Timer.each``), the first step's loss and LoRA gradient norm against the
 ``hf`` row, eager when it ran (the check), whether any norm weight got a ``.grad`` (it must not), peak memory,
 and the share of the norm in one profiled step (``torch.profiler``, CPU + CUDA):
 
@@ -63,16 +54,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import gc
-import importlib.metadata
-import inspect
 import json
 import math
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -88,10 +75,14 @@ import torch  # noqa: E402
 from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
+from benchmarks.env import versions  # noqa: E402
+from benchmarks.models import LORA_TARGETS, Unavailable, llama_lora, norm_modules, swap_norms  # noqa: E402
+from benchmarks.report import markdown_table  # noqa: E402
+from benchmarks.timing import Timer, torch_sync  # noqa: E402
+
 SCHEMA = "normkit-lora-step/1"
 VARIANTS = ("hf", "normkit", "normkit_fused", "liger")  # run order within a mode; hf first: it is the reference
 MODES = ("eager", "compile")
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 FWD_SCOPE = "lora_step::norm_forward"
 STEP_SCOPE = "lora_step::step"
 EVALUATE = "autograd::engine::evaluate_function"
@@ -112,104 +103,8 @@ DRY_DEFAULTS = dict(layers=2, hidden=64, intermediate=128, heads=4, vocab=256, s
                     dtype="fp32", steps=2, warmup=1)
 
 
-class Unavailable(Exception):
-    """A variant that cannot run here; the message is the reason."""
-
-
 def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T_START:6.1f}s] {msg}", flush=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# Model, variants
-
-
-def build_base(cfg: dict, device: torch.device, dtype: torch.dtype, seed: int):
-    """The random-init Llama in ``dtype`` on ``device`` (built there, no fp32 CPU copy), LoRA-wrapped."""
-    import peft
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
-        num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"], num_key_value_heads=cfg["heads"],
-        max_position_embeddings=max(cfg["seq"], 128), use_cache=False)
-    torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = transformers.LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(LORA_TARGETS),
-                           task_type="CAUSAL_LM")
-    model = peft.get_peft_model(model, lora)
-    model.train()
-    return model, config
-
-
-def norm_modules(model) -> list:
-    return [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
-
-
-def _replace(model, name: str, new) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)
-
-
-def prepare_hf(model, device) -> dict:
-    return {"how": "transformers' LlamaRMSNorm, unchanged"}
-
-
-def prepare_liger(model, device) -> dict:
-    try:
-        from liger_kernel.transformers import LigerRMSNorm
-    except Exception as e:  # noqa: BLE001  (whatever the import raises, the row says why)
-        raise Unavailable(f"liger_kernel.transformers does not import ({type(e).__name__}: {e})") from None
-    if device.type != "cuda":
-        raise Unavailable(f"Liger's Triton kernels need a GPU; this run is on {device.type}")
-    try:
-        version = importlib.metadata.version("liger-kernel")
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown"
-    signature = inspect.signature(LigerRMSNorm.__init__)
-    wanted = {"offset": 0.0, "casting_mode": "llama", "in_place": True, "row_mode": None}
-    kwargs = {k: v for k, v in wanted.items() if k in signature.parameters}
-    swapped = 0
-    for name, old in norm_modules(model):
-        if type(old).__name__ != "LlamaRMSNorm":
-            continue
-        eps = float(old.variance_epsilon)
-        new = LigerRMSNorm(old.weight.shape[0], eps=eps, **kwargs)
-        new.weight = old.weight  # the very Parameter: dtype, device, requires_grad=False all kept
-        new.train(old.training)
-        _replace(model, name, new)
-        swapped += 1
-    if not swapped:
-        raise Unavailable("no LlamaRMSNorm found to replace")
-    return {"how": f"module swap: {swapped} x LlamaRMSNorm -> liger_kernel.transformers.LigerRMSNorm("
-                   f"hidden, eps=<the module's>, {', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) carrying "
-                   "the HF module's weight Parameter (not apply_liger_kernel_to_llama: see the script's docstring)",
-            "liger_version": version, "LigerRMSNorm_signature": str(signature)}
-
-
-def prepare_normkit(model, device, fuse_residual_add: bool = False) -> dict:
-    import torch_frontend
-
-    llama_norms = sum(type(m).__name__ == "LlamaRMSNorm" for _, m in norm_modules(model))
-    layers = sum(type(m).__name__ == "LlamaDecoderLayer" for m in model.modules())
-    report = torch_frontend.patch_model(model, fuse_residual_add=fuse_residual_add)
-    if len(report.patched) != llama_norms or len(report.fused) != (layers if fuse_residual_add else 0):
-        raise RuntimeError(f"patch_model swapped {len(report.patched)} of {llama_norms} LlamaRMSNorm modules and "
-                           f"fused {len(report.fused)} of {layers} decoder layers:\n{report}")
-    how = "torch_frontend.patch_model(model" + (", fuse_residual_add=True)" if fuse_residual_add else ")")
-    return {"how": how, "patch_report": str(report), "patched": len(report.patched),
-            "skipped": len(report.skipped), "fused": len(report.fused)}
-
-
-PREPARE = {"hf": prepare_hf, "liger": prepare_liger, "normkit": prepare_normkit,
-           "normkit_fused": functools.partial(prepare_normkit, fuse_residual_add=True)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,11 +206,6 @@ class NormScopes:
 # One row
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _stats(ms: list) -> dict:
     return {"median": statistics.median(ms), "min": min(ms), "max": max(ms), "mean": statistics.fmean(ms)}
 
@@ -326,7 +216,7 @@ def run_row(variant: str, mode: str, base, ids, device, args, ref) -> dict:
     t0 = time.perf_counter()
     try:
         model = copy.deepcopy(base)
-        row["prepare"] = PREPARE[variant](model, device)
+        row["prepare"] = swap_norms(model, variant)
         norms = norm_modules(model)
         row["norm_modules"] = dict(Counter(type(m).__name__ for _, m in norms))
         norm_params = {f"{n}.{pn}": p for n, m in norms for pn, p in m.named_parameters(recurse=False)}
@@ -354,40 +244,21 @@ def run_row(variant: str, mode: str, base, ids, device, args, ref) -> dict:
             resident = torch.cuda.memory_allocated(device)
         t = time.perf_counter()
         _, (loss0, gnorm0, with_grad) = step(check=True)
-        _sync(device)
+        torch_sync()
         row["first_step_s"] = time.perf_counter() - t
         row["loss_first"], row["lora_grad_norm_first"] = loss0, gnorm0
         row["norm_weights_with_grad"] = with_grad
         for _ in range(max(args.warmup - 1, 0)):
             step()
-        _sync(device)
-
-        ms = []
+        losses = []
+        us = Timer.each(lambda: losses.append(step()[0]), args.steps, torch_sync)
         if device.type == "cuda":
-            marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                     for _ in range(args.steps)]
-            t = time.perf_counter()
-            for start, end in marks:
-                start.record()
-                loss, _ = step()
-                end.record()
-            _sync(device)
-            wall = time.perf_counter() - t
-            ms = [s.elapsed_time(e) for s, e in marks]
             row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
             row["step_peak_over_resident_gb"] = (torch.cuda.max_memory_allocated(device) - resident) / 2**30
-        else:
-            t = time.perf_counter()
-            for _ in range(args.steps):
-                s = time.perf_counter()
-                loss, _ = step()
-                ms.append((time.perf_counter() - s) * 1e3)
-            wall = time.perf_counter() - t
-        row["loss_last"] = loss.item()
-        row["step_ms"] = _stats(ms)
-        row["step_ms"]["wall_mean"] = wall * 1e3 / args.steps
+        row["loss_last"] = losses[-1].item()
+        row["step_ms"] = _stats([t / 1e3 for t in us])
         row["steps"], row["warmup"] = args.steps, args.warmup
-        row["timer"] = "cuda events around each step" if device.type == "cuda" else "perf_counter (CPU)"
+        row["timer"] = "wall time of each step, synchronized before and after (benchmarks.timing.Timer.each)"
 
         if not args.no_profile:
             row.update(profile_step(step, variant, mode, norms, device, steps=args.profile_steps))
@@ -423,7 +294,7 @@ def profile_step(step, variant, mode, norms, device, steps: int = 1) -> dict:
             for _ in range(steps):
                 with record_function(STEP_SCOPE):
                     step()
-            _sync(device)
+            torch_sync()
     finally:
         if scopes is not None:
             scopes.remove()
@@ -524,26 +395,30 @@ def _f(x, spec=".2f", none="-"):
     return none if x is None else format(x, spec)
 
 
+COLUMNS = ("variant", "mode", "status", "median ms", "min", "max", "speedup vs hf", "first step s", "loss",
+           "Δloss vs hf", "grad rel Δ", "norm ms", "norm % of step", "norm attribution", "step mem GB")
+
+
 def table(rows: list) -> str:
     ref = {r["mode"]: r["step_ms"]["median"] for r in rows if r["variant"] == "hf" and r.get("status") == "ok"}
-    head = ("| variant | mode | status | median ms | min | max | speedup vs hf | first step s | loss | Δloss vs hf "
-            "| grad rel Δ | norm ms | norm % of step | norm attribution | step mem GB |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    cells = []
     for r in rows:
         ok = r.get("status") == "ok"
-        status = r["status"].replace("|", "/") if not ok else ("ok" if r.get("checks_ok") else "CHECK FAILED")
-        if not ok:
-            lines.append(f"| {r['variant']} | {r['mode']} | {status} |" + " - |" * 12)
-            continue
-        s = r["step_ms"]
-        sp = ref.get(r["mode"])
-        lines.append(
-            f"| {r['variant']} | {r['mode']} | {status} | {s['median']:.2f} | {s['min']:.2f} | {s['max']:.2f} "
-            f"| {_f(sp / s['median'] if sp else None, '.3f')} | {r['first_step_s']:.1f} | {r['loss_first']:.4f} "
-            f"| {_f(r.get('loss_diff_vs_hf'), '.2e')} | {_f(r.get('grad_rel_diff_vs_hf'), '.2e')} "
-            f"| {_f(r.get('norm_ms'), '.3f')} | {_f(r.get('norm_pct'), '.1f')} "
-            f"| {r.get('norm_method', '-').split(':')[0]} | {_f(r.get('step_peak_over_resident_gb'), '.2f')} |")
-    return "\n".join(lines)
+        status = r["status"] if not ok else ("ok" if r.get("checks_ok") else "CHECK FAILED")
+        row = dict.fromkeys(COLUMNS, "-")
+        row.update(variant=r["variant"], mode=r["mode"], status=status.replace("|", "/"))
+        if ok:
+            s, sp = r["step_ms"], ref.get(r["mode"])
+            row.update({"median ms": f"{s['median']:.2f}", "min": f"{s['min']:.2f}", "max": f"{s['max']:.2f}",
+                        "speedup vs hf": _f(sp / s["median"] if sp else None, ".3f"),
+                        "first step s": f"{r['first_step_s']:.1f}", "loss": f"{r['loss_first']:.4f}",
+                        "Δloss vs hf": _f(r.get("loss_diff_vs_hf"), ".2e"),
+                        "grad rel Δ": _f(r.get("grad_rel_diff_vs_hf"), ".2e"), "norm ms": _f(r.get("norm_ms"), ".3f"),
+                        "norm % of step": _f(r.get("norm_pct"), ".1f"),
+                        "norm attribution": r.get("norm_method", "-").split(":")[0],
+                        "step mem GB": _f(r.get("step_peak_over_resident_gb"), ".2f")})
+        cells.append(row)
+    return markdown_table(cells)
 
 
 def markdown(result: dict) -> str:
@@ -609,21 +484,6 @@ def write_outputs(out_dir: Path, result: dict) -> None:
     (out_dir / "lora_step.md").write_text(markdown(result))
 
 
-def versions() -> dict:
-    v = {"python": platform.python_version()}
-    for dist in ("torch", "triton", "transformers", "peft", "liger-kernel"):
-        try:
-            v[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            v[dist] = None
-    try:
-        v["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                  timeout=10).stdout.strip() or None
-    except Exception:  # noqa: BLE001
-        v["git"] = None
-    return v
-
-
 # ---------------------------------------------------------------------------------------------
 # Main
 
@@ -667,8 +527,6 @@ def main(argv=None) -> int:
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if args.intermediate is None:
-        args.intermediate = max(64, round(args.hidden * 11008 / 4096 / 64) * 64)
     dtype = DTYPES[args.dtype]
     loss_tol, grad_tol = TOLERANCES[dtype]
     args.loss_rtol = loss_tol if args.loss_rtol is None else args.loss_rtol
@@ -694,8 +552,10 @@ def main(argv=None) -> int:
     log(f"config {json.dumps(cfg)}")
     log(f"versions {json.dumps(env['versions'])}")
 
-    base, config = build_base(cfg, device, dtype, args.seed)
-    cfg["attn_implementation"] = getattr(config, "_attn_implementation", None)
+    base, _ = llama_lora(layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, heads=args.heads,
+                         vocab=args.vocab, max_positions=max(args.seq, 128), dtype=dtype, device=device, seed=args.seed)
+    cfg["intermediate"] = base.config.intermediate_size
+    cfg["attn_implementation"] = getattr(base.config, "_attn_implementation", None)
     cfg["total_params"] = sum(p.numel() for p in base.parameters())
     gen = torch.Generator(device=device).manual_seed(args.seed + 1)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen, device=device)
