@@ -283,7 +283,7 @@ elif records:
 # %% [markdown]
 # ## Re-measured here (GPU only)
 # With a CUDA GPU present, this cell times normkit (Torch frontend) and torch eager RMSNorm in bf16 on
-# a few shapes, forward and both backwards (`benchmarks.timing.GpuTimer`: `do_bench` medians), and puts
+# a few shapes, forward and both backwards (`benchmarks.timing.Timer.kernel`: `do_bench` medians), and puts
 # the committed numbers beside them. Bytes come from the committed records of the same (op, mode,
 # dtype, shape) when present, so both use one byte model. On CPU it does nothing: the interpreter's
 # timings would mean nothing.
@@ -294,9 +294,9 @@ import torch  # noqa: E402
 if torch.cuda.is_available():
     import torch_frontend as tf
     from benchmarks import bytemodel
-    from benchmarks.timing import GpuTimer
+    from benchmarks.timing import Timer
 
-    timer = GpuTimer(warmup_ms=25, rep_ms=100)
+    timer = Timer(warmup_ms=25, rep_ms=100)
 
     def bench_rms(M, N, impl):
         x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)

@@ -133,32 +133,20 @@ else:
 # %% [markdown]
 # ## Torch: a tiny Llama, LoRA, and `patch_model`
 #
-# The norm weights are set away from their init (HF starts them at 1), so a dropped weight would show.
-# One deep copy stays unpatched as the reference.
+# The model is the benchmarks' (`benchmarks.models.llama_lora`): a random-init `LlamaForCausalLM` in a
+# PEFT LoRA adapter, its norm weights drawn away from their init (HF starts them at 1) so that a dropped
+# weight would show. One deep copy stays unpatched as the reference.
 
 # %%
 warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm's note that ipywidgets is absent
-from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
+from benchmarks.models import llama_lora
 
-torch.manual_seed(0)
-config = LlamaConfig(vocab_size=CFG["vocab"], hidden_size=CFG["hidden"], intermediate_size=2 * CFG["hidden"],
-                     num_hidden_layers=CFG["layers"], num_attention_heads=CFG["heads"],
-                     num_key_value_heads=CFG["kv_heads"], max_position_embeddings=2 * CFG["seq"])
-base = LlamaForCausalLM(config)
-with torch.no_grad():
-    for name, p in base.named_parameters():
-        if "norm" in name:
-            p.copy_(torch.empty_like(p).uniform_(0.5, 1.5))
-
-with warnings.catch_warnings():
-    # peft 0.21 calls transformers' deprecated is_gradient_checkpointing; harmless here.
-    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-    # init_lora_weights=False draws B at random too (PEFT's default starts B at zero), so that every
-    # LoRA gradient, A's included, is non-zero from the first step.
-    lora_cfg = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, init_lora_weights=False,
-                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])
-    reference = get_peft_model(base, lora_cfg).to(DEVICE)
+# init_lora_weights=False draws B at random too (PEFT's default starts B at zero), so that every LoRA
+# gradient, A's included, is non-zero from the first step.
+reference, _ = llama_lora(layers=CFG["layers"], hidden=CFG["hidden"], heads=CFG["heads"], kv_heads=CFG["kv_heads"],
+                          vocab=CFG["vocab"], intermediate=2 * CFG["hidden"], max_positions=2 * CFG["seq"],
+                          device=DEVICE, seed=0, norms="hf", r=8, alpha=16, init_lora_weights=False,
+                          targets=("q_proj", "k_proj", "v_proj", "o_proj", "down_proj"))
 model = copy.deepcopy(reference)
 
 report = tf.patch_model(model)

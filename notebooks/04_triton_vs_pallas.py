@@ -77,8 +77,9 @@ import jax.numpy as jnp
 import jax_frontend as nk
 import normkit
 from benchmarks import bytemodel
-from benchmarks.timing import DryTimer, num_sets
+from benchmarks.timing import Timer, num_sets
 from normkit.ops import OPS
+from normkit.shapes import parse as parse_shape
 from normkit.testing import TOLERANCES, assert_close, random_inputs
 
 # jax 0.11 warns at every Pallas-Triton lowering that the backend is deprecated (see above): expected here.
@@ -148,13 +149,13 @@ dt_rows = [{"dtype": dtype, "shape": r["shape"], "op": r["op"], "mode": r["mode"
             "device bandwidth (% of copy)": r["pct_copy_device"]}
            for dtype, (_, recs) in DEVICE_TIME.items() for r in recs]
 DT = table(dt_rows)
-DT_SOURCES = {dtype: f"{dtype}: {src.label(with_name=False)}" for dtype, (src, _) in DEVICE_TIME.items()}
+DT_SOURCES = {dtype: f"{dtype}: {src.label()}" for dtype, (src, _) in DEVICE_TIME.items()}
 for dtype, (src, recs) in DEVICE_TIME.items():
     print(f"{len(recs)} records, {DT_SOURCES[dtype]}")
 
 
 def shapes_of(dtype):
-    return sorted(set(DT[DT["dtype"] == dtype]["shape"]), key=lambda s: tuple(map(int, s.split("x"))))
+    return sorted(set(DT[DT["dtype"] == dtype]["shape"]), key=parse_shape)
 
 
 if "bf16" in DEVICE_TIME:
@@ -180,7 +181,7 @@ if "bf16" in DEVICE_TIME:
     fig.legend(handles, labels, loc="upper center", ncol=len(labels), bbox_to_anchor=(0.5, 1.0))
     fig.suptitle("Share of copy bandwidth per implementation, bf16 (higher is better; dotted: a copy)", y=1.03)
     fig.tight_layout()
-    footnote(fig, "Committed results (benchmarks/results/device_time/), " + DT_SOURCES["bf16"])
+    footnote(fig, "Committed results, " + DT_SOURCES["bf16"])
     show(fig)
     pct = DT[DT["dtype"] == "bf16"].pivot_table(index=["shape", "op", "mode"], columns="impl",
                                                 values="device bandwidth (% of copy)")
@@ -226,7 +227,7 @@ if dt_rows:
     fig.legend(handles, labels, loc="upper center", ncol=len(labels), bbox_to_anchor=(0.5, 1.0))
     fig.suptitle("Frozen against full backward: device time saved per implementation (higher saves more)", y=1.04)
     fig.tight_layout()
-    footnote(fig, "Committed results (benchmarks/results/device_time/):\n" + "\n".join(DT_SOURCES.values()))
+    footnote(fig, "Committed results:\n" + "\n".join(DT_SOURCES.values()))
     show(fig)
     display(DT.pivot_table(index=["dtype", "shape", "op", "mode"], columns="impl",
                            values="device bandwidth (% of copy)", sort=False).round(0)
@@ -556,36 +557,29 @@ display(table([r for r in LAUNCH_ROWS if r["dtype"] == "bfloat16"],
 #
 # Each column is timed the same way, end to end as a network calls it: the forward under `jax.jit`
 # (Torch: under `no_grad`), the backward as the vjp function of a separately jitted forward (Torch:
-# `autograd.grad` of a saved graph). On a GPU: `benchmarks.timing.GpuTimer.loop` (back-to-back calls,
-# one sync per batch, median over batches), input sets rotated past the L2 as `benchmarks/bench.py`
+# `autograd.grad` of a saved graph). On a GPU: `benchmarks.timing.Timer.loop` (blocks of back-to-back
+# calls, one sync per block, median over blocks), input sets rotated past the L2 as `benchmarks/bench.py`
 # does, and % of copy = the byte model's bytes (`benchmarks/bytemodel.py`: each input read once, each
 # output written once; fp32 partials not counted) per second over a device-to-device copy's bandwidth
-# measured here. On CPU: one wall-clock call after a first one (`benchmarks.timing.DryTimer`), bf16 only:
-# it runs the code path and says nothing about speed.
+# measured here (`Timer.copy_bandwidth`). On CPU: `Timer(dry=True)`, one wall-clock call after two
+# warm-up calls, bf16 only: it runs the code path and says nothing about speed.
 
 # %%
 GPU_TIMING = ON_GPU
 COPY = None
+timer = Timer(warmup_ms=5, rep_ms=50, dry=not GPU_TIMING)
 if ON_GPU and HAVE_TORCH and torch.cuda.is_available():
-    from benchmarks.timing import GpuTimer
-
-    timer = GpuTimer(warmup_ms=5, rep_ms=50)
     COPY = timer.copy_bandwidth()
     print(f"copy bandwidth: {COPY['tbps']:.2f} TB/s ({COPY['what']})")
-elif ON_GPU:  # GpuTimer and the copy benchmark use torch: time the same way without them, and no % of copy
-    from benchmarks import timing
-
-    class _Timer:
-        def loop(self, call, sync):
-            return timing._loop(call, sync, 5.0, 50.0, 5)
-
-    timer = _Timer()
+elif ON_GPU:
     print("no torch with CUDA here: no copy-bandwidth measurement, so no % of copy below")
 else:
-    timer = DryTimer(reps=1)
     print("CPU: the times below mean NOTHING about GPU performance (Triton and Pallas run in interpreters "
           "here; wall clock of one call, bf16 only). % of copy is shown on a GPU only.")
 TIME_DTYPES = DTYPES if GPU_TIMING else DTYPES[:1]
+if not HAVE_TORCH:  # benchmarks.timing times calls through torch.utils.benchmark
+    TIME_DTYPES = []
+    print("torch is not installed: nothing is timed here (benchmarks.timing needs torch)")
 
 
 def jax_sets(op, dtype, k, seed=0):
@@ -684,37 +678,38 @@ for op in OPS.values():
                                     - bytemodel.bytes_moved(op.name, "bwd_frozen", TM, TN, item)})
 SAVED_HERE = table(saving_rows)
 
-COLUMN_COLORS = {"triton (jax)": "black", "triton (torch)": "tab:blue", "pallas": "tab:green", "xla": "tab:red"}
-fig, (ax_b, ax_s) = plt.subplots(1, 2, figsize=(15, 4), gridspec_kw={"width_ratios": [3, 2]})
-value = "bandwidth (% of copy)" if COPY else "time (µs)"
-cell = HERE[HERE["dtype"] == "bf16"].set_index(["column", "op", "mode"])[value]
-if not COPY:
-    ax_b.set_yscale("log")
-grouped_bars(ax_b, [f"{OP_TITLES[op]}\n{mode}" for op in OPS for mode in MODES],
-             {c: [cell.get((c, op, mode)) for op in OPS for mode in MODES] for c in COLUMNS}, colors=COLUMN_COLORS)
-ax_b.set_ylabel("bandwidth (% of copy)" if COPY else "wall time per call (µs)")
-ax_b.set_title("bf16, " + ("higher is better" if COPY else "interpreter wall clock: says nothing about speed"),
-               fontsize=10)
-if COPY:
-    ax_b.axhline(100, color="0.4", lw=0.8, ls=":")
-ax_b.set_xlabel("op and mode")
-ax_b.tick_params(axis="x", labelsize=7)
-cell = SAVED_HERE.set_index(["column", "op", "dtype"])["saved by freezing (%)"]
-grouped_bars(ax_s, [f"{OP_TITLES[op]}\n{SHORT[dt]}" for op in OPS for dt in TIME_DTYPES],
-             {c: [cell.get((c, op, SHORT[dt])) for op in OPS for dt in TIME_DTYPES] for c in COLUMNS},
-             colors=COLUMN_COLORS)
-ax_s.axhline(0, color="black", lw=0.6)
-ax_s.set_ylabel("backward time saved by freezing (%)")
-ax_s.set_title("Frozen against full backward" + ("" if COPY else ", interpreter wall clock"), fontsize=10)
-ax_s.set_xlabel("op and dtype")
-ax_s.tick_params(axis="x", labelsize=7)
-handles, labels = ax_b.get_legend_handles_labels()
-fig.legend(handles, labels, loc="upper center", ncol=len(labels), bbox_to_anchor=(0.5, 1.0))
-fig.suptitle(f"The four columns timed in this run, {TM} x {TN}", y=1.06)
-fig.tight_layout()
-footnote(fig, this_run(SIZE, "timed in this run") + ("" if COPY else ".\nThe answer on the GPU is the first "
-                                                       "figures, from the committed device-time results."))
-show(fig)
+if TIMES:
+    COLUMN_COLORS = {"triton (jax)": "black", "triton (torch)": "tab:blue", "pallas": "tab:green", "xla": "tab:red"}
+    fig, (ax_b, ax_s) = plt.subplots(1, 2, figsize=(15, 4), gridspec_kw={"width_ratios": [3, 2]})
+    value = "bandwidth (% of copy)" if COPY else "time (µs)"
+    cell = HERE[HERE["dtype"] == "bf16"].set_index(["column", "op", "mode"])[value]
+    if not COPY:
+        ax_b.set_yscale("log")
+    grouped_bars(ax_b, [f"{OP_TITLES[op]}\n{mode}" for op in OPS for mode in MODES],
+                 {c: [cell.get((c, op, mode)) for op in OPS for mode in MODES] for c in COLUMNS}, colors=COLUMN_COLORS)
+    ax_b.set_ylabel("bandwidth (% of copy)" if COPY else "wall time per call (µs)")
+    ax_b.set_title("bf16, " + ("higher is better" if COPY else "interpreter wall clock: says nothing about speed"),
+                   fontsize=10)
+    if COPY:
+        ax_b.axhline(100, color="0.4", lw=0.8, ls=":")
+    ax_b.set_xlabel("op and mode")
+    ax_b.tick_params(axis="x", labelsize=7)
+    cell = SAVED_HERE.set_index(["column", "op", "dtype"])["saved by freezing (%)"]
+    grouped_bars(ax_s, [f"{OP_TITLES[op]}\n{SHORT[dt]}" for op in OPS for dt in TIME_DTYPES],
+                 {c: [cell.get((c, op, SHORT[dt])) for op in OPS for dt in TIME_DTYPES] for c in COLUMNS},
+                 colors=COLUMN_COLORS)
+    ax_s.axhline(0, color="black", lw=0.6)
+    ax_s.set_ylabel("backward time saved by freezing (%)")
+    ax_s.set_title("Frozen against full backward" + ("" if COPY else ", interpreter wall clock"), fontsize=10)
+    ax_s.set_xlabel("op and dtype")
+    ax_s.tick_params(axis="x", labelsize=7)
+    handles, labels = ax_b.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(labels), bbox_to_anchor=(0.5, 1.0))
+    fig.suptitle(f"The {len(COLUMNS)} columns timed in this run, {TM} x {TN}", y=1.06)
+    fig.tight_layout()
+    footnote(fig, this_run(SIZE, "timed in this run") + ("" if COPY else ".\nThe answer on the GPU is the first "
+                                                           "figures, from the committed device-time results."))
+    show(fig)
 display(HERE)
 
 # %% [markdown]

@@ -53,8 +53,6 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 
 import json
-import math
-import re
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -69,6 +67,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_frontend as jf
+from benchmarks.hlo import collectives
 
 try:
     SIZE = notebook_size()
@@ -94,34 +93,11 @@ display(table(list(environment().items()), ["component", "version or device"]))
 # %% [markdown]
 # ## Counting collectives in compiled HLO
 #
-# An all-reduce in the compiled module's text reads `%name = f32[64]{0} all-reduce(%operand), ...`;
-# on a GPU it may be the asynchronous `all-reduce-start`, and its type may be a tuple — several
-# arrays reduced at once, or for an async start `(operands, results)`. XLA's GPU combiner may also
-# merge dW and dB into one `f32[128]` buffer, so the check below counts *elements* delivered
-# (bytes = elements × the element size), not arrays.
-
-# %%
-_ARRAY = re.compile(r"\b(pred|[a-z]+\d+)\[([\d,]*)\]")
-_ALL_REDUCE = re.compile(r"=\s*(\(.*?\)|\S+)\s+all-reduce(-start)?\(")
-_ALL_GATHER = re.compile(r"\sall-gather(?:-start)?\(")
-_ITEMSIZE = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1}
-
-
-def collectives(hlo: str) -> dict:
-    """All-reduce instructions (count, bytes delivered) and all-gathers in compiled HLO text."""
-    count, nbytes, lines = 0, 0, []
-    for m in _ALL_REDUCE.finditer(hlo):
-        arrays = [(dt, math.prod(int(d) for d in dims.split(",") if d)) for dt, dims in _ARRAY.findall(m.group(1))]
-        # An async start typed (operands, results): the second half is what it delivers.
-        if m.group(2) and len(arrays) % 2 == 0 and arrays[: len(arrays) // 2] == arrays[len(arrays) // 2:]:
-            arrays = arrays[len(arrays) // 2:]
-        count += 1
-        nbytes += sum(n * _ITEMSIZE[dt] for dt, n in arrays)
-        start = hlo.rfind("\n", 0, m.start()) + 1
-        lines.append(hlo[start:hlo.find("\n", m.end())].strip()[:140])
-    return {"all_reduce": count, "all_reduce_bytes": nbytes, "all_gather": len(_ALL_GATHER.findall(hlo)),
-            "lines": lines}
-
+# `benchmarks.hlo.collectives` reads the compiled module's text. An all-reduce reads
+# `%name = f32[64]{0} all-reduce(%operand), ...`; on a GPU it may be the asynchronous
+# `all-reduce-start` (counted once), and its type may be a tuple: several arrays reduced at once, or for
+# an async start `(operands, results)`. XLA's GPU combiner may also merge dW and dB into one
+# instruction, so the check below counts the *bytes* reduced, not the arrays.
 
 # %% [markdown]
 # ## Live: trained vs frozen on a 2-device mesh
@@ -181,20 +157,21 @@ for (op_name, axis, names, trained), (kind, mesh) in [(case, m) for case in CASE
             assert not np.any(np.asarray(dp[n])), f"{op_name}: frozen {n} has a nonzero gradient"
     # The claims: no activation moves; exactly the trained parameters' gradients are all-reduced.
     what = (kind, op_name, axis, trained, c)
-    assert c["all_gather"] == 0, what
+    assert c["all_gather"] == c["all_to_all"] == 0, what
     if not trained:
-        assert c["all_reduce"] == 0, what
+        assert c["all_reduce_ops"] == 0, what
     else:
-        assert c["all_reduce"] >= 1 and c["all_reduce_bytes"] == 4 * N * len(trained), what
+        assert c["all_reduce_ops"] >= 1 and c["all_reduce_bytes"] == 4 * N * len(trained), what
     spec = list(dx.sharding.spec)
     assert spec + [None] * (3 - len(spec)) == list(SPECS[axis]) + [None] * (3 - len(SPECS[axis])), dx.sharding
     rows.append({"mesh": kind, "op": op_name, "x sharded on": axis,
                  "trained params": ", ".join(trained) or "none (frozen)",
                  "norm params": "trained" if set(trained) == set(names) else "frozen" if not trained else "partly",
-                 "all-reduces per step": c["all_reduce"], "bytes all-reduced per step (B)": c["all_reduce_bytes"],
+                 "all-reduces per step": c["all_reduce_ops"], "bytes all-reduced per step (B)": c["all_reduce_bytes"],
                  "all-gathers per step": c["all_gather"], "dx spec": str(dx.sharding.spec)})
-    if c["lines"]:
-        print(f"{kind} mesh, {op_name} {axis} trained={list(trained)}:", *c["lines"], sep="\n    ")
+    if c["all_reduce_lines"]:
+        print(f"{kind} mesh, {op_name} {axis} trained={list(trained)}:",
+              *(line[:140] for line in c["all_reduce_lines"]), sep="\n    ")
 
 LIVE = table(rows)
 display(LIVE)

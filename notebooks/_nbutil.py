@@ -125,12 +125,19 @@ def _dig(doc, *keys):
     return doc
 
 
+def _first_commit(path: Path, fmt: str) -> str | None:
+    """``fmt`` (``%cs``: date, ``%h``: hash) of the commit that first added ``path``, through renames."""
+    out = _git("log", "--follow", "--diff-filter=A", f"--format={fmt}", "--", str(path))
+    return out.splitlines()[-1] if out else None
+
+
 @dataclass(frozen=True)
 class Source:
     """A committed results file: the device, date and commit its numbers were measured on.
 
-    ``date_from_git``/``commit_from_git``: the file records none, so ``git log`` of the file gave the
-    date (or commit) of the commit that last changed it. ``None``: neither the file nor git knows.
+    ``date_from_git``/``commit_from_git``: the file records none, so ``git log`` gave the date (or the
+    commit) that first added the file, following renames: the measurement is at most that old.
+    ``None``: neither the file nor git knows.
     """
 
     path: Path
@@ -166,21 +173,22 @@ class Source:
         dirty = bool(_dig(doc, "versions", "git_dirty"))
         date_from_git = commit_from_git = False
         if not date:
-            date = _git("log", "-1", "--format=%cs", "--", str(path))
+            date = _first_commit(path, "%cs")
             date_from_git = date is not None
         if not commit:
-            commit = _git("log", "-1", "--format=%h", "--", str(path))
+            commit = _first_commit(path, "%h")
             commit_from_git = commit is not None
         return cls(path, device, date, commit, dirty, date_from_git, commit_from_git)
 
     def label(self, with_name: bool = True) -> str:
         """One line for a figure or a table caption (``with_name=False``: without the file's name, for a
         caption that names the folder instead)."""
-        date = (self.date or "date not recorded") + (" (git log: the file records no date)" if self.date_from_git else "")
+        date = (self.date or "date not recorded") + (" (git log: the file records no date; first committed then)"
+                                                      if self.date_from_git else "")
         if self.commit is None:
             commit = "commit not recorded"
         elif self.commit_from_git:
-            commit = f"committed in {self.commit} (git log: the file records no commit)"
+            commit = f"first committed in {self.commit} (git log: the file records no commit)"
         else:
             commit = f"commit {self.commit}" + (" with local changes" if self.dirty else "")
         where = f"{self.device or 'device not recorded'}, {date}, {commit}"

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -27,7 +26,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import normkit  # noqa: E402
+from benchmarks.timing import Timer, torch_sync  # noqa: E402
 from normkit.ops import CASTING_MODES, OPS, Grads, Op, Options  # noqa: E402
+from normkit.shapes import parse as parse_shape  # noqa: E402
 from normkit.testing import assert_close, random_inputs  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -53,17 +54,9 @@ def rel_err(a, b):
 
 
 def timed(fn, reps):
+    """Median wall time in µs of ``reps`` calls of ``fn()``, each synchronized, after one warm-up call."""
     fn()
-    times = []
-    for _ in range(reps):
-        if CUDA:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if CUDA:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
+    return statistics.median(Timer.each(fn, reps, torch_sync))
 
 
 def torch_runner(op: Op, arrays: dict, dtype: str, opts: Options, trained: frozenset):
@@ -161,13 +154,13 @@ def legend(reps: int) -> dict[str, str]:
         "frontend": "torch: torch_frontend through torch.autograd; jax: jax_frontend through jax.vjp under jit",
         "backward": "full: every input trained; frozen: the weight and bias frozen (x and the residual trained), "
                     "as in LoRA",
-        "kernels launched": "the kernels one forward + backward launched, in order (normkit.record_launches)",
-        "fp32 partials (B)": "bytes of the fp32 per-program dW/dB partial buffers the backward allocated",
-        "dx rel err": "||dx - ref|| / ||ref||, against the float64 reference (normkit/reference.py)",
-        "dW rel err": "the same for the weight's gradient; '-' where the weight is frozen (no gradient computed)",
+        "kernels": "the kernels one forward + backward launched, in order (normkit.record_launches)",
+        "partials (B)": "bytes of the fp32 per-program dW/dB partial buffers the backward allocated",
+        "dx err": "relative error ||dx - ref|| / ||ref|| against the float64 reference (normkit/reference.py)",
+        "dW err": "the same for the weight's gradient; '-' where the weight is frozen (no gradient computed)",
         "dx frozen==full": "whether the frozen backward's dx is bitwise equal to the full one's (it must be: "
                            "freezing changes only which gradients are computed)",
-        "fwd+bwd (us)": timing,
+        "fwd+bwd us": timing,
     }
 
 
@@ -180,7 +173,7 @@ def main(argv=None) -> int:
     p.add_argument("--frontends", default="torch,jax")
     p.add_argument("--reps", type=int, default=50 if CUDA else 3)
     args = p.parse_args(argv)
-    M, N = map(int, args.shape.split("x"))
+    M, N = parse_shape(args.shape)
     rng = np.random.default_rng(0)
     where = "compiled on " + torch.cuda.get_device_name() if CUDA else "Triton interpreter on the CPU"
     print(f"normkit {normkit.__version__}: frozen vs full backward, {M}x{N} {args.dtype}, {where}\n", flush=True)
