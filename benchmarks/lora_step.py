@@ -10,8 +10,11 @@ variants (each from a deep copy of one base model, so all start from the same we
 same tokens) are the norms of ``benchmarks.models.swap_norms``: ``hf`` (transformers' ``LlamaRMSNorm``),
 ``liger`` (``LigerRMSNorm`` swapped in), ``normkit`` (``torch_frontend.patch_model(model)``; its report
 is printed and recorded) and ``normkit_fused`` (``patch_model(model, fuse_residual_add=True)``: what
-Inductor does for ``hf`` under ``torch.compile``); each eager and under ``torch.compile(model)``
-(default mode).
+Inductor does for ``hf`` under ``torch.compile``); each eager, under ``torch.compile(model)``
+(default mode) and under ``torch.compile(model, mode="reduce-overhead")`` (CUDA graphs; each step
+begins with ``torch.compiler.cudagraph_mark_step_begin()``). Within a mode every variant is built,
+compiled, checked and warmed up first; then ``--rounds`` rounds of timed steps run interleaved across
+the variants, so that a drift of the machine lands on all of them alike.
 
 Per row: median / min / max step time over ``--steps`` steps after ``--warmup`` (wall time of each
 step, synchronized before and after: ``benchmarks.timing.Timer.each``), the first step's loss and LoRA gradient norm against the
@@ -35,9 +38,9 @@ The step's CUDA time is the sum of all device activity (kernels, memcpy, memset)
 step; "norm %" is the norm's share of it. On a CPU (``--dry-run``) the times are CPU times of the
 same ranges and mean nothing; the run only exercises the code.
 
-A time budget (``--budget-s``) bounds the run: rows run in the order eager hf, normkit, normkit_fused,
-liger, then the same compiled, and a row that would end after the budget (by the time the same kind of
-row took, or an estimate before one has run) is recorded as "skipped: ...". A variant that cannot run
+A time budget (``--budget-s``) bounds the run: the modes run in the order eager, compile,
+reduce-overhead, and a mode whose rows would end after the budget (by the time the same kind of row
+took, or an estimate before one has run) is recorded as "skipped: ...". A variant that cannot run
 is recorded as "unavailable: ...", one that raised as "failed: ...". The exit status is 1 when an hf
 or normkit(_fused) row failed or did not pass its checks (after the results are written); a Liger row's
 failure is reported but does not change it.
@@ -82,7 +85,7 @@ from benchmarks.timing import Timer, torch_sync  # noqa: E402
 
 SCHEMA = "normkit-lora-step/1"
 VARIANTS = ("hf", "normkit", "normkit_fused", "liger")  # run order within a mode; hf first: it is the reference
-MODES = ("eager", "compile")
+MODES = ("eager", "compile", "reduce-overhead")  # reduce-overhead: torch.compile with CUDA graphs
 FWD_SCOPE = "lora_step::norm_forward"
 STEP_SCOPE = "lora_step::step"
 EVALUATE = "autograd::engine::evaluate_function"
@@ -92,7 +95,7 @@ NORM_KERNELS = {
     "normkit_fused": _NORMKIT_KERNELS,
     "liger": re.compile(r"_(block_)?rms_norm_(forward|backward)_kernel"),
 }
-ESTIMATE_S = {"eager": 20.0, "compile": 90.0}  # a row's cost before one of its kind has run
+ESTIMATE_S = {"eager": 20.0, "compile": 90.0, "reduce-overhead": 90.0}  # a row's cost before one of its kind has run
 # Default tolerances of the first-step check against hf, relative: (loss, LoRA gradient norm).
 TOLERANCES = {torch.bfloat16: (5e-3, 5e-2), torch.float16: (5e-3, 5e-2), torch.float32: (1e-5, 1e-3)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -210,75 +213,139 @@ def _stats(ms: list) -> dict:
     return {"median": statistics.median(ms), "min": min(ms), "max": max(ms), "mean": statistics.fmean(ms)}
 
 
-def run_row(variant: str, mode: str, base, ids, device, args, ref) -> dict:
-    row: dict = {"variant": variant, "mode": mode}
-    model = opt = fwd = prof = None
-    t0 = time.perf_counter()
-    try:
-        model = copy.deepcopy(base)
-        row["prepare"] = swap_norms(model, variant)
-        norms = norm_modules(model)
-        row["norm_modules"] = dict(Counter(type(m).__name__ for _, m in norms))
-        norm_params = {f"{n}.{pn}": p for n, m in norms for pn, p in m.named_parameters(recurse=False)}
-        row["norm_weights_frozen"] = all(not p.requires_grad for p in norm_params.values())
-        params = [p for p in model.parameters() if p.requires_grad]
-        row["trainable_params"] = sum(p.numel() for p in params)
-        row["trainable_dtypes"] = sorted({str(p.dtype).replace("torch.", "") for p in params})
-        opt = torch.optim.AdamW(params, lr=1e-4)
-        fwd = torch.compile(model) if mode == "compile" else model
+class Row:
+    """One variant in one mode: its model, optimizer and training step, alive while the mode's rounds run."""
 
-        def step(check: bool = False):
-            loss = fwd(input_ids=ids, labels=ids, use_cache=False).loss
-            loss.backward()
-            out = None
-            if check:
-                grads = [p.grad.float().norm() for p in params if p.grad is not None]
-                gnorm = torch.stack(grads).norm().item() if grads else 0.0
-                out = (loss.item(), gnorm, sorted(n for n, p in norm_params.items() if p.grad is not None))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss, out
+    def __init__(self, variant: str, mode: str, base, ids, device):
+        self.row: dict = {"variant": variant, "mode": mode}
+        self.variant, self.mode, self.device = variant, mode, device
+        self.t0 = time.perf_counter()
+        self.model = copy.deepcopy(base)
+        self.row["prepare"] = swap_norms(self.model, variant)
+        self.norms = norm_modules(self.model)
+        self.row["norm_modules"] = dict(Counter(type(m).__name__ for _, m in self.norms))
+        self.norm_params = {f"{n}.{pn}": p for n, m in self.norms for pn, p in m.named_parameters(recurse=False)}
+        self.row["norm_weights_frozen"] = all(not p.requires_grad for p in self.norm_params.values())
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.row["trainable_params"] = sum(p.numel() for p in self.params)
+        self.row["trainable_dtypes"] = sorted({str(p.dtype).replace("torch.", "") for p in self.params})
+        self.opt = torch.optim.AdamW(self.params, lr=1e-4)
+        self.fwd = self.model if mode == "eager" else torch.compile(
+            self.model, mode="reduce-overhead" if mode == "reduce-overhead" else None)
+        self.ids = ids
+        self.times_ms: list = []
+        self.rounds_ms: list = []
+        self.last_loss = None
 
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            resident = torch.cuda.memory_allocated(device)
+    def step(self, check: bool = False):
+        if self.mode == "reduce-overhead":  # each step's CUDA-graph outputs may be overwritten by the next
+            torch.compiler.cudagraph_mark_step_begin()
+        loss = self.fwd(input_ids=self.ids, labels=self.ids, use_cache=False).loss
+        loss.backward()
+        out = None
+        if check:
+            grads = [p.grad.float().norm() for p in self.params if p.grad is not None]
+            gnorm = torch.stack(grads).norm().item() if grads else 0.0
+            out = (loss.item(), gnorm, sorted(n for n, p in self.norm_params.items() if p.grad is not None))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.last_loss = loss.detach().clone()  # a copy: a CUDA-graph output is reused by the next replay
+        return out
+
+    def first_steps(self, warmup: int) -> None:
+        """The checked (compiling) first step, then the warm-up steps."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.resident = torch.cuda.memory_allocated(self.device)
         t = time.perf_counter()
-        _, (loss0, gnorm0, with_grad) = step(check=True)
+        loss0, gnorm0, with_grad = self.step(check=True)
         torch_sync()
-        row["first_step_s"] = time.perf_counter() - t
-        row["loss_first"], row["lora_grad_norm_first"] = loss0, gnorm0
-        row["norm_weights_with_grad"] = with_grad
-        for _ in range(max(args.warmup - 1, 0)):
-            step()
-        losses = []
-        us = Timer.each(lambda: losses.append(step()[0]), args.steps, torch_sync)
-        if device.type == "cuda":
-            row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-            row["step_peak_over_resident_gb"] = (torch.cuda.max_memory_allocated(device) - resident) / 2**30
-        row["loss_last"] = losses[-1].item()
-        row["step_ms"] = _stats([t / 1e3 for t in us])
-        row["steps"], row["warmup"] = args.steps, args.warmup
-        row["timer"] = "wall time of each step, synchronized before and after (benchmarks.timing.Timer.each)"
+        self.row["first_step_s"] = time.perf_counter() - t
+        self.row["loss_first"], self.row["lora_grad_norm_first"] = loss0, gnorm0
+        self.row["norm_weights_with_grad"] = with_grad
+        for _ in range(max(warmup - 1, 0)):
+            self.step()
 
-        if not args.no_profile:
-            row.update(profile_step(step, variant, mode, norms, device, steps=args.profile_steps))
+    def time_round(self, steps: int) -> None:
+        us = Timer.each(self.step, steps, torch_sync)
+        ms = [t / 1e3 for t in us]
+        self.times_ms += ms
+        self.rounds_ms.append(statistics.median(ms))
+
+    def finish(self, args, profile: bool) -> dict:
+        row = self.row
+        if self.device.type == "cuda":
+            row["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            row["step_peak_over_resident_gb"] = (torch.cuda.max_memory_allocated(self.device) - self.resident) / 2**30
+        row["loss_last"] = self.last_loss.item()
+        row["step_ms"] = _stats(self.times_ms)
+        row["round_medians_ms"] = self.rounds_ms
+        row["steps"], row["warmup"] = len(self.times_ms), args.warmup
+        row["timer"] = ("wall time of each step, synchronized before and after (benchmarks.timing.Timer.each), "
+                        f"{len(self.rounds_ms)} rounds interleaved with the mode's other variants")
+        if profile:
+            row.update(profile_step(lambda: self.step(), self.variant, self.mode, self.norms, self.device,
+                                    steps=args.profile_steps))
         row["status"] = "ok"
-    except Unavailable as e:
-        row["status"] = f"unavailable: {e}"
-    except Exception as e:  # noqa: BLE001  (one row's failure is recorded; the others still run)
-        traceback.print_exc()
-        row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]
-    finally:
-        del model, opt, fwd, prof
-        if mode == "compile":
-            torch.compiler.reset()
+        return row
+
+    def close(self) -> None:
+        """Free the model. Compiled code is reset by ``run_mode`` once every row of the mode is closed:
+        a reset while another compiled row is alive would make that row compile again."""
+        del self.model, self.opt, self.fwd
         gc.collect()
-        if device.type == "cuda":
+        if self.device.type == "cuda":
             torch.cuda.empty_cache()
-    row["wall_s"] = time.perf_counter() - t0
-    if row["status"] == "ok":
-        check_row(row, ref, args)
-    return row
+        self.row["wall_s"] = time.perf_counter() - self.t0
+
+
+def _failed(row: dict, e: Exception) -> None:
+    traceback.print_exc()
+    status = "unavailable" if isinstance(e, Unavailable) else "failed"
+    row["status"] = f"{status}: {type(e).__name__ + ': ' if status == 'failed' else ''}{str(e).splitlines()[0] if str(e) else ''}"[:400]
+
+
+def run_mode(mode: str, variants: list, base, ids, device, args, ref) -> list:
+    """Every variant of one mode: each prepared (compiled, checked, warmed up), then ``args.rounds``
+    rounds of timed steps interleaved across the variants (a drift of the machine's speed then
+    lands on every variant alike), then each profiled. Returns the rows, hf first."""
+    live, rows = [], []
+    for variant in variants:
+        log(f"{variant} {mode}: preparing")
+        r = None
+        try:
+            r = Row(variant, mode, base, ids, device)
+            r.first_steps(args.warmup)
+            live.append(r)
+        except Exception as e:  # noqa: BLE001  (one row's failure is recorded; the others still run)
+            row = r.row if r is not None else {"variant": variant, "mode": mode}
+            _failed(row, e)
+            if r is not None:
+                r.close()
+            rows.append(row)
+    per_round = max(1, args.steps // args.rounds)
+    for k in range(args.rounds):
+        for r in list(live):
+            try:
+                r.time_round(per_round)
+            except Exception as e:  # noqa: BLE001
+                _failed(r.row, e)
+                live.remove(r)
+                r.close()
+                rows.append(r.row)
+        log(f"{mode} round {k + 1}/{args.rounds}: " + ", ".join(f"{r.variant} {r.rounds_ms[-1]:.2f} ms" for r in live))
+    for r in live:
+        try:
+            rows.append(r.finish(args, profile=not args.no_profile))
+        except Exception as e:  # noqa: BLE001
+            _failed(r.row, e)
+            rows.append(r.row)
+        finally:
+            r.close()
+    if mode != "eager":
+        torch.compiler.reset()
+    order = {v: i for i, v in enumerate(variants)}
+    return sorted(rows, key=lambda row: order[row["variant"]])
 
 
 def profile_step(step, variant, mode, norms, device, steps: int = 1) -> dict:
@@ -499,11 +566,12 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int)
     p.add_argument("--batch", type=int)
     p.add_argument("--dtype", choices=sorted(DTYPES))
-    p.add_argument("--steps", type=int)
+    p.add_argument("--steps", type=int, help="timed steps per variant, split over --rounds")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of timed steps, interleaved across a mode's variants")
     p.add_argument("--warmup", type=int, help="steps before timing, the first (checked, compiling) one included")
     p.add_argument("--variants", default="hf,liger,normkit,normkit_fused",
                    help="comma list of hf, liger, normkit, normkit_fused")
-    p.add_argument("--modes", default=None, help="eager,compile (default both on a GPU, eager on CPU)")
+    p.add_argument("--modes", default=None, help="eager,compile,reduce-overhead (default all on a GPU, eager on CPU)")
     p.add_argument("--no-compile", action="store_true", help="eager rows only")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled steps (no norm share)")
     p.add_argument("--profile-steps", type=int, default=3, help="steps profiled for the norm share (per-step means)")
@@ -533,7 +601,7 @@ def main(argv=None) -> int:
     args.grad_rtol = grad_tol if args.grad_rtol is None else args.grad_rtol
     modes = args.modes.split(",") if args.modes else (["eager"] if dry else list(MODES))
     if args.no_compile:
-        modes = [m for m in modes if m != "compile"]
+        modes = [m for m in modes if m == "eager"]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [v for v in variants if v not in VARIANTS] + [m for m in modes if m not in MODES]
     if bad:
@@ -564,36 +632,38 @@ def main(argv=None) -> int:
     rows, ref, took = [], None, {}
     result = {"schema": SCHEMA, "argv": sys.argv[1:], "config": cfg, "env": env, "rows": rows,
               "attribution": ATTRIBUTION, "budget_s": args.budget_s, "complete": False}
-    plan = [(v, m) for m in MODES if m in modes for v in VARIANTS if v in variants]
-    for variant, mode in plan:
+    ordered = [v for v in VARIANTS if v in variants]
+    for mode in (m for m in MODES if m in modes):
         elapsed = time.perf_counter() - T_START
-        estimate = took.get(mode, ESTIMATE_S[mode])
+        estimate = took.get(mode, ESTIMATE_S[mode]) * len(ordered)
         if args.budget_s > 0 and elapsed + estimate > args.budget_s:
-            rows.append({"variant": variant, "mode": mode, "status": (
-                f"skipped: budget ({elapsed:.0f} s elapsed + ~{estimate:.0f} s for a {mode} row > --budget-s "
-                f"{args.budget_s:.0f})")})
-            log(f"{variant} {mode}: {rows[-1]['status']}")
+            for variant in ordered:
+                rows.append({"variant": variant, "mode": mode, "status": (
+                    f"skipped: budget ({elapsed:.0f} s elapsed + ~{estimate:.0f} s for the {mode} rows > --budget-s "
+                    f"{args.budget_s:.0f})")})
+            log(f"{mode}: {rows[-1]['status']}")
             write_outputs(out_dir, result)
             continue
-        log(f"{variant} {mode}: running")
-        row = run_row(variant, mode, base, ids, device, args, ref)
-        rows.append(row)
-        if row["status"] == "ok" or row["status"].startswith("failed"):
-            took[mode] = max(took.get(mode, 0.0), row["wall_s"])
-        if variant == "hf" and row["status"] == "ok" and ref is None:
-            ref = row  # eager hf when it ran (it runs first), else compiled hf
-            check_row(row, ref, args)  # against itself: zero differences, the frozen-weight checks stay
-        msg = row["status"]
-        if row["status"] == "ok":
-            msg = (f"median {row['step_ms']['median']:.2f} ms (min {row['step_ms']['min']:.2f}, max "
-                   f"{row['step_ms']['max']:.2f}), first step {row['first_step_s']:.1f} s, loss {row['loss_first']:.5f}"
-                   f" (vs hf {_f(row.get('loss_diff_vs_hf'), '.2e')}), norm {_f(row.get('norm_ms'), '.3f')} ms "
-                   f"= {_f(row.get('norm_pct'), '.1f')} % [{row.get('norm_method', '-')}]"
-                   + ("" if row.get("checks_ok") else f"; CHECK FAILED: {'; '.join(row['check_notes'])}"))
-        if row.get("prepare", {}).get("patch_report"):
-            print(row["prepare"]["patch_report"], flush=True)
-        log(f"{variant} {mode}: {msg}")
-        write_outputs(out_dir, result)  # after every row: a run cut short still leaves its rows
+        for row in run_mode(mode, ordered, base, ids, device, args, ref):
+            rows.append(row)
+            if row["status"] == "ok" or row["status"].startswith("failed"):
+                took[mode] = max(took.get(mode, 0.0), row.get("wall_s", 0.0))
+            if row["variant"] == "hf" and row["status"] == "ok" and ref is None:
+                ref = row  # eager hf when it ran (it runs first), else compiled hf
+            if row["status"] == "ok":
+                check_row(row, ref, args)
+            variant, msg = row["variant"], row["status"]
+            if row["status"] == "ok":
+                msg = (f"median {row['step_ms']['median']:.2f} ms (rounds {', '.join(f'{m:.2f}' for m in row['round_medians_ms'])}; "
+                       f"min {row['step_ms']['min']:.2f}, max {row['step_ms']['max']:.2f}), first step "
+                       f"{row['first_step_s']:.1f} s, loss {row['loss_first']:.5f} (vs hf {_f(row.get('loss_diff_vs_hf'), '.2e')}), "
+                       f"device {_f(row.get('profiled_step_ms'), '.2f')} ms/step, norm {_f(row.get('norm_ms'), '.3f')} ms "
+                       f"= {_f(row.get('norm_pct'), '.1f')} % [{row.get('norm_method', '-')}]"
+                       + ("" if row.get("checks_ok") else f"; CHECK FAILED: {'; '.join(row['check_notes'])}"))
+            if row.get("prepare", {}).get("patch_report"):
+                print(row["prepare"]["patch_report"], flush=True)
+            log(f"{variant} {mode}: {msg}")
+        write_outputs(out_dir, result)  # after every mode: a run cut short still leaves its rows
     del base
 
     result["complete"] = True
