@@ -125,19 +125,24 @@ def _dig(doc, *keys):
     return doc
 
 
-def _first_commit(path: Path, fmt: str) -> str | None:
-    """``fmt`` (``%cs``: date, ``%h``: hash) of the commit that first added ``path``, through renames."""
-    out = _git("log", "--follow", "--diff-filter=A", f"--format={fmt}", "--", str(path))
+def _first_commit(path: Path) -> str | None:
+    """The commit that added ``path`` (under this name)."""
+    out = _git("log", "--diff-filter=A", "--format=%h", "--", str(path))
     return out.splitlines()[-1] if out else None
+
+
+def _commit_date(commit: str) -> str | None:
+    return _git("show", "-s", "--format=%cs", commit)
 
 
 @dataclass(frozen=True)
 class Source:
     """A committed results file: the device, date and commit its numbers were measured on.
 
-    ``date_from_git``/``commit_from_git``: the file records none, so ``git log`` gave the date (or the
-    commit) that first added the file, following renames: the measurement is at most that old.
-    ``None``: neither the file nor git knows.
+    ``commit_from_git``: the file records no commit, so ``commit`` is the one that added the file.
+    ``date_from_git``: the file records no date, so ``date`` is ``commit``'s (``git show``): the date of
+    the code that was measured, or of the commit that added the file. ``None``: neither the file nor git
+    knows.
     """
 
     path: Path
@@ -172,23 +177,23 @@ class Source:
             commit = found.group(1) if found else None
         dirty = bool(_dig(doc, "versions", "git_dirty"))
         date_from_git = commit_from_git = False
-        if not date:
-            date = _first_commit(path, "%cs")
-            date_from_git = date is not None
         if not commit:
-            commit = _first_commit(path, "%h")
+            commit = _first_commit(path)
             commit_from_git = commit is not None
+        if not date and commit:
+            date = _commit_date(commit)
+            date_from_git = date is not None
         return cls(path, device, date, commit, dirty, date_from_git, commit_from_git)
 
     def label(self, with_name: bool = True) -> str:
         """One line for a figure or a table caption (``with_name=False``: without the file's name, for a
         caption that names the folder instead)."""
-        date = (self.date or "date not recorded") + (" (git log: the file records no date; first committed then)"
+        date = (self.date or "date not recorded") + (" (the file records no date: its commit's)"
                                                       if self.date_from_git else "")
         if self.commit is None:
             commit = "commit not recorded"
         elif self.commit_from_git:
-            commit = f"first committed in {self.commit} (git log: the file records no commit)"
+            commit = f"added to the repository in {self.commit} (the file records no commit)"
         else:
             commit = f"commit {self.commit}" + (" with local changes" if self.dirty else "")
         where = f"{self.device or 'device not recorded'}, {date}, {commit}"

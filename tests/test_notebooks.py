@@ -156,13 +156,15 @@ def test_source_label_says_what_the_file_lacks(nbutil, tmp_path):
     assert nbutil.Source.of(path).label(with_name=False) == "Other GPU, date not recorded, commit not recorded"
 
 
-def test_source_label_falls_back_to_git_log(nbutil, tmp_path, monkeypatch):
+def test_source_label_falls_back_to_git(nbutil, tmp_path, monkeypatch):
     asked = []
 
-    def git(*args):  # what git log prints: the newest commit first, the one that added the file last
+    def git(*args):  # git log lists the newest commit first, the one that added the file last
         asked.append(args)
-        fmt = next(a for a in args if a.startswith("--format="))
-        return {"--format=%cs": "2030-02-03\n2030-01-02", "--format=%h": "cafe456\nfeed123"}[fmt]
+        if args[0] == "log":
+            assert args[-1] == str(path.resolve()) and "--diff-filter=A" in args
+            return "cafe456\nfeed123"
+        return {"abc1234": "2030-01-02", "feed123": "2030-03-04"}[args[-1]]  # git show -s --format=%cs COMMIT
 
     monkeypatch.setattr(nbutil, "_git", git)
     path = tmp_path / "r.json"
@@ -170,13 +172,12 @@ def test_source_label_falls_back_to_git_log(nbutil, tmp_path, monkeypatch):
     source = nbutil.Source.of(path)  # the LoRA-step schema: a commit but no date
     assert (source.date, source.date_from_git) == ("2030-01-02", True)
     assert (source.commit, source.commit_from_git) == ("abc1234", False)
-    assert source.label(with_name=False) == (
-        "Some GPU, 2030-01-02 (git log: the file records no date; first committed then), commit abc1234")
-    path.write_text(json.dumps({"device": "Some GPU"}))  # the device-time schema without versions
+    assert source.label(with_name=False) == "Some GPU, 2030-01-02 (the file records no date: its commit's), commit abc1234"
+    path.write_text(json.dumps({"device": "Some GPU"}))  # neither a date nor a commit
     assert nbutil.Source.of(path).label(with_name=False) == (
-        "Some GPU, 2030-01-02 (git log: the file records no date; first committed then), first committed in "
-        "feed123 (git log: the file records no commit)")
-    assert all(args[-1] == str(path.resolve()) and "--follow" in args for args in asked)
+        "Some GPU, 2030-03-04 (the file records no date: its commit's), added to the repository in feed123 (the file "
+        "records no commit)")
+    assert [a[0] for a in asked] == ["show", "log", "show"]
 
 
 def test_this_run_on_a_cpu_says_it_measures_no_speed(nbutil):
