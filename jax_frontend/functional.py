@@ -77,6 +77,9 @@ def resolve_implementation(implementation: str | None = None, like=None) -> str:
     if implementation is None:
         skip = {"pallas"} if platform == "cpu" and like is not None and _shard_map.varying(like) else set()
         return next(name for name in IMPLEMENTATIONS if name not in skip and _unavailable(name, platform) is None)
+    if not isinstance(implementation, str):
+        raise TypeError(f"normkit: implementation must be None or a str, one of {IMPLEMENTATIONS}; got "
+                        f"{type(implementation).__name__}: {implementation!r}")
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"normkit: unknown implementation {implementation!r}; expected None or one of "
                          f"{IMPLEMENTATIONS}")

@@ -33,9 +33,14 @@ class Backend(Protocol):
     def zeros(self, shape: tuple, dtype: str, like) -> Any:
         """A zero-filled array on ``like``'s device (dW/dB of no rows; empty results)."""
 
-    def launch(self, call, arrays: dict) -> dict:
+    def launch(self, call, arrays: dict, rows_shape: tuple | None = None) -> dict:
         """Allocate ``call.out_specs`` once, launch ``call`` reading ``arrays`` (name -> array or None),
-        record it, and return the outputs (name -> array)."""
+        record it, and return the outputs (name -> array).
+
+        ``rows_shape``: the caller's ``(..., N)`` shape of the plan's ``[M, N]`` rows, to allocate the
+        row outputs in that shape and the per-row statistics in ``rows_shape[:-1]`` (the same memory
+        layout); None allocates the plan's own shapes. A backend may ignore it (JAX reshapes after
+        the custom_vjp boundary instead)."""
 
 
 def _dtype(backend: Backend, a) -> str | None:
@@ -79,8 +84,14 @@ def forward(backend: Backend, op: Op, x, residual, weight, bias, opts: Options, 
         M, N = x.shape
         out = {name: backend.zeros(shape, dtype, x) for name, (shape, dtype) in
                op.fwd_buffers(M, N, backend.dtype(x), store_stats).items()}
-    else:
-        out = backend.launch(call, {"X": x, "R": residual, "W": weight, "B": bias})
+        return out["Y"], out.get("S"), out.get("MEAN"), out.get("RSTD")
+    return launch_forward(backend, call, x, residual, weight, bias)
+
+
+def launch_forward(backend: Backend, call, x, residual, weight, bias, rows_shape: tuple | None = None) -> tuple:
+    """``(Y, S, MEAN, RSTD)`` of a forward plan (``forward_plan``) on arrays of the shapes, strides,
+    dtypes and device it was made for."""
+    out = backend.launch(call, {"X": x, "R": residual, "W": weight, "B": bias}, rows_shape)
     return out["Y"], out.get("S"), out.get("MEAN"), out.get("RSTD")
 
 
@@ -118,11 +129,18 @@ def backward(backend: Backend, op: Op, x, weight, dy, dres, mean, rstd, opts: Op
         M, N = x.shape  # no rows: dX is empty and dW/dB are sums of nothing
         out = {name: backend.zeros(shape, dtype, x) for name, (shape, dtype) in
                op.bwd_buffers(M, N, backend.dtype(x), grads, _dtype(backend, weight), b_dtype).items()}
-    else:
-        call, reduce = plan
-        out = backend.launch(call, {"X": x, "W": weight, "DY": dy, "DRES": dres, "MEAN": mean, "RSTD": rstd})
-        if reduce is not None:
-            out.update(backend.launch(reduce, out))
+        return out.get("DX"), out.get("DW"), out.get("DB")
+    return launch_backward(backend, plan, x, weight, dy, dres, mean, rstd)
+
+
+def launch_backward(backend: Backend, plan: tuple, x, weight, dy, dres, mean, rstd,
+                    rows_shape: tuple | None = None) -> tuple:
+    """``(DX, DW, DB)`` of a backward plan (``backward_plan``: the backward launch, then the reduction
+    of its dW/dB partials) on arrays of the shapes, strides, dtypes and device it was made for."""
+    call, reduce = plan
+    out = backend.launch(call, {"X": x, "W": weight, "DY": dy, "DRES": dres, "MEAN": mean, "RSTD": rstd}, rows_shape)
+    if reduce is not None:
+        out.update(backend.launch(reduce, out))
     return out.get("DX"), out.get("DW"), out.get("DB")
 
 

@@ -90,11 +90,16 @@ def _next_pow2(n: int) -> int:
 SMEM_BUDGET = 160 * 1024  # bytes of shared memory the prefetched tiles may take (H100/H200: 228 KB per SM)
 
 
-@functools.lru_cache(maxsize=None)
 def tile_config(M: int, N: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for a row-wise pass over an M x N tensor."""
-    block_n = _next_pow2(N)
-    block_m = max(1, min(16, 4096 // block_n, _next_pow2(max(M, 1))))
+    # Only the row count up to 16 and the power of two above N decide the tile: cached on those, so
+    # a loop over many row counts (variable sequence lengths) adds no entries.
+    return _tile_config(min(_next_pow2(max(M, 1)), 16), _next_pow2(N))
+
+
+@functools.lru_cache(maxsize=None)
+def _tile_config(rows_pow2: int, block_n: int) -> tuple[int, int, int]:
+    block_m = max(1, min(16, 4096 // block_n, rows_pow2))
     num_warps = min(32, max(4, block_m * block_n // 1024))
     return block_m, block_n, num_warps
 

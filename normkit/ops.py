@@ -108,6 +108,9 @@ class Op:
         if eps < 0:
             raise ValueError(f"normkit: eps must be a finite number >= 0; got {eps!r}")
         offset = _number("offset", offset)
+        if not isinstance(casting_mode, str):
+            raise TypeError(f"normkit: casting_mode must be a str, one of {sorted(CASTING_MODES)}; got "
+                            f"{type(casting_mode).__name__}: {casting_mode!r}")
         if casting_mode not in CASTING_MODES:
             raise ValueError(
                 f"normkit: unknown casting_mode {casting_mode!r}; expected one of {sorted(CASTING_MODES)}")
@@ -181,7 +184,18 @@ def _number(name: str, value) -> float:
     value = float(value)
     if not -math.inf < value < math.inf:  # NaN fails too; math.isfinite breaks torch.compile(dynamic=True)
         raise ValueError(f"normkit: {name} must be a finite number{' >= 0' if name == 'eps' else ''}; got {value!r}")
+    # The kernels compute in fp32: a value fp32 cannot hold would silently become inf or 0 there.
+    if abs(value) > FLOAT32_MAX:
+        raise ValueError(f"normkit: {name}={value!r} does not fit in float32 (largest {FLOAT32_MAX:.7g}), in which "
+                         "the kernels compute")
+    if value != 0.0 and abs(value) < FLOAT32_TINIEST:
+        raise ValueError(f"normkit: {name}={value!r} rounds to 0 in float32 (smallest nonzero {FLOAT32_TINIEST:.7g}), "
+                         "in which the kernels compute; pass 0.0 if that is what you mean")
     return value
+
+
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
+FLOAT32_TINIEST = 1.401298464324817e-45  # the smallest positive float32 (a subnormal)
 
 
 RMS_NORM = Op(

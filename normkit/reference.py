@@ -23,6 +23,11 @@ gradients ``dy`` of y and ``ds`` of s, both x and residual receive ``ds + drms_n
 
 The casting modes change only where results are rounded to low precision, so the reference has
 none: it is exact arithmetic, to which every mode converges.
+
+The functions take NumPy arrays (and anything ``np.asarray`` reads) or torch tensors, and compute in
+float64 with the arrays' own methods: on torch tensors the result is differentiable, which is how
+the Torch frontend differentiates its gradient (``torch_frontend._autograd``, under
+``create_graph=True``).
 """
 from __future__ import annotations
 
@@ -30,7 +35,23 @@ import numpy as np
 
 
 def _f64(a):
-    return None if a is None else np.asarray(a, dtype=np.float64)
+    if a is None:
+        return None
+    if _is_torch(a):
+        return a.double()
+    return np.asarray(a, dtype=np.float64)
+
+
+def _is_torch(a) -> bool:
+    return type(a).__module__.startswith("torch") and hasattr(a, "double")
+
+
+def _copy(a):
+    return a.clone() if _is_torch(a) else a.copy()
+
+
+def _mean(a):
+    return a.mean(axis=-1, keepdims=True)
 
 
 def _rows(x):
@@ -40,7 +61,7 @@ def _rows(x):
 def rms_norm(x, weight=None, eps=1e-6, offset=0.0):
     """y = x / sqrt(mean(x**2) + eps) * (weight + offset)."""
     x = _f64(x)
-    rstd = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    rstd = (_mean(x * x) + eps) ** -0.5
     y = x * rstd
     if weight is not None:
         y = y * (_f64(weight) + offset)
@@ -50,10 +71,10 @@ def rms_norm(x, weight=None, eps=1e-6, offset=0.0):
 def rms_norm_bwd(x, weight, dy, eps=1e-6, offset=0.0):
     """(dx, dw) of rms_norm for the output gradient dy; dw is None without a weight."""
     x, dy = _f64(x), _f64(dy)
-    rstd = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    rstd = (_mean(x * x) + eps) ** -0.5
     x_hat = x * rstd
     g = dy if weight is None else dy * (_f64(weight) + offset)
-    dx = rstd * (g - x_hat * np.mean(g * x_hat, axis=-1, keepdims=True))
+    dx = rstd * (g - x_hat * _mean(g * x_hat))
     dw = None if weight is None else _rows(dy * x_hat).sum(axis=0)
     return dx, dw
 
@@ -61,8 +82,8 @@ def rms_norm_bwd(x, weight, dy, eps=1e-6, offset=0.0):
 def layer_norm(x, weight=None, bias=None, eps=1e-5):
     """y = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias."""
     x = _f64(x)
-    xc = x - np.mean(x, axis=-1, keepdims=True)
-    y = xc / np.sqrt(np.mean(xc * xc, axis=-1, keepdims=True) + eps)
+    xc = x - _mean(x)
+    y = xc * (_mean(xc * xc) + eps) ** -0.5
     if weight is not None:
         y = y * _f64(weight)
     if bias is not None:
@@ -73,11 +94,11 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5):
 def layer_norm_bwd(x, weight, bias, dy, eps=1e-5):
     """(dx, dw, db) of layer_norm; dw and db are None where the parameter is absent."""
     x, dy = _f64(x), _f64(dy)
-    xc = x - np.mean(x, axis=-1, keepdims=True)
-    rstd = 1.0 / np.sqrt(np.mean(xc * xc, axis=-1, keepdims=True) + eps)
+    xc = x - _mean(x)
+    rstd = (_mean(xc * xc) + eps) ** -0.5
     x_hat = xc * rstd
     g = dy if weight is None else dy * _f64(weight)
-    dx = rstd * (g - np.mean(g, axis=-1, keepdims=True) - x_hat * np.mean(g * x_hat, axis=-1, keepdims=True))
+    dx = rstd * (g - _mean(g) - x_hat * _mean(g * x_hat))
     dw = None if weight is None else _rows(dy * x_hat).sum(axis=0)
     db = None if bias is None else _rows(dy).sum(axis=0)
     return dx, dw, db
@@ -95,4 +116,4 @@ def fused_add_rms_norm_bwd(x, residual, weight, dy, ds=None, eps=1e-6, offset=0.
     dx, dw = rms_norm_bwd(s, weight, dy, eps, offset)
     if ds is not None:
         dx = dx + _f64(ds)
-    return dx, dx.copy(), dw
+    return dx, _copy(dx), dw

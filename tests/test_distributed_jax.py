@@ -1,9 +1,9 @@
 """JAX distributed: jit on inputs sharded over a 2-device mesh, Auto and Explicit axes.
 
-The cases (``tests/dist_workers.py``, ``jax_cases``) run once for the module: in this process when
+The cases (``benchmarks/dist_workers.py``, ``jax_cases``) run once for the module: in this process when
 it has two devices or more (``CUDA_VISIBLE_DEVICES=0,1`` on a GPU machine), else on CPU in a
 subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` (the flag must be set before
-JAX initializes; the rest of the suite runs with one device): ``python -m tests.dist_workers jax``.
+JAX initializes; the rest of the suite runs with one device): ``python -m benchmarks.dist_workers jax``.
 Each is judged by ``dist_workers.jax_failures``: results against the float64 reference and the
 unsharded run, outputs sharded like x, and the compiled HLO (``benchmarks.hlo``): no collective that
 moves an activation, one all-reduce of dW/dB per trained parameter, none for a frozen one.
@@ -26,9 +26,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_frontend as jf
+from benchmarks import dist_workers
 from benchmarks.hlo import collectives
 from normkit.testing import assert_close
-from tests import dist_workers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,7 +40,7 @@ def cases(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("dist_jax") / "jax.json"
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
            "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "tests.dist_workers", "jax", "--out", str(out)], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.dist_workers", "jax", "--out", str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return {c["name"]: c for c in json.loads(out.read_text())}
@@ -126,41 +126,26 @@ def test_one_device_mesh_runs_unsharded(axis_type):
         assert_close(np.asarray(a), np.asarray(b), "float32", "gradient", reduced_over)
 
 
-def test_hlo_collectives():
-    """benchmarks.hlo: one entry per delivered array; merged all-reduces share an instruction; async
-    starts count once with what they deliver, dones not at all."""
-    hlo = """
-  %all-reduce = f32[16]{0} all-reduce(f32[16]{0} %a), channel_id=1, replica_groups={{0,1}}, to_apply=%add
-  %ar2 = (f32[16]{0}, bf16[16]{0}) all-reduce(f32[16]{0} %b, bf16[16]{0} %c), channel_id=2, to_apply=%add
-  %s = (f32[16]{0}, f32[16]{0}) all-reduce-start(f32[16]{0} %a), channel_id=3, to_apply=%add
-  %d = f32[16]{0} all-reduce-done(%s)
-  %s3 = ((f32[4]{0}, f32[4]{0}), (f32[4]{0}, f32[8]{0})) all-reduce-start(f32[4]{0} %a, f32[4]{0} %b), to_apply=%add
-  %ag = f32[4,16]{1,0} all-gather(f32[2,16]{1,0} %e), dimensions={0}
-  %cp = (f32[8]{0}, f32[8]{0}, u32[], u32[]) collective-permute-start(f32[8]{0} %x), source_target_pairs={{0,1}}
-  ROOT %psum.5 = f32[64]{0} all-reduce(%fusion), channel_id=4, replica_groups={{0,1}}, to_apply=%region
+def test_failures_read_the_hlo():
+    """The judge reads ``benchmarks.hlo.collectives``: dW and dB merged into one all-reduce pass; a frozen
+    parameter's reduction, or a gathered activation, fails; a gathered N-element weight does not."""
+    trained = """
+  %merged = (f32[16]{0}, f32[16]{0}) all-reduce(%dw, %db), channel_id=1, replica_groups={{0,1}}, to_apply=%add
 """
-    got = [(c.kind, c.dtype, c.shape, c.instruction) for c in collectives(hlo)]
-    assert got == [
-        ("all-reduce", "f32", (16,), "all-reduce"), ("all-reduce", "f32", (16,), "ar2"),
-        ("all-reduce", "bf16", (16,), "ar2"), ("all-reduce", "f32", (16,), "s"), ("all-reduce", "f32", (4,), "s3"),
-        ("all-reduce", "f32", (8,), "s3"), ("all-gather", "f32", (4, 16), "ag"),
-        ("collective-permute", "f32", (8,), "cp"), ("all-reduce", "f32", (64,), "psum.5")], got
-    summary = dist_workers.hlo_collectives(hlo, (16,))
-    assert summary["all_reduce_elements"] == [16, 32, 16, 12, 64] and summary["param_reductions"] == 4, summary
-    assert summary["all_gather"] == 1 and summary["collective_permute"] == 1, summary
-
-
-def test_failures_read_merged_reductions():
-    """The judge counts elements: dW and dB merged into one instruction pass; a frozen parameter's
-    reduction, or a gathered activation, fails."""
+    gathered_x = "  %ag = f32[8,16]{1,0} all-gather(f32[4,16]{1,0} %x), dimensions={0}\n"
+    gathered_w = "  %ag = (f32[8]{0}, f32[16]{0}) all-gather-start(f32[8]{0} %w), dimensions={0}\n"
     row = {"ok": True, "message": "", "layout": "row", "spec": "('data',)", "placed_as_expected": True,
            "unsharded_diff": 0.0}
     case = {"kind": "sharded", "name": "c", "implementation": "xla", "spec": "('data',)", "params": ["weight", "bias"],
             "N": 16, "results": {"y": row}, "frozen_param_grads_max": [0.0, 0.0],
-            "collectives": {"trained": [["all-reduce", "f32", [16], 16], ["all-reduce", "f32", [16], 16]], "frozen": []}}
+            "collectives": {"trained": collectives(trained, (16,)), "frozen": collectives("", (16,))}}
     assert dist_workers.jax_failures(case) == []
-    case["collectives"]["frozen"] = [["all-reduce", "f32", [16], 16]]
+    case["collectives"]["frozen"] = collectives(trained, (16,))
     assert "parameters frozen" in dist_workers.jax_failures(case)[0]
-    case["collectives"] = {"trained": [["all-reduce", "f32", [16], 16], ["all-gather", "f32", [8, 16], 128]],
-                           "frozen": []}
+    case["collectives"] = {"trained": collectives(trained + gathered_x, (16,)), "frozen": collectives("", (16,))}
     assert "expected one all-reduce" in dist_workers.jax_failures(case)[0]
+    fsdp = {"kind": "fsdp", "name": "f", "N": 16, "axis_type": "auto", "collectives": collectives(gathered_w, (16,))}
+    assert collectives(gathered_w)["all_gather_arrays"] == ["f32[16]"]
+    assert dist_workers.jax_failures(fsdp) == []
+    fsdp["collectives"] = collectives(gathered_w + gathered_x, (16,))
+    assert "no activation moved" in dist_workers.jax_failures(fsdp)[0]

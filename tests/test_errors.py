@@ -5,6 +5,7 @@ import pytest
 
 import normkit
 from normkit.ops import OPS
+from normkit.testing import assert_close
 
 RNG = np.random.default_rng(1234)
 X = RNG.standard_normal((4, 8)).astype(np.float32)
@@ -111,3 +112,50 @@ def test_array_options_are_refused_clearly(frontend, op):
     if OPS[op].has_offset:
         raises(frontend, TypeError, r"offset must be a static Python float", op, frontend.raw(X),
                offset=frontend.raw(np.float32(1.0)))
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_eps_and_offset_beyond_float32_are_refused(frontend, op):
+    """The kernels compute in fp32: an eps or offset that fp32 cannot hold would become inf or 0 there."""
+    x = frontend.raw(X)
+    raises(frontend, ValueError, r"eps=1e\+39 does not fit in float32", op, x, eps=1e39)
+    raises(frontend, ValueError, r"eps=1e-50 rounds to 0 in float32", op, x, eps=1e-50)
+    if OPS[op].has_offset:
+        raises(frontend, ValueError, r"offset=-1e\+39 does not fit in float32", op, x, offset=-1e39)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_option_types_are_named(frontend, op):
+    x = frontend.raw(X)
+    for bad in ([1e-6], None, "1e-6"):
+        raises(frontend, TypeError, r"normkit: eps must be a static Python float", op, x, eps=bad)
+    if OPS[op].has_offset:
+        raises(frontend, TypeError, r"normkit: offset must be a static Python float; got list", op, x, offset=[1.0])
+        for bad in (["llama"], 1, None):
+            raises(frontend, TypeError, r"normkit: casting_mode must be a str, one of \['gemma', 'llama', 'none'\]",
+                   op, x, casting_mode=bad)
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_eps_zero_on_a_zero_row_is_nan_as_in_the_reference(frontend, op):
+    """eps=0 is allowed: a row with zero variance is then 0/0, NaN, exactly where the float64
+    reference (and torch's own norms) put it; the other rows are unaffected."""
+    x = X.copy()
+    x[1] = 0.0 if OPS[op].is_rms else 2.5  # zero mean square / zero variance
+    residual = np.zeros_like(x) if OPS[op].has_residual else None
+    out = call(frontend, op, frontend.raw(x), residual=None if residual is None else frontend.raw(residual),
+               weight=frontend.raw(W), eps=0.0)
+    y = frontend.numpy(out[0] if OPS[op].has_residual else out)
+    inputs = {"x": x, "residual": residual, "weight": W}
+    with np.errstate(divide="ignore", invalid="ignore"):
+        want, _ = OPS[op].run_reference(inputs, OPS[op].options(eps=0.0), {"y": np.ones_like(x)})
+    assert np.isnan(want["y"][1]).all() and not np.isnan(np.delete(want["y"], 1, axis=0)).any()
+    assert_close(y, want["y"], "float32", f"{op}, eps=0")
+
+
+def test_implementation_option_type():
+    jf = pytest.importorskip("jax_frontend")  # the JAX frontend's own option
+    with pytest.raises(TypeError, match=r"normkit: implementation must be None or a str"):
+        jf.rms_norm(np.asarray(X), implementation=["triton"])
+    with pytest.raises(ValueError, match=r"unknown implementation 'cuda'"):
+        jf.rms_norm(np.asarray(X), implementation="cuda")

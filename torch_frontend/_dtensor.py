@@ -1,7 +1,7 @@
 """DTensor support: the sharding of normkit's custom ops, and the placement checks.
 
 With DTensor inputs, ``torch_frontend``'s functions run through the custom ops ``normkit::norm_fwd``
-and ``normkit::norm_bwd`` (``functional._route``). DTensor dispatches them to the local
+and ``normkit::norm_bwd`` (``_ops._route``). DTensor dispatches them to the local
 shards under the sharding strategy registered here, and wraps the results as DTensors:
 
 - forward: x (and residual) ``Replicate`` or ``Shard(d)`` for any d but the normalized (last) one;
@@ -203,7 +203,7 @@ def register() -> None:
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
 
-        import torch_frontend.functional  # noqa: F401  (defines the custom ops)
+        import torch_frontend._ops  # noqa: F401  (defines the custom ops)
 
         propagator = DTensor._op_dispatcher.sharding_propagator
         for overload, single_dim, n_outputs, static_argnum in (

@@ -6,6 +6,7 @@ import numbers
 import torch
 from torch import nn
 
+from normkit.ops import LAYER_NORM, RMS_NORM
 from torch_frontend import functional as F
 
 __all__ = ["RMSNorm", "LayerNorm", "FusedAddRMSNorm"]
@@ -14,6 +15,10 @@ __all__ = ["RMSNorm", "LayerNorm", "FusedAddRMSNorm"]
 def _last_dim(normalized_shape) -> tuple[int]:
     if isinstance(normalized_shape, numbers.Integral):
         normalized_shape = (int(normalized_shape),)
+    if not isinstance(normalized_shape, (tuple, list, torch.Size)) or not all(
+            isinstance(d, numbers.Integral) for d in normalized_shape):
+        raise TypeError(f"normkit: normalized_shape must be an int D (or a 1-tuple of it); got "
+                        f"{type(normalized_shape).__name__}: {normalized_shape!r}")
     normalized_shape = tuple(int(d) for d in normalized_shape)
     if len(normalized_shape) != 1:
         raise ValueError(
@@ -27,6 +32,7 @@ class _RMSBase(nn.Module):
     def __init__(self, normalized_shape, eps=1e-6, elementwise_affine=True, *, offset=0.0, casting_mode="llama",
                  device=None, dtype=None):
         super().__init__()
+        RMS_NORM.options(eps=eps, offset=offset, casting_mode=casting_mode)  # raises, naming a bad option
         self.normalized_shape = _last_dim(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
@@ -72,6 +78,7 @@ class LayerNorm(nn.Module):
 
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None, dtype=None):
         super().__init__()
+        LAYER_NORM.options(eps=eps)  # raises, naming a bad eps
         self.normalized_shape = _last_dim(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine

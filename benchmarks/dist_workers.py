@@ -1,4 +1,4 @@
-"""The logic of the distributed tests, shared with ``scripts/multi_gpu.py`` (which runs it compiled on GPUs).
+"""The distributed cases, run by the tests (CPU) and by ``scripts/multi_gpu.py`` (compiled, on GPUs).
 
 Torch (``torch_cases``): on every rank of an initialized process group of 2 ranks, each op on
 DTensors (sequence parallel ``Shard(1)``, batch ``Shard(0)``, uneven shards, replicated rows) with
@@ -17,8 +17,8 @@ Every case is a JSON-able dict; ``torch_failures`` / ``jax_failures`` list what 
 
 Command line (each in its own process; the tests run these with a timeout)::
 
-    python -m tests.dist_workers torch --out results.json     # spawns 2 gloo ranks on CPU
-    python -m tests.dist_workers jax --out results.json       # 2 host-platform CPU devices
+    python -m benchmarks.dist_workers torch --out results.json     # spawns 2 gloo ranks on CPU
+    python -m benchmarks.dist_workers jax --out results.json       # 2 host-platform CPU devices
 """
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import sys
 import tempfile
 import traceback
@@ -39,18 +38,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.hlo import collectives  # noqa: E402
 from normkit.ops import OPS  # noqa: E402
 from normkit.testing import assert_close  # noqa: E402
 
 TINY = (2, 4, 16)  # B, S, D: the CPU tests' shape (D differs from B and S, so HLO shapes identify params)
 COLLECTIVE_NAMES = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "all_to_all",
                     "alltoall", "broadcast", "reduce_", "gather_", "scatter_")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _err(actual, ref, dtype: str, what: str, reduced_over: int = 1) -> dict:
@@ -444,13 +438,13 @@ def torch_failures(case: dict) -> list[str]:
     return bad
 
 
-def _torch_rank(rank: int, world: int, port: int, out_dir: str, device: str) -> None:
-    """One spawned CPU rank: gloo on 127.0.0.1, the torch cases, results to ``out_dir/rank{rank}.json``."""
+def _torch_rank(rank: int, world: int, init_method: str, out_dir: str, device: str) -> None:
+    """One spawned CPU rank: gloo, the torch cases, results to ``out_dir/rank{rank}.json``."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=180))
     try:
         cases = torch_cases(device)
@@ -460,10 +454,14 @@ def _torch_rank(rank: int, world: int, port: int, out_dir: str, device: str) -> 
 
 
 def spawn_cpu_ranks(fn, world: int, *args) -> None:
-    """``fn(rank, world, port, *args)`` in ``world`` spawned processes (gloo on 127.0.0.1)."""
+    """``fn(rank, world, init_method, *args)`` in ``world`` spawned processes. The ranks meet through a
+    file in a fresh directory (``file://`` rendezvous), not a TCP port: a port found free here could
+    be taken by another process before the ranks bind it."""
     import torch.multiprocessing as mp
 
-    mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=True, start_method="spawn")
+    with tempfile.TemporaryDirectory() as rendezvous:
+        init_method = Path(rendezvous, "store").as_uri()
+        mp.start_processes(fn, args=(world, init_method, *args), nprocs=world, join=True, start_method="spawn")
 
 
 def run_torch_cpu(out: Path, world: int = 2) -> list[dict]:
@@ -516,36 +514,6 @@ def _jax_case_table() -> list[tuple]:
 
 
 JAX_CASES = _jax_case_table()
-
-
-def hlo_collectives(hlo: str, param_shape: tuple) -> dict:
-    """A summary of ``benchmarks.hlo.collectives``: counts of activation-moving collectives, and per
-    all-reduce instruction the arrays and elements it delivers; ``param_reductions`` counts the
-    reduced arrays of ``param_shape``."""
-    from benchmarks.hlo import collectives
-
-    found = collectives(hlo)
-    reduces: dict[str, list] = {}
-    for c in found:
-        if c.kind == "all-reduce":
-            reduces.setdefault(c.instruction, []).append(c)
-    arrays = [f"{c.dtype}[{','.join(map(str, c.shape))}]" for r in reduces.values() for c in r]
-    return {
-        "all_gather": len({c.instruction for c in found if c.kind == "all-gather"}),
-        "all_to_all": len({c.instruction for c in found if c.kind in ("all-to-all", "ragged-all-to-all")}),
-        "collective_permute": len({c.instruction for c in found if c.kind == "collective-permute"}),
-        "all_reduce_ops": len(reduces),
-        "all_reduce_arrays": arrays,
-        "all_reduce_elements": [sum(c.elements for c in r) for r in reduces.values()],
-        "param_reductions": sum(1 for r in reduces.values() for c in r if c.shape == tuple(param_shape)),
-    }
-
-
-def _collectives(hlo: str) -> list[list]:
-    """[kind, dtype, shape, elements] of every delivered array (JSON-able)."""
-    from benchmarks.hlo import collectives
-
-    return [[c.kind, c.dtype, list(c.shape), c.elements] for c in collectives(hlo)]
 
 
 def _jax_fn(op_name: str, implementation=None):
@@ -626,7 +594,7 @@ def jax_case(name: str, implementation: str, op_name: str, axis_type: str, place
         for label, fn in (("trained", trained), ("frozen", frozen)):
             f, args = _placed(placement, mesh, in_sharding, fn, inputs, cots)
             results[label] = f(*args)
-            hlo[label] = _collectives(f.lower(*args).compile().as_text())
+            hlo[label] = collectives(f.lower(*args).compile().as_text(), (shape[-1],))
     unsharded = {label: jax.jit(fn)(inputs, cots) for label, fn in (("trained", trained), ("frozen", frozen))}
 
     ref_out, ref_grads = op.run_reference(inputs, op.options(eps=op.default_eps), dict(zip(op.outputs, cots)))
@@ -681,7 +649,7 @@ def jax_fsdp(shape=TINY, devices=None) -> list[dict]:
                                                NamedSharding(mesh, P("data"))))
             f = jax.jit(step)
             got = f(*args)
-            hlo = _collectives(f.lower(*args).compile().as_text())
+            hlo = collectives(f.lower(*args).compile().as_text(), (shape[-1],))
         M = int(np.prod(shape[:-1]))
         errs = {k: _err(np.asarray(g), np.asarray(r), "float32", k, M if k == "dweight" else 1)
                 for k, g, r in zip(("y", "dx", "dweight"), got, ref)}
@@ -719,7 +687,7 @@ def jax_vmap(shape=TINY, devices=None) -> list[dict]:
                                                NamedSharding(mesh, P("data"))))
             f = jax.jit(step)
             got = f(*args)
-            hlo = _collectives(f.lower(*args).compile().as_text())
+            hlo = collectives(f.lower(*args).compile().as_text(), (shape[-1],))
         out.append({"kind": "vmap", "name": f"vmap_{axis_type}", "collectives": hlo,
                     "errors": {k: _err(np.asarray(g), np.asarray(r), "float32", k)
                                for k, g, r in zip(("y", "dx"), got, ref)},
@@ -805,7 +773,7 @@ def jax_user_shard_map(shape=TINY, devices=None) -> list[dict]:
                                    reduced_over=int(np.prod(shape[:-1])))
         out.append({"kind": "user_shard_map", "name": f"user_shard_map_{'trained' if trained else 'frozen'}",
                     "trained": ["x", "weight"] if trained else ["x"], "errors": errs,
-                    "backward_hlo": hlo_collectives(f.lower(xs, ws).compile().as_text(), (shape[-1],))})
+                    "backward_hlo": collectives(f.lower(xs, ws).compile().as_text(), (shape[-1],))})
     return out
 
 
@@ -837,7 +805,7 @@ def jax_replicated(shape=TINY, devices=None) -> list[dict]:
             for mode, fn in (("eager", grads), ("jit", jax.jit(grads))):
                 got = [np.asarray(g) for g in fn(*args)]
                 case["diff"][mode] = max(float(np.abs(g - r).max()) for g, r in zip(got, ref))
-            case["hlo"] = hlo_collectives(jax.jit(grads).lower(*args).compile().as_text(), (shape[-1],))
+            case["hlo"] = collectives(jax.jit(grads).lower(*args).compile().as_text(), (shape[-1],))
         out.append(case)
     return out
 
@@ -907,9 +875,16 @@ def jax_cases(shape=TINY, devices=None) -> list[dict]:
     return out
 
 
-def _moved(collectives: list, N: int) -> list:
-    """The collectives that move more than a parameter's N elements: activations."""
-    return [c for c in collectives if c[3] > N]
+def _moves_activation(h: dict, N: int) -> bool:
+    """Whether the collectives ``h`` (``benchmarks.hlo.collectives``) move anything but N-element
+    parameter vectors: an activation."""
+    return bool(h["reduce_scatter"] or h["all_to_all"] or h["collective_permute"]
+                or any(not a.endswith(f"[{N}]") for a in h["all_reduce_arrays"] + h["all_gather_arrays"]))
+
+
+def _any_collective(h: dict) -> bool:
+    return bool(h["all_reduce_ops"] or h["all_gather"] or h["reduce_scatter"] or h["all_to_all"]
+                or h["collective_permute"])
 
 
 def jax_failures(case: dict) -> list[str]:
@@ -929,24 +904,23 @@ def jax_failures(case: dict) -> list[str]:
             # The Triton kernels run each row alike on any number of rows: bitwise the unsharded result.
             if r["layout"] == "row" and case["implementation"] == "triton" and r["unsharded_diff"]:
                 bad.append(f"{name}: {what} differs from the unsharded run by {r['unsharded_diff']}")
-        trained = case["collectives"]["trained"]
-        others = [c for c in trained if c[0] != "all-reduce"]
-        reduced = [c for c in trained if c[0] == "all-reduce"]
-        # Each trained parameter's gradient reduced once (XLA may merge them into one instruction).
-        if others or sorted(c[2] for c in reduced) != [[N]] * len(params):
+        trained, frozen = case["collectives"]["trained"], case["collectives"]["frozen"]
+        # Each trained parameter's gradient reduced once (XLA may merge them into one instruction), and
+        # nothing else moved.
+        if trained["all_gather"] or _moves_activation(trained, N) or trained["param_reductions"] != len(params):
             bad.append(f"{name}: collectives {trained}; expected one all-reduce of {N} elements for each of {params}")
-        if case["collectives"]["frozen"]:
-            bad.append(f"{name}: collectives with the parameters frozen: {case['collectives']['frozen']}")
+        if _any_collective(frozen):
+            bad.append(f"{name}: collectives with the parameters frozen: {frozen}")
         if any(case["frozen_param_grads_max"]):
             bad.append(f"{name}: frozen parameters got gradients {case['frozen_param_grads_max']}")
     elif kind == "fsdp":
         N, found = case["N"], case["collectives"]
-        if _moved(found, N) or not any(c[0] == "all-gather" and c[3] == N for c in found):
+        if _moves_activation(found, N) or not found["all_gather_arrays"]:
             bad.append(f"{name}: collectives {found}; expected the {N}-element weight gathered, no activation moved")
         if case["axis_type"] == "explicit" and case["dweight_spec"] != "('data',)":
             bad.append(f"{name}: dweight is sharded {case['dweight_spec']}, expected the weight's ('data',)")
     elif kind in ("vmap", "eager"):
-        if case.get("collectives"):
+        if "collectives" in case and _any_collective(case["collectives"]):
             bad.append(f"{name}: collectives {case['collectives']}; expected none")
         if any(s != case["spec"] for s in case["specs"]):
             bad.append(f"{name}: outputs sharded {case['specs']}, expected {case['spec']}")

@@ -1,0 +1,223 @@
+"""The Torch frontend under autograd's less common routes: saved-tensor hooks (activation offloading)
+against the cached backward plans, double backward through every route, torch.func, and lazily
+negated views. Every result is compared with float64."""
+import numpy as np
+import pytest
+import torch
+
+import torch_frontend as tf
+from normkit.ops import OPS
+from normkit.testing import assert_close
+from tests.frontend_torch import DEVICE
+
+D = 32
+
+
+def randn(*shape, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g, dtype=torch.float64) + 0.1).to(DEVICE, dtype)
+
+
+def np64(t):
+    return t.detach().double().cpu().numpy()
+
+
+def run(op, inputs: dict, trained: tuple):
+    """``op`` on ``inputs`` (name -> tensor); outputs as a tuple."""
+    out = getattr(tf, op)(*(inputs.get(name) for name in OPS[op].inputs))
+    return out if OPS[op].has_residual else (out,)
+
+
+# --- saved-tensor hooks ---------------------------------------------------------------------------
+
+
+def _contiguous_copy():
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t.contiguous().clone(), lambda t: t)
+
+
+def _save_on_cpu():
+    return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+
+
+def _device_round_trip():
+    """Pack moves the tensor to the other device (the CPU for CUDA tensors), unpack moves it back."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: (t.device, t.cpu() if t.is_cuda else t.clone()),
+                                                    lambda packed: packed[1].to(packed[0]))
+
+
+HOOKS = {"contiguous_copy": _contiguous_copy, "save_on_cpu": _save_on_cpu, "device_round_trip": _device_round_trip}
+
+
+def _strided_inputs(op: str, seed: int, strided_x: bool, strided_w: bool) -> dict:
+    """Rows of a wider buffer (8 x 32, row stride 40) and/or a weight read with element stride 2."""
+    spec = OPS[op]
+    inputs = {}
+    for i, name in enumerate(spec.row_inputs):
+        wide = randn(8, D + 8, seed=seed + i)
+        inputs[name] = wide[:, :D] if strided_x else wide[:, :D].contiguous()
+    for i, name in enumerate(spec.params):
+        wide = randn(2 * D, seed=seed + 10 + i)
+        inputs[name] = wide[::2] if strided_w else wide[::2].contiguous()
+    return inputs
+
+
+def _check_call(op: str, inputs: dict, hook, seed: int, what: str) -> None:
+    spec = OPS[op]
+    leaves = {k: v.detach().requires_grad_() for k, v in inputs.items()}  # detach keeps the strides
+    dy = randn(8, D, seed=seed + 20)
+    with hook():
+        y = run(op, leaves, spec.inputs)[0]
+    names = list(leaves)
+    grads = torch.autograd.grad(y, [leaves[n] for n in names], dy)
+    ref_out, ref_grads = spec.run_reference({k: np64(v) for k, v in leaves.items()},
+                                            spec.options(eps=spec.default_eps), {"y": np64(dy)})
+    assert_close(np64(y), ref_out["y"], "float32", f"{what}: y")
+    for name, g in zip(names, grads):
+        assert_close(np64(g), ref_grads[name], "float32", f"{what}: d{name}",
+                     reduced_over=8 if name in spec.params else 1)
+
+
+@pytest.mark.parametrize("layout", ["strided_x", "strided_weight", "both"])
+@pytest.mark.parametrize("hook", sorted(HOOKS))
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_saved_tensor_hooks_with_cached_plans(op, hook, layout):
+    """The same call signature, plainly and under a saved-tensor hook that hands the backward
+    contiguous copies (in both orders): the cached backward plans must not read the copies with the
+    original's strides."""
+    from torch_frontend import _fastpath
+
+    strided_x, strided_w = layout in ("strided_x", "both"), layout in ("strided_weight", "both")
+    for order in (("plain", hook), (hook, "plain")):
+        _fastpath.BOUND.clear()
+        for i, which in enumerate(order):
+            seed = 1000 + 100 * i + 37 * (order[0] == "plain")
+            inputs = _strided_inputs(op, seed, strided_x, strided_w)
+            _check_call(op, inputs, HOOKS[which] if which != "plain" else _no_hook, seed,
+                        f"{op}, {layout}, {' then '.join(order)}: {which}")
+
+
+class _no_hook:
+    def __call__(self):
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_no_hook = _no_hook()
+
+
+# --- double backward ------------------------------------------------------------------------------
+
+
+def _float64_expression(op: str, inputs: dict, eps: float):
+    """The op written directly in float64 torch, independent of normkit (autograd differentiates it)."""
+    if op == "layer_norm":
+        return (torch.nn.functional.layer_norm(inputs["x"], (D,), inputs["weight"], inputs["bias"], eps),)
+    s = inputs["x"] + inputs["residual"] if op == "fused_add_rms_norm" else inputs["x"]
+    y = s * torch.rsqrt((s * s).mean(-1, keepdim=True) + eps) * inputs["weight"]
+    return (y, s) if op == "fused_add_rms_norm" else (y,)
+
+
+def _penalty(outputs, leaves: dict, wrt: list, c: list, route: str):
+    """A gradient penalty: first-order gradients of ``sum(out * c)`` with create_graph=True, then the
+    gradients of ``sum(g**2) + sum(x**2)`` by ``route``. Returns (first-order, second-order)."""
+    first = torch.autograd.grad(sum((o * k).sum() for o, k in zip(outputs, c)), [leaves[n] for n in wrt],
+                                create_graph=True)
+    loss = sum((g ** 2).sum() for g in first) + (leaves["x"] ** 2).sum()
+    targets = [leaves[n] for n in wrt]
+    if route == "autograd.grad":
+        second = torch.autograd.grad(loss, targets, allow_unused=True)  # LayerNorm's loss does not depend on its bias
+    else:
+        for t in targets:
+            t.grad = None
+        if route == "backward":
+            loss.backward()
+        else:  # backward(inputs=...)
+            loss.backward(inputs=targets)
+        second = [t.grad for t in targets]
+    return first, second
+
+
+@pytest.mark.parametrize("route", ["autograd.grad", "backward", "backward(inputs=...)"])
+@pytest.mark.parametrize("wrt", [("x",), "all"], ids=["x", "all"])
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_double_backward_matches_float64_autograd(op, wrt, route):
+    spec = OPS[op]
+    eps = spec.default_eps
+    inputs = {name: randn(4, D, seed=70 + i) for i, name in enumerate(spec.row_inputs)}
+    inputs.update({name: randn(D, seed=80 + i) for i, name in enumerate(spec.params)})
+    wrt = spec.inputs if wrt == "all" else wrt
+    c = [randn(4, D, seed=90 + i) for i in range(len(spec.outputs))]
+    leaves = {k: v.clone().requires_grad_(k in wrt) for k, v in inputs.items()}
+    first, second = _penalty(run(op, leaves, wrt), leaves, list(wrt), c, route)
+    leaves64 = {k: v.double().requires_grad_(k in wrt) for k, v in inputs.items()}
+    first64, second64 = _penalty(_float64_expression(op, leaves64, eps), leaves64, list(wrt),
+                                 [k.double() for k in c], "autograd.grad")
+    for name, g, g64, h, h64 in zip(wrt, first, first64, second, second64):
+        reduced = 4 if name in spec.params else 1
+        assert_close(np64(g), np64(g64), "float32", f"{op} d{name} under create_graph", reduced_over=reduced)
+        if h64 is None:  # the loss does not depend on it (a bias: dbias = sum of dy)
+            assert h is None or not h.any(), f"{op}: second-order d{name} should be zero"
+            continue
+        assert h is not None, f"{op}: no second-order gradient for {name} ({route})"
+        assert_close(np64(h), np64(h64), "float32", f"{op} second-order d{name} ({route})", reduced_over=reduced)
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_first_order_gradients_without_create_graph_come_from_the_kernels(op):
+    """Plain backward still runs the backward kernel (and no float64 math)."""
+    import normkit
+
+    spec = OPS[op]
+    leaves = {name: randn(4, D, seed=60 + i).requires_grad_() for i, name in enumerate(spec.row_inputs)}
+    leaves.update({name: randn(D, seed=65 + i).requires_grad_() for i, name in enumerate(spec.params)})
+    with normkit.record_launches() as log:
+        y = run(op, leaves, spec.inputs)[0]
+        y.sum().backward()
+    assert log.of("norm_bwd_kernel"), log.kernels()
+
+
+def test_torch_func_raises_instead_of_computing():
+    """torch.func transforms are not supported: they raise, never return a silently wrong gradient."""
+    x, w = randn(4, D, seed=50), randn(D, seed=51)
+    with pytest.raises(RuntimeError, match="autograd.Function with functorch transforms"):
+        torch.func.grad(lambda t: tf.rms_norm(t, w).sum())(x)
+
+
+# --- negated views --------------------------------------------------------------------------------
+
+
+def _negated(shape, seed) -> torch.Tensor:
+    """A real tensor carrying torch's lazy-negation bit: the imaginary part of a conjugated view."""
+    z = torch.complex(randn(*shape, seed=seed), randn(*shape, seed=seed + 1))
+    x = z.conj().imag
+    assert x.is_neg()
+    return x
+
+
+@pytest.mark.filterwarnings("ignore::torch_frontend.NormkitCopyWarning")
+@pytest.mark.parametrize("layout", ["one_column", "expanded", "rows", "weight"])
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_negated_views_are_read_as_their_values(op, layout):
+    spec = OPS[op]
+    d = 1 if layout == "one_column" else D
+    inputs = {name: randn(4, d, seed=30 + i) for i, name in enumerate(spec.row_inputs)}
+    inputs.update({name: randn(d, seed=35 + i) for i, name in enumerate(spec.params)})
+    if layout in ("one_column", "rows"):
+        inputs["x"] = _negated((4, d), seed=40)
+    elif layout == "expanded":  # strides (2, 0): a broadcast column of a complex tensor's imaginary parts
+        inputs["x"] = _negated((4, 1), seed=40).expand(4, d)
+    else:
+        inputs["weight"] = _negated((d,), seed=40)
+    want, _ = spec.run_reference({k: np64(v.resolve_neg()) for k, v in inputs.items()},
+                                 spec.options(eps=spec.default_eps), {"y": np.ones((4, d))})
+    assert any(t.is_neg() for t in inputs.values())
+    for attempt in ("first", "repeated"):  # the repeated call takes the eager fast path
+        with pytest.warns(tf.NormkitCopyWarning, match="negated"):
+            got = run(op, inputs, ())
+        for name, t in zip(spec.outputs, got):
+            assert_close(np64(t), want[name], "float32", f"{op} {layout} ({attempt}): {name}")

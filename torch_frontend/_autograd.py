@@ -1,0 +1,88 @@
+"""The ``torch.autograd.Function`` of the three ops.
+
+Which gradients the backward computes comes from ``ctx.needs_input_grad``: a frozen weight, bias or
+input turns its COMPUTE_* flag off, so its work, its fp32 partial buffer and its reduction launch
+disappear.
+
+A gradient that will itself be differentiated (``create_graph=True``: gradient penalties, Hessian
+products) is computed with differentiable torch operations instead of the kernels: the float64 math
+of ``normkit.reference`` on the saved tensors, rounded to the inputs' dtypes. Every route of
+autograd then sees the right second-order terms (``.backward()``, ``autograd.grad`` with
+``inputs``, ``backward(inputs=...)``). Without ``create_graph`` the kernels compute every gradient.
+
+Inputs are flattened to 2-D rows *inside* the Function, and its gradients reshaped there: had the
+flattening views been recorded by autograd, the fused add's x and residual (which share one
+gradient) would receive two views of one buffer, and their ``.grad`` would alias.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from normkit import reference
+from normkit.ops import Grads, Op, Options
+from torch_frontend import _ops
+
+GRADS = {(dx, dw, db): Grads(dx, dw, db) for dx in (False, True) for dw in (False, True) for db in (False, True)}
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+class NormFunction(torch.autograd.Function):
+    """``forward(op, opts, store_stats, bound, x, residual, weight, bias)`` over any leading shape;
+    ``bound``: the call signature's ``_fastpath.Bound`` plans (eager fast path), a
+    ``_composite.Composite`` (compiling a frozen norm), or None (the route of ``_ops``)."""
+
+    @staticmethod
+    def forward(ctx, op: Op, opts: Options, store_stats: bool, bound, x, residual, weight, bias):
+        if bound is not None:
+            y, s, mean, rstd = bound.forward(x, residual, weight, bias)
+        else:
+            y, s, mean, rstd = _ops.forward(op, x, residual, weight, bias, opts, store_stats)
+        ctx.op, ctx.opts, ctx.bound = op, opts, bound
+        ctx.b_dtype = bias.dtype if bias is not None else torch.float32
+        if op.has_residual:
+            ctx.set_materialize_grads(False)
+            ctx.save_for_backward(s, weight, mean, rstd)
+            return y, s
+        ctx.save_for_backward(x, weight, mean, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy, ds=None):
+        needs = ctx.needs_input_grad  # (op, opts, store_stats, bound, x, residual, weight, bias)
+        grads = GRADS[needs[4] or needs[5], needs[6], needs[7]]
+        x, weight, mean, rstd = ctx.saved_tensors
+        if dy is None and ds is None:
+            return (None,) * 8
+        # Grad mode is on only under create_graph=True.
+        grad_mode = torch.is_grad_enabled()
+        if grad_mode and any(t is not None and t.requires_grad for t in (dy, ds, x, weight)):
+            dx, dw, db = differentiable_backward(ctx.op, ctx.opts, x, weight, dy, ds, grads, ctx.b_dtype)
+        else:
+            with torch.no_grad() if grad_mode else _NO_CONTEXT:
+                if dy is None:  # only residual_out was used: y's gradient is exactly zero
+                    dy = torch.zeros_like(x)
+                if ctx.bound is not None:
+                    dx, dw, db = ctx.bound.backward(x, weight, dy, ds, mean, rstd, grads)
+                else:
+                    dx, dw, db = _ops.backward(ctx.op, x, weight, dy, ds, mean, rstd, ctx.opts, grads, ctx.b_dtype)
+        return (None, None, None, None, dx if needs[4] else None, dx if needs[5] else None, dw, db)
+
+
+def differentiable_backward(op: Op, opts: Options, x, weight, dy, ds, grads: Grads, b_dtype: torch.dtype) -> tuple:
+    """``(dx, dweight, dbias)`` as differentiable torch operations: the reference's float64 math on
+    ``x`` (the fused add's saved sum), rounded to the inputs' dtypes. The statistics are recomputed
+    from ``x`` rather than read from the forward's, so that they are differentiated too."""
+    f64 = lambda t: None if t is None else t.double()  # noqa: E731
+    if dy is None:
+        dy = torch.zeros_like(x)
+    if op.is_rms:
+        dx, dw = reference.rms_norm_bwd(f64(x), f64(weight), f64(dy), opts.eps, opts.offset)
+        db = None
+    else:
+        dx, dw, db = reference.layer_norm_bwd(f64(x), f64(weight), True if grads.db else None, f64(dy), opts.eps)
+    if ds is not None:
+        dx = dx + f64(ds)
+    return (dx.to(x.dtype) if grads.dx else None, dw.to(weight.dtype) if grads.dw else None,
+            db.to(b_dtype) if grads.db else None)
