@@ -135,7 +135,7 @@ def test_failures_read_the_hlo():
     gathered_x = "  %ag = f32[8,16]{1,0} all-gather(f32[4,16]{1,0} %x), dimensions={0}\n"
     gathered_w = "  %ag = (f32[8]{0}, f32[16]{0}) all-gather-start(f32[8]{0} %w), dimensions={0}\n"
     row = {"ok": True, "message": "", "layout": "row", "spec": "('data',)", "placed_as_expected": True,
-           "unsharded_diff": 0.0}
+           "unsharded_diff": 0.0, "unsharded": {"ok": True}}
     case = {"kind": "sharded", "name": "c", "implementation": "xla", "spec": "('data',)", "params": ["weight", "bias"],
             "N": 16, "results": {"y": row}, "frozen_param_grads_max": [0.0, 0.0],
             "collectives": {"trained": collectives(trained, (16,)), "frozen": collectives("", (16,))}}
