@@ -876,11 +876,13 @@ def jax_cases(shape=TINY, devices=None) -> list[dict]:
     return out
 
 
-def _moves_activation(h: dict, N: int) -> bool:
-    """Whether the collectives ``h`` (``benchmarks.hlo.collectives``) move anything but N-element
-    parameter vectors: an activation."""
-    return bool(h["reduce_scatter"] or h["all_to_all"] or h["collective_permute"]
-                or any(not a.endswith(f"[{N}]") for a in h["all_reduce_arrays"] + h["all_gather_arrays"]))
+def _moves_activation(h: dict, N: int, reduced: int) -> bool:
+    """Whether the collectives ``h`` (``benchmarks.hlo.collectives``) move more than N-element parameter
+    vectors and their gradients (``reduced`` of them all-reduced; XLA on GPU may merge dW and dB into
+    one all-reduce of 2N elements, so elements are counted): an activation gathered, permuted, or
+    all-reduced."""
+    return bool(h["all_to_all"] or h["collective_permute"] or sum(h["all_reduce_elements"]) > N * reduced
+                or any(not a.endswith(f"[{N}]") for a in h["all_gather_arrays"]))
 
 
 def _any_collective(h: dict) -> bool:
@@ -912,15 +914,18 @@ def jax_failures(case: dict) -> list[str]:
         trained, frozen = case["collectives"]["trained"], case["collectives"]["frozen"]
         # Each trained parameter's gradient reduced once (XLA may merge them into one instruction), and
         # nothing else moved.
-        if trained["all_gather"] or _moves_activation(trained, N) or trained["param_reductions"] != len(params):
+        if (trained["all_gather"] or trained["reduce_scatter"] or _moves_activation(trained, N, len(params))
+                or sum(trained["all_reduce_elements"]) != N * len(params)):
             bad.append(f"{name}: collectives {trained}; expected one all-reduce of {N} elements for each of {params}")
         if _any_collective(frozen):
             bad.append(f"{name}: collectives with the parameters frozen: {frozen}")
         if any(case["frozen_param_grads_max"]):
             bad.append(f"{name}: frozen parameters got gradients {case['frozen_param_grads_max']}")
     elif kind == "fsdp":
+        # The weight's N elements gathered; its gradient all-reduced, or reduce-scattered to the weight's
+        # sharding (XLA may turn the all-reduce and the slice that follows into one reduce-scatter).
         N, found = case["N"], case["collectives"]
-        if _moves_activation(found, N) or not found["all_gather_arrays"]:
+        if _moves_activation(found, N, 1) or not found["all_gather_arrays"]:
             bad.append(f"{name}: collectives {found}; expected the {N}-element weight gathered, no activation moved")
         if case["axis_type"] == "explicit" and case["dweight_spec"] != "('data',)":
             bad.append(f"{name}: dweight is sharded {case['dweight_spec']}, expected the weight's ('data',)")

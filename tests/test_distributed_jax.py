@@ -127,11 +127,13 @@ def test_one_device_mesh_runs_unsharded(axis_type):
 
 
 def test_failures_read_the_hlo():
-    """The judge reads ``benchmarks.hlo.collectives``: dW and dB merged into one all-reduce pass; a frozen
-    parameter's reduction, or a gathered activation, fails; a gathered N-element weight does not."""
+    """The judge reads ``benchmarks.hlo.collectives``: dW and dB in one all-reduce (a tuple, or concatenated
+    as XLA on GPU does) pass; more reduced elements, a frozen parameter's reduction, or a gathered
+    activation fail; a gathered N-element weight does not."""
     trained = """
   %merged = (f32[16]{0}, f32[16]{0}) all-reduce(%dw, %db), channel_id=1, replica_groups={{0,1}}, to_apply=%add
 """
+    concatenated = "  %ar = f32[32]{0} all-reduce(f32[32]{0} %dwdb), channel_id=1, to_apply=%add\n"  # XLA on GPU
     gathered_x = "  %ag = f32[8,16]{1,0} all-gather(f32[4,16]{1,0} %x), dimensions={0}\n"
     gathered_w = "  %ag = (f32[8]{0}, f32[16]{0}) all-gather-start(f32[8]{0} %w), dimensions={0}\n"
     row = {"ok": True, "message": "", "layout": "row", "spec": "('data',)", "placed_as_expected": True,
@@ -140,7 +142,11 @@ def test_failures_read_the_hlo():
             "N": 16, "results": {"y": row}, "frozen_param_grads_max": [0.0, 0.0],
             "collectives": {"trained": collectives(trained, (16,)), "frozen": collectives("", (16,))}}
     assert dist_workers.jax_failures(case) == []
-    case["collectives"]["frozen"] = collectives(trained, (16,))
+    case["collectives"]["trained"] = collectives(concatenated, (16,))
+    assert dist_workers.jax_failures(case) == []
+    case["collectives"]["trained"] = collectives(trained + concatenated, (16,))
+    assert "expected one all-reduce" in dist_workers.jax_failures(case)[0]
+    case["collectives"] = {"trained": collectives(trained, (16,)), "frozen": collectives(trained, (16,))}
     assert "parameters frozen" in dist_workers.jax_failures(case)[0]
     case["collectives"] = {"trained": collectives(trained + gathered_x, (16,)), "frozen": collectives("", (16,))}
     assert "expected one all-reduce" in dist_workers.jax_failures(case)[0]
