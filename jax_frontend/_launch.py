@@ -265,8 +265,9 @@ class JaxBackend:
         return jnp.zeros(shape, JNP_DTYPES[dtype])
 
     def launch(self, call: KernelCall, arrays: dict, rows_shape: tuple | None = None) -> dict:
-        """Launch ``call`` (``rows_shape`` is not used: the frontend reshapes after the custom_vjp); under ``normkit.testing.poisoned_outputs()`` the interpreter path's outputs
-        start as NaN (jax-triton allocates its outputs inside XLA and 0.3.1 can only zero them)."""
+        """Launch ``call`` (``rows_shape`` is not used: each pass flattens and restores its rows itself,
+        ``jax_frontend._rows.Pass``); under ``normkit.testing.poisoned_outputs()`` the interpreter path's
+        outputs start as NaN (jax-triton allocates its outputs inside XLA and 0.3.1 can only zero them)."""
         interpret = self.platform == "cpu" or _interpreter.is_interpreted(call.kernel)
         triton_call = interpreter_triton_call if interpret else gpu_triton_call()
         args, out_shape = kernel_args(call, arrays)
