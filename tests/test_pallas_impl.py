@@ -288,16 +288,23 @@ def test_dw_deterministic(impl, op_name, monkeypatch):
     grads = Grads(True, True, cfg.has_b)
     opts = Options(op.default_eps)
 
+    traces = []
+
     def program(a):
+        traces.append(1)
         fwd = impl.forward(op, a["x"], a.get("residual"), a["weight"], a.get("bias"), opts=opts, store_stats=True)
         return impl.backward(op, fwd["S"] if op.has_residual else a["x"], a["weight"], a["dy"], a.get("ds"),
                              fwd.get("MEAN"), fwd["RSTD"], opts=opts, grads=grads, w_dtype="bfloat16",
                              b_dtype="bfloat16" if cfg.has_b else None)
 
-    first = jax.device_get(_jit(program)(a))
+    jitted = _jit(program)
+    first = jax.device_get(jitted(a))
+    rerun = jax.device_get(jitted(a))  # the same executable again
+    jax.clear_caches()  # else jax.jit reuses the trace and the executable of the same function
     again = jax.device_get(_jit(program)(a))  # a second trace and compile
+    assert len(traces) == 2, f"traced {len(traces)} times, expected 2"
     for name in first:
-        assert np.array_equal(first[name], again[name]), name
+        assert np.array_equal(first[name], rerun[name]) and np.array_equal(first[name], again[name]), name
     if impl is _pallas:  # the case does walk several tiles per program over several partial rows
         cfg_b = launch.pallas_blocks(M, N, reduces=True, num_sms=_pallas.num_sms())
         assert cfg_b.num_programs > 1 and cfg_b.tiles_per_program > 1, cfg_b
