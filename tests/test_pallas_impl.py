@@ -383,29 +383,36 @@ def test_vmap_forward():
             assert np.array_equal(batched[name][i], one[name]), name
 
 
-def test_block_config():
-    """The launch heuristic: one tile per program unless dW/dB are reduced or LayerNorm's long rows run persistent."""
-    c = launch.pallas_blocks(8192, 8192, num_sms=132)
-    assert (c.block_m, c.block_n, c.num_warps, c.num_programs, c.tiles_per_program) == (1, 8192, 8, 8192, 1)
-    c = launch.pallas_blocks(8192, 8192, reduces=True, num_sms=132)
-    assert (c.num_warps, c.num_programs, c.tiles_per_program) == (16, 132, 63)
-    c = launch.pallas_blocks(32768, 4096, reduces=True, num_sms=132)
-    assert (c.block_m, c.block_n, c.num_warps, c.num_programs, c.tiles_per_program) == (1, 4096, 4, 264, 125)
-    c = launch.pallas_blocks(8192, 8192, persistent=True, num_sms=132)
-    assert (c.num_warps, c.num_programs, c.tiles_per_program) == (4, 264, 32)  # half the one-tile warps
-    c = launch.pallas_blocks(8192, 8192, persistent=True, elem_bytes=4, num_sms=132)  # fp32: 16384-element tiles
-    assert (c.block_m, c.num_warps, c.num_programs, c.tiles_per_program) == (2, 16, 132, 32)
-    c = launch.pallas_blocks(16384, 8192, persistent=True, backward=True, num_sms=132)  # dx-only backward
-    assert (c.block_m, c.num_warps, c.num_programs, c.tiles_per_program) == (1, 32, 132, 125)
-    c = launch.pallas_blocks(5, 3)
-    assert (c.block_m, c.block_n, c.num_programs) == (8, 4, 1)
-    # persistent: LayerNorm's forward and dx-only backward on rows of >= 8192 elements only
-    ln = OPS["layer_norm"]
-    assert _pallas.persistent_grid(ln, 8192) and _pallas.persistent_grid(ln, 5000)
-    assert not _pallas.persistent_grid(ln, 4096) and _pallas.persistent_grid(ln, 4096, elem_bytes=4)
-    assert not _pallas.persistent_grid(ln, 2048, elem_bytes=4)
-    assert _pallas.persistent_grid(ln, 8192, backward=True) and not _pallas.persistent_grid(ln, 16384, backward=True)
-    assert not _pallas.persistent_grid(OPS["rms_norm"], 8192)
-    c = launch.pallas_blocks(32768, 4096, persistent=True, elem_bytes=4, num_sms=132)  # fp32, 4096 wide
-    assert (c.block_m, c.num_warps, c.num_programs, c.tiles_per_program) == (1, 8, 264, 125)
-    assert launch.reduce_blocks(132, 8192) == (32, 64)
+def test_block_invariants(monkeypatch):
+    """The launch heuristic's invariants (not its tuned numbers), for every op, pass and row dtype,
+    from one row to many, short rows to the longest, a few SMs or many:
+    - a tile covers whole rows (BLOCK_N is the power of two >= N) and fits one program: at most 16384
+      elements (or one row), at most 128 per thread (of 255 registers), BLOCK_M a power of two;
+    - the programs cover every tile and each has work (tiles_per_program = ceil(tiles / programs));
+    - dW/dB partials (one per program) are at most 2 per SM;
+    - without dW/dB, one tile per program, except LayerNorm's persistent grids (at most 4 programs per SM)."""
+    seen = set()
+    for num_sms in (4, 132):
+        monkeypatch.setattr(_pallas, "NUM_SMS", num_sms)
+        for op, dtype, M, N, (backward, reduces) in itertools.product(
+                OPS.values(), ("bfloat16", "float32"), (1, 5, 300, 8192, 32768), (1, 3, 96, 4096, 5000, 8192, 65536),
+                ((False, False), (True, False), (True, True))):
+            c = _pallas.blocks(op, M, N, dtype, backward=backward, reduces=reduces)
+            what = (op.name, dtype, M, N, backward, reduces, num_sms, c)
+            assert N <= c.block_n < 2 * N and c.block_n & (c.block_n - 1) == 0, what
+            assert c.block_m >= 1 and c.block_m & (c.block_m - 1) == 0, what
+            assert c.block_m * c.block_n <= max(16384, c.block_n), what
+            assert 1 <= c.num_warps <= 32 and c.block_m * c.block_n <= 128 * 32 * c.num_warps, what
+            tiles = -(-M // c.block_m)
+            assert 1 <= c.num_programs <= tiles and c.tiles_per_program == -(-tiles // c.num_programs), what
+            if reduces:
+                assert c.num_programs <= 2 * num_sms, what
+                seen.add("partials" if c.tiles_per_program > 1 else "one tile")
+            elif c.tiles_per_program > 1:
+                assert not op.is_rms and c.num_programs <= 4 * num_sms, what
+                seen.add("persistent backward" if backward else "persistent forward")
+            else:
+                assert c.num_programs == tiles, what
+                seen.add("one tile")
+    # every branch of the heuristic was met above
+    assert seen == {"one tile", "partials", "persistent forward", "persistent backward"}, seen
