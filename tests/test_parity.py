@@ -5,6 +5,12 @@ Torch and the JAX frontend's default implementation run every case; the JAX fron
 implementations (Pallas, XLA) run every combination on fewer shapes: D = 1, several row tiles and
 programs (the dW/dB partials), and an odd D above 4096; at the large GPU-only shapes, in the default
 casting without offset. The body is the same for all of them.
+
+The default run takes ``quick_cases`` (tests/harness.py): every variant once, at a rotating shape,
+and every shape with every op and dtype, frozen and not; that still meets every kernel flag
+combination, every frozen set and every shape, through every frontend. The other cases are marked
+``slow`` (run after the default run by .ci/run, and by scripts/gpu-check.sh). fp32 cases that only
+repeat the default casting (``repeats_default_casting``) are left out.
 """
 import os
 import zlib
@@ -14,17 +20,20 @@ import pytest
 
 from normkit.shapes import shapes
 from tests.frontends import FRONTENDS
-from tests.harness import check_against_reference, check_launch_flags, make_inputs, parity_cases, reference
+from tests.harness import (check_against_reference, check_launch_flags, make_inputs, parity_cases, quick_cases,
+                           reference, repeats_default_casting)
 
 SIZE_TAG = os.environ.get("NORMKIT_TEST_SHAPES", "ci")  # "gpu" on the GPU machine: larger shapes too
 SHAPES = shapes("ci", "gpu") if SIZE_TAG == "gpu" else shapes("ci")  # each shape once
-CASES = parity_cases(SHAPES)
+CASES = [c for c in parity_cases(SHAPES) if not repeats_default_casting(c)]
+QUICK = set(quick_cases(SHAPES))
 FEWER_SHAPES = [s for s in SHAPES if s.name in ("d1", "many_rows", "d4097") or s.tags == frozenset({"gpu"})]
 # The other implementations at the large GPU-only shapes (tiling, many programs, wide rows): every op,
 # dtype, parameter set and frozen set, in the default casting without offset (the casting modes and
 # the offset run at the small shapes, where they cost nothing).
-OTHER_CASES = [c for c in parity_cases(FEWER_SHAPES)
-               if c.shape.tags != frozenset({"gpu"}) or (c.casting, c.offset) == ("llama", 0.0)]
+OTHER_CASES = [c for c in parity_cases(FEWER_SHAPES) if not repeats_default_casting(c)
+               and (c.shape.tags != frozenset({"gpu"}) or (c.casting, c.offset) == ("llama", 0.0))]
+OTHER_QUICK = set(quick_cases(FEWER_SHAPES, each_frozen_set=False))  # frozen sets: through "jax"
 OTHER_IMPLEMENTATIONS = [name for name in sorted(FRONTENDS) if name not in ("torch", "jax")]
 
 
@@ -55,7 +64,14 @@ def check_case(frontend, case):
 
 MAIN_FRONTENDS = [n for n in ("torch", "jax") if n in FRONTENDS]  # every case
 _OTHER = set(OTHER_CASES)
-PARAMS = [pytest.param(case, name, id=f"{case}-{name}")
+
+
+def _param(case, name):
+    quick = case in QUICK if name in MAIN_FRONTENDS else case in OTHER_QUICK
+    return pytest.param(case, name, id=f"{case}-{name}", marks=() if quick else pytest.mark.slow)
+
+
+PARAMS = [_param(case, name)
           for case in CASES for name in MAIN_FRONTENDS + (OTHER_IMPLEMENTATIONS if case in _OTHER else [])]
 
 
