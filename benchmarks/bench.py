@@ -26,7 +26,7 @@ What is timed (each combination of):
 - paths ``kernel`` (normkit's bare launches ``_norm_fwd``/``_norm_bwd``, do_bench device time) and
   ``e2e`` (through each frontend's public API and autograd / jax.vjp; back-to-back calls, wall time).
 
-Timers are described in benchmarks/timing.py, the byte model in benchmarks/bytemodel.py.
+Timers and the copy are described in benchmarks/timing.py, the byte model in benchmarks/bytemodel.py.
 
 A time budget (``--budget-s``, ``--compile-budget-s``) bounds the run: work is ordered by priority
 (bf16 then fp32 on the M >= 8192, N >= 4096 shapes, then the small shapes, then model-only shapes)
@@ -63,11 +63,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import importlib.metadata
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 import traceback
@@ -78,13 +76,13 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(REPO))
 
 from benchmarks import bytemodel  # noqa: E402
-from benchmarks.timing import num_sets  # noqa: E402
+from benchmarks.env import short_error, versions  # noqa: E402
+from benchmarks.timing import Timer, num_sets, tbps  # noqa: E402
 
 SCHEMA = "normkit-bench/1"
 OPS = bytemodel.OPS
 MODES = bytemodel.MODES
-DTYPES = ("bf16", "fp32")
-ITEMSIZE = {"bf16": 2, "fp32": 4}
+DTYPES = tuple(bytemodel.DTYPES)
 TORCH_PEERS = ("liger", "torch_eager", "torch_compile")
 NORMKIT_JAX = ("normkit_jax", "normkit_jax_pallas", "normkit_jax_xla")  # jax_frontend, implementation= auto/pallas/xla
 JAX_PEERS = ("xla",) + NORMKIT_JAX + ("tokamax",)
@@ -205,7 +203,7 @@ class Target:
 
 def select_targets(args) -> list[Target]:
     """Unique M x N targets in priority order, with the names of equal shapes as aliases."""
-    from normkit.shapes import Shape, shapes
+    from normkit.shapes import Shape, parse, shapes
 
     if args.dry_run:
         return [Target(DRY_SHAPE[0], *DRY_SHAPE[1])]
@@ -218,11 +216,12 @@ def select_targets(args) -> list[Target]:
             chosen += shapes(item)
         elif item in by_name:
             chosen.append(by_name[item])
-        elif "x" in item and all(p.isdigit() for p in item.split("x")):
-            M, N = map(int, item.split("x"))
-            chosen.append(next((s for s in by_name.values() if (s.M, s.N) == (M, N)), Shape(item, (M, N), frozenset())))
         else:
-            raise SystemExit(f"bench: unknown shape {item!r}; names: {', '.join(by_name)}")
+            try:
+                M, N = parse(item)
+            except ValueError:
+                raise SystemExit(f"bench: unknown shape {item!r}; names: {', '.join(by_name)}, or MxN") from None
+            chosen.append(next((s for s in by_name.values() if (s.M, s.N) == (M, N)), Shape(item, (M, N), frozenset())))
     targets: dict[tuple[int, int], Target] = {}
     for s in chosen:
         key = (s.M, s.N)
@@ -313,18 +312,18 @@ def _sig(x, digits=6):
 
 def make_record(*, op, mode, dtype, target: Target, impl, path, run, res=None, error=None, timer="", n_sets=1):
     M, N = target.M, target.N
-    nbytes = bytemodel.bytes_moved(op, mode, M, N, ITEMSIZE[dtype])
+    nbytes = bytemodel.bytes_moved(op, mode, M, N, bytemodel.itemsize(dtype))
     res = dict(res or {})
     us = res.pop("median_us", None)
     if us is not None and not (us > 0):
         error, us = error or f"non-positive time {us}", None
     peak = res.pop("peak_mem_bytes", None)
-    tbps = nbytes / (us * 1e-6) / 1e12 if us else None
+    bw = tbps(nbytes, us) if us else None
     copy_tbps = run["copy"].get("tbps")
     return {
         "op": op, "mode": mode, "dtype": dtype, "shape": target.name, "M": M, "N": N, "impl": impl, "path": path,
-        "median_us": _sig(us), "bytes": nbytes, "tbps": _sig(tbps),
-        "pct_copy": None if tbps is None or not copy_tbps else _sig(100 * tbps / copy_tbps),
+        "median_us": _sig(us), "bytes": nbytes, "tbps": _sig(bw),
+        "pct_copy": None if bw is None or not copy_tbps else _sig(100 * bw / copy_tbps),
         "peak_mem_bytes": peak, "error": error, "speedup_vs": None, "run_id": run["run_id"], "timer": timer,
         "n_sets": n_sets, "measured_as": None, "extra": res,
     }
@@ -332,37 +331,6 @@ def make_record(*, op, mode, dtype, target: Target, impl, path, run, res=None, e
 
 # ---------------------------------------------------------------------------------------------
 # Environment.
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def versions() -> dict:
-    v = {"python": platform.python_version()}
-    for dist in ("torch", "triton", "jax", "jaxlib", "numpy", "liger-kernel", "jax-triton", "matplotlib",
-                 "jax-cuda13-plugin", "jax-cuda12-plugin", "tokamax"):
-        found = _version(dist)
-        if found is not None:
-            v[dist] = found
-    try:
-        import normkit
-
-        v["normkit"] = normkit.__version__
-    except Exception as e:  # noqa: BLE001
-        v["normkit"] = f"import failed: {e}"
-    try:
-        v["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                  timeout=10).stdout.strip() or None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        v["git_dirty"] = bool(dirty)
-    except Exception:  # noqa: BLE001 (no git on the machine)
-        v["git"] = None
-    return v
 
 
 def device_info(torch, dry: bool) -> dict:
@@ -383,11 +351,6 @@ def _restore_cache_dir(saved: str | None) -> None:
         os.environ["TRITON_CACHE_DIR"] = saved
 
 
-def _short(e: BaseException) -> str:
-    msg = f"{type(e).__name__}: {e}".strip().replace("\n", " ")
-    return msg[:400]
-
-
 def load_peers(args, saved_cache_dir):
     """Import every selected peer, torch side first; return (status, torch fns, jax fns)."""
     from benchmarks import impls_torch as it
@@ -404,7 +367,7 @@ def load_peers(args, saved_cache_dir):
             torch_fns["liger"] = it.liger_fn
             status["liger"] = "ok"
         except Exception as e:  # noqa: BLE001
-            status["liger"] = f"unavailable: {_short(e)}"
+            status["liger"] = f"unavailable: {short_error(e)}"
     if "torch_eager" in args.peers:
         torch_fns["torch_eager"] = it.eager_fn
         status["torch_eager"] = "ok"
@@ -414,7 +377,7 @@ def load_peers(args, saved_cache_dir):
             torch_fns["torch_compile"] = None  # built per item
             status["torch_compile"] = f"ok (backend {args.compile_backend})"
         except Exception as e:  # noqa: BLE001
-            status["torch_compile"] = f"unavailable: {_short(e)}"
+            status["torch_compile"] = f"unavailable: {short_error(e)}"
     want_jax = [p for p in JAX_PEERS if p in args.peers]
     if want_jax:
         try:
@@ -426,7 +389,7 @@ def load_peers(args, saved_cache_dir):
                 raise RuntimeError(f"JAX runs on {jax.default_backend()}, not on the GPU")
         except Exception as e:  # noqa: BLE001
             for p in want_jax:
-                status[p] = f"unavailable: jax: {_short(e)}"
+                status[p] = f"unavailable: jax: {short_error(e)}"
             want_jax = []
         _restore_cache_dir(saved_cache_dir)
         from benchmarks import impls_jax as ij
@@ -449,7 +412,7 @@ def load_peers(args, saved_cache_dir):
                 jax_fns[impl] = ij.NORMKIT_JAX_FNS[impl]
                 status[impl] = f"ok (implementation {resolved})"
             except Exception as e:  # noqa: BLE001
-                status[impl] = f"unavailable: {_short(e)}"
+                status[impl] = f"unavailable: {short_error(e)}"
             _restore_cache_dir(saved_cache_dir)
         if "tokamax" in want_jax:
             try:
@@ -458,7 +421,7 @@ def load_peers(args, saved_cache_dir):
                 jax_fns["tokamax"] = ij.tokamax_fn
                 status["tokamax"] = "ok"
             except Exception as e:  # noqa: BLE001
-                status["tokamax"] = f"not available on this stack: {_short(e)}"
+                status["tokamax"] = f"not available on this stack: {short_error(e)}"
             _restore_cache_dir(saved_cache_dir)
     return status, torch_fns, jax_fns
 
@@ -482,11 +445,6 @@ class Budget:
         return None
 
 
-def set_bytes(op: str, M: int, N: int, itemsize: int) -> int:
-    n = 4 if op == "fused_add_rms_norm" else 2  # x, dy (+ residual, ds)
-    return n * M * N * itemsize
-
-
 def run_item(args, target: Target, dtype: str, ctx) -> None:
     torch = ctx["torch"]
     timer, run, results, budget = ctx["timer"], ctx["run"], ctx["results"], ctx["budget"]
@@ -494,7 +452,7 @@ def run_item(args, target: Target, dtype: str, ctx) -> None:
     finish = _finish_op(results, target)
     for op in args.ops:
         # Rotate input sets past the L2; on the CPU (dry run) there is nothing to learn from rotating.
-        k = 1 if args.dry_run else num_sets(set_bytes(op, M, N, ITEMSIZE[dtype]))
+        k = 1 if args.dry_run else num_sets(bytemodel.input_set_bytes(op, M, N, bytemodel.itemsize(dtype)))
         item_recs: list[dict] = []
 
         def emit(impl, path, mode, res=None, error=None, timer_name=""):
@@ -526,7 +484,7 @@ def run_item(args, target: Target, dtype: str, ctx) -> None:
             try:
                 res = fn()
             except Exception as e:  # noqa: BLE001 (recorded, the run goes on)
-                emit(impl, path, mode, error=_short(e), timer_name=timer_name)
+                emit(impl, path, mode, error=short_error(e), timer_name=timer_name)
                 if ctx["device"].type == "cuda":
                     torch.cuda.synchronize()
                     torch.cuda.empty_cache()
@@ -566,7 +524,7 @@ def run_item(args, target: Target, dtype: str, ctx) -> None:
                             compiled = it.Compiled(op, args.compile_backend)
                         except Exception as e:  # noqa: BLE001
                             for mode in args.modes:
-                                emit(impl, "e2e", mode, error=_short(e))
+                                emit(impl, "e2e", mode, error=short_error(e))
                             continue
                     f = compiled
                 else:
@@ -575,7 +533,7 @@ def run_item(args, target: Target, dtype: str, ctx) -> None:
                         f = maker(op)
                     except Exception as e:  # noqa: BLE001
                         for mode in args.modes:
-                            emit(impl, "e2e", mode, error=_short(e))
+                            emit(impl, "e2e", mode, error=short_error(e))
                         continue
                 for mode in args.modes:
                     measure(impl, "e2e", mode,
@@ -594,7 +552,7 @@ def run_item(args, target: Target, dtype: str, ctx) -> None:
                 for mode in args.modes:
                     if todo(impl, path, mode) and not any((r["impl"], r["path"], r["mode"]) == (impl, path, mode)
                                                           for r in item_recs):
-                        emit(impl, path, mode, error=f"setup: {_short(e)}")
+                        emit(impl, path, mode, error=f"setup: {short_error(e)}")
         finally:
             if inp is not None:
                 inp.free()
@@ -616,7 +574,7 @@ def run_item(args, target: Target, dtype: str, ctx) -> None:
                         jitted = ij.Jitted(op, maker(op))
                     except Exception as e:  # noqa: BLE001
                         for mode in args.modes:
-                            emit(impl, "e2e", mode, error=_short(e))
+                            emit(impl, "e2e", mode, error=short_error(e))
                         continue
                     for mode in args.modes:
                         measure(impl, "e2e", mode, lambda: ij.time_e2e(jitted, jinp, mode, timer),
@@ -626,7 +584,7 @@ def run_item(args, target: Target, dtype: str, ctx) -> None:
                     for mode in args.modes:
                         if todo(impl, "e2e", mode) and not any((r["impl"], r["mode"]) == (impl, mode)
                                                                for r in item_recs):
-                            emit(impl, "e2e", mode, error=f"setup: {_short(e)}")
+                            emit(impl, "e2e", mode, error=f"setup: {short_error(e)}")
             finally:
                 # jax_frontend imports jax_triton lazily, at its first GPU launch: undo its cache-dir
                 # clobber here too, before the next Torch-side Triton compile.
@@ -691,18 +649,16 @@ def main(argv=None) -> int:
     status, torch_fns, jax_fns = load_peers(args, saved_cache_dir)
     for impl, st in status.items():
         log(f"impl {impl:18s} {st}")
-    from benchmarks.timing import DryTimer, GpuTimer
-
-    timer = DryTimer() if args.dry_run else GpuTimer(args.warmup_ms, args.rep_ms)
+    timer = Timer(dry=True) if args.dry_run else Timer(args.warmup_ms, args.rep_ms)
     copy = timer.copy_bandwidth()
     log(f"copy bandwidth {copy['tbps']:.3f} TB/s ({copy['what']}, median {copy['median_us']:.1f} us)")
     run = {"run_id": started, "started": started, "wall_s": None, "argv": sys.argv[1:] if argv is None else list(argv),
            "dry_run": args.dry_run, "device": device_info(torch, args.dry_run), "versions": versions(), "copy": copy,
            "peers": status,
            "timer": {"kernel": "triton.testing.do_bench median, L2 flushed per call" if timer.name == "gpu"
-                     else "perf_counter median (dry run)",
-                     "e2e": "median over 5 batches of back-to-back calls, one sync per batch" if timer.name == "gpu"
-                     else "perf_counter median (dry run)",
+                     else "wall clock, one call (dry run)",
+                     "e2e": "torch.utils.benchmark.Timer: median over 5 blocks of back-to-back calls, one sync per "
+                            "block" if timer.name == "gpu" else "wall clock, one call (dry run)",
                      "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms},
            "budget": {"total_s": args.budget_s, "compile_s": args.compile_budget_s, "skipped": 0}}
     results = Results(args.out, args.merge, args.skip_done)
@@ -733,7 +689,7 @@ def main(argv=None) -> int:
             for path in written:
                 log(f"wrote {path}")
         except Exception as e:  # noqa: BLE001 (the JSON is what matters)
-            log(f"report failed: {_short(e)}")
+            log(f"report failed: {short_error(e)}")
             traceback.print_exc()
     return 0
 

@@ -25,11 +25,24 @@ What is deliberately NOT counted:
 """
 from __future__ import annotations
 
-from normkit.ops import OPS as _OPS, Op
+from normkit.ops import ELEM_BYTES, OPS as _OPS, Op
 
 STAT = 4  # bytes per row of an fp32 statistic (mean, rstd)
-MODES = ("fwd", "bwd_full", "bwd_frozen", "fwd_bwd")
+MODES = ("fwd", "bwd_full", "bwd_frozen", "fwd_bwd")  # the benchmarks' one list of modes
 OPS = tuple(_OPS)
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}  # the benchmarks' short dtype names -> normkit's
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of ``dtype``, short ("bf16") or normkit's ("bfloat16") name."""
+    return ELEM_BYTES[DTYPES.get(dtype, dtype)]
+
+
+def input_set_bytes(op: str, M: int, N: int, itemsize: int) -> int:
+    """The activation-sized arrays one timed call reads fresh: the row inputs (x, the residual) and
+    the outputs' cotangents (dy, and the residual output's). Input sets are rotated by this size."""
+    spec = _OPS[op]
+    return (len(spec.row_inputs) + len(spec.outputs)) * M * N * itemsize
 
 
 def _stats(op: Op) -> tuple[str, ...]:

@@ -6,15 +6,15 @@ the same input rotation). Impls: ``triton`` (jax_frontend auto, which must resol
 ``pallas``, ``xla`` (jax_frontend's ``implementation=``) and ``jnp`` (bench.py's ``xla`` peer: a jnp
 expression under JAX's autodiff). Per row:
 
-- ``wall``: the median per-call wall time of back-to-back calls, one sync per batch (``timing._loop``,
-  bench.py's e2e timer);
+- ``wall``: the median per-call wall time of back-to-back calls, one sync per block
+  (``benchmarks.timing.Timer.loop``, bench.py's e2e timer);
 - a ``jax.profiler`` trace of ``--calls`` back-to-back calls, read with ``ProfileData``: the events on
   the per-stream lines ("Stream ...") of the ``/device:GPU:n`` planes (kernels, memcpys, memsets; the
   other lines are derived views, see ``is_stream_line``). ``busy`` = sum of their durations / calls,
   ``span`` = first start to last end / calls, ``union`` = busy with overlapping streams counted once,
   events per call, and each kernel's median duration and count per call;
-- bandwidth under ``bytemodel.py`` from busy (and from wall), as % of an XLA device copy of 1 GiB
-  bf16 (read + write) whose busy time is traced the same way.
+- bandwidth under ``bytemodel.py`` from busy (and from wall), as % of the device-to-device copy of
+  ``benchmarks.timing.Timer.copy_bandwidth`` (read + write), measured in the same run.
 
 wall >> busy: the call costs host or dispatch time; span >> busy: the device waits between kernels.
 The lines seen and kept are printed, so a first run shows whether the stream rule holds.
@@ -25,7 +25,8 @@ The lines seen and kept are printed, so a first run shows whether the stream rul
     bash scripts/gpu-check.sh device-time [same flags]     # on the GPU machine: $OUT/device_time.{json,log}
 
 On CPU, or with ``--dry-run`` (which forces JAX onto the CPU): a 24x256 shape, 2 calls, and the
-"device" events are XLA's CPU thunks on the ``/host:CPU`` plane (events with an ``hlo_op`` stat).
+"device" events are XLA's CPU thunks on the ``/host:CPU`` plane (events with an ``hlo_op`` stat);
+the copy is a host copy.
 It proves the code path end to end and says nothing about speed.
 """
 from __future__ import annotations
@@ -46,19 +47,20 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(REPO))
 
 from benchmarks import bytemodel  # noqa: E402
-from benchmarks.bench import ITEMSIZE, _short, set_bytes, versions  # noqa: E402
-from benchmarks.timing import DryTimer, _loop, num_sets  # noqa: E402
+from benchmarks.env import short_error, versions  # noqa: E402
+from benchmarks.report import markdown_table  # noqa: E402
+from benchmarks.timing import Timer, num_sets, tbps  # noqa: E402
+from normkit.shapes import parse_list  # noqa: E402
 
-OPS = ("rms_norm", "layer_norm", "fused_add_rms_norm")
-MODES = ("fwd", "bwd_full", "bwd_frozen")
-DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32"}
+OPS = bytemodel.OPS
+MODES = tuple(m for m in bytemodel.MODES if m != "fwd_bwd")
+DTYPES = {**{short: short for short in bytemodel.DTYPES}, **{name: short for short, name in bytemodel.DTYPES.items()}}
 # name -> (bench.py's impl name, jax_frontend's implementation=; None: not jax_frontend)
 IMPLS = {"triton": ("normkit_jax", "triton"), "pallas": ("normkit_jax_pallas", "pallas"),
          "xla": ("normkit_jax_xla", "xla"), "jnp": ("xla", None)}
 DEFAULT_SHAPES = "8192x8192,16384x8192,32768x4096"
 DRY_SHAPES, DRY_CALLS, CALLS = "24x256", 2, 20
 WARMUP_MS, REP_MS = 5.0, 25.0
-COPY_ELEMS, DRY_COPY_ELEMS = 1 << 29, 1 << 16  # bf16: 1 GiB on the GPU, 128 KiB in the dry run
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,7 +214,7 @@ class Lines:
             print(f"  trace line {ln['plane']} | {ln['line']!r}: {verdict}", flush=True)
 
 
-def measure(call, *, calls: int, source: str, dry: bool, rep_ms: float, lines: Lines) -> dict:
+def measure(call, *, calls: int, source: str, timer: Timer, lines: Lines) -> dict:
     """Compile and warm ``call``, time it by the loop, then trace it."""
     import jax
 
@@ -220,28 +222,12 @@ def measure(call, *, calls: int, source: str, dry: bool, rep_ms: float, lines: L
     t0 = time.perf_counter()
     sync(call(0))
     compile_s = time.perf_counter() - t0
-    wall = DryTimer().loop(call, sync) if dry else _loop(call, sync, WARMUP_MS, rep_ms, 5)
+    wall = timer.loop(call, sync)
     events, listing = trace(call, calls, source)
     lines.show(listing)
     res = summarize(events, calls)
     return {"wall_us": wall, "compile_s": round(compile_s, 3), **res,
             "lines_kept": sorted({f"{ln['plane']} | {ln['line']}" for ln in listing if ln["kept"]})}
-
-
-def copy_reference(*, calls: int, source: str, dry: bool, rep_ms: float, lines: Lines) -> dict:
-    """An XLA device copy (``jax.jit(lambda a: a * 1)``), read + write counted, traced like the rows."""
-    import jax
-    import jax.numpy as jnp
-
-    n = DRY_COPY_ELEMS if dry else COPY_ELEMS
-    x = jnp.ones((n,), jnp.bfloat16)
-    f = jax.jit(lambda a: a * 1)
-    res = measure(lambda i: f(x), calls=calls, source=source, dry=dry, rep_ms=rep_ms, lines=lines)
-    moved = 2 * 2 * n
-    del x
-    return {"what": f"XLA copy (jit of a * 1) of {2 * n / 2**20:g} MiB bf16", "bytes": moved, **res,
-            "tbps_device": moved / (res["device_busy_us"] * 1e-6) / 1e12,
-            "tbps_wall": moved / (res["wall_us"] * 1e-6) / 1e12}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,58 +295,63 @@ def _cell(r: dict | None) -> str:
 def _kernel_pct(r: dict, copy_tbps: float) -> float:
     """% of copy of the row's compute kernels alone (its memcpy events left out)."""
     us = r["device_busy_us"] - sum(k["total_us"] for k in r["kernels"] if is_memcpy(k["name"])) / r["calls"]
-    return 100 * r["bytes"] / (us * 1e-6) / 1e12 / copy_tbps
+    return 100 * tbps(r["bytes"], us) / copy_tbps
+
+
+def _copy_tbps(run: dict) -> float | None:
+    """The run's copy bandwidth (result files of the traced XLA copy name it ``tbps_device``)."""
+    return run["copy"].get("tbps") or run["copy"].get("tbps_device")
+
+
+def _targets(run: dict) -> list[dict]:
+    """The Pallas rows of one run at M·N >= 64M against their targets: forward and frozen backward at
+    >= 85% of copy (kernel time, memcpy events left out); full backward >= 1.5x faster than each XLA row."""
+    copy_tbps = _copy_tbps(run)
+    by = {(r["op"], r["mode"], r["dtype"], r["shape"], r["impl"]): r for r in run["records"] if not r.get("error")}
+    rows = []
+    for (op, mode, dtype, shape, impl), r in by.items():
+        if impl != "pallas" or r["M"] * r["N"] < 64 * 2**20 or not copy_tbps:
+            continue
+        case = {"op": op, "mode": mode, "case": f"{dtype} {shape}"}
+        if mode in ("fwd", "bwd_frozen"):
+            pct = _kernel_pct(r, copy_tbps)
+            rows.append({**case, "measured": f"{pct:.1f}% of copy", "target": f"{'met' if pct >= 85 else 'missed'} (≥ 85%)"})
+            continue
+        peers = [(peer, r2) for peer in ("xla", "jnp") if (r2 := by.get((op, mode, dtype, shape, peer)))]
+        if peers:  # else: no XLA row in this run to compare with
+            met = all(r2["wall_us"] / r["wall_us"] >= 1.5 for _, r2 in peers)
+            rows.append({**case, "measured": ", ".join(f"{r2['wall_us'] / r['wall_us']:.2f}× vs {peer}" for peer, r2 in peers),
+                         "target": f"{'met' if met else 'missed'} (≥ 1.5×)"})
+    return rows
 
 
 def report(results: list[dict]) -> str:
     """Markdown of one or more runs' JSON: per dtype and shape, each op and mode, each impl's
-    ``wall / busy µs (busy as % of copy)``; then the Pallas rows against issue 11's targets."""
+    ``wall / busy µs (busy as % of copy)``; then the Pallas rows against their targets."""
     out = ["# Device time of the JAX implementations (`benchmarks/device_time.py`)", ""]
     devices = sorted({r["device"] for r in results})
-    copies = [r["copy"] for r in results if r["copy"].get("tbps_device")]
+    copies = [f"{_copy_tbps(r):.2f} TB/s, {r['copy'].get('what', 'a device copy')}" for r in results if _copy_tbps(r)]
     out.append(f"{', '.join(devices)}; versions {results[0]['versions']}. Each cell: per-call **wall** µs "
-               "(back-to-back calls, one sync per batch: what a caller waits) / device **busy** µs (the sum of "
-               "the GPU events of a traced call) and, in brackets, busy as % of an XLA device copy's bandwidth "
-               f"(copy: {', '.join(format(c['tbps_device'], '.2f') for c in copies)} TB/s, traced the same way). "
-               "Bytes from `benchmarks/bytemodel.py`. In runs made before `impls_jax._one_residual_grad` "
-               "(session 6), the fused op's backward includes one memcpy of an [M, N] array per call (its jit "
-               "returned one array as both dx and d_residual; see `is_memcpy`).")
+               "(back-to-back calls, one sync per block: what a caller waits) / device **busy** µs (the sum of "
+               "the GPU events of a traced call) and, in brackets, busy as % of a copy's bandwidth measured in the "
+               f"same run ({'; '.join(copies)}). Bytes from `benchmarks/bytemodel.py`. "
+               "A fused-op backward whose jit returns one array as both dx and d_residual pays one memcpy of an "
+               "[M, N] array per call; the targets below leave memcpy events out (`is_memcpy`).")
     rows = [r for res in results for r in res["records"]]
     impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
     groups: dict = collections.defaultdict(dict)
     for r in rows:
         groups[r["dtype"], r["shape"]][r["op"], r["mode"], r["impl"]] = r
     for (dtype, shape), table in groups.items():
-        out += ["", f"## {dtype} {shape}", "", "| op | mode | " + " | ".join(impls) + " |",
-                "|---|---|" + "---|" * len(impls)]
-        for op in OPS:
-            for mode in MODES:
-                if any((op, mode, i) in table for i in impls):
-                    out.append(f"| {op} | {mode} | " + " | ".join(_cell(table.get((op, mode, i))) for i in impls) + " |")
-    copy_tbps = {id(res): res["copy"].get("tbps_device") for res in results}
-    targets = []
-    for res in results:
-        by = {(r["op"], r["mode"], r["dtype"], r["shape"], r["impl"]): r for r in res["records"] if not r.get("error")}
-        for (op, mode, dtype, shape, impl), r in by.items():
-            if impl != "pallas" or r["M"] * r["N"] < 64 * 2**20 or not copy_tbps[id(res)]:
-                continue
-            if mode in ("fwd", "bwd_frozen"):
-                pct = _kernel_pct(r, copy_tbps[id(res)])
-                targets.append(f"| {op} | {mode} | {dtype} {shape} | {pct:.1f}% of copy | "
-                               f"{'met' if pct >= 85 else 'missed'} (≥ 85%) |")
-            else:
-                peers = [(peer, r2) for peer in ("xla", "jnp") if (r2 := by.get((op, mode, dtype, shape, peer)))]
-                if not peers:
-                    continue  # no XLA row in this run to compare with
-                ratios = ", ".join(f"{r2['wall_us'] / r['wall_us']:.2f}× vs {peer}" for peer, r2 in peers)
-                met = all(r2["wall_us"] / r["wall_us"] >= 1.5 for _, r2 in peers)
-                targets.append(f"| {op} | {mode} | {dtype} {shape} | {ratios} | {'met' if met else 'missed'} (≥ 1.5×) |")
+        cells = [{"op": op, "mode": mode, **{i: _cell(table.get((op, mode, i))) for i in impls}}
+                 for op in OPS for mode in MODES if any((op, mode, i) in table for i in impls)]
+        out += ["", f"## {dtype} {shape}", "", markdown_table(cells)]
+    targets = [row for res in results for row in _targets(res)]
     if targets:
-        out += ["", "## Pallas against issue 11's targets (M·N ≥ 64M)", "",
+        out += ["", "## Pallas against its targets (M·N ≥ 64M)", "",
                 "Forward and frozen backward: the Pallas kernels' busy time (memcpy events left out) as % of "
                 "copy. Full backward: wall time of `xla` (normkit's custom_vjp over jnp) and of `jnp` (JAX's own "
-                "autodiff) over Pallas's.", "", "| op | mode | case | measured | target |", "|---|---|---|---|---|"]
-        out += targets
+                "autodiff) over Pallas's.", "", markdown_table(targets)]
     return "\n".join(out) + "\n"
 
 
@@ -374,7 +365,7 @@ def main(argv=None) -> int:
     p.add_argument("--impls", default=",".join(IMPLS), help=f"of {','.join(IMPLS)}")
     p.add_argument("--calls", type=int, default=None,
                    help=f"traced calls per row (default {CALLS}; dry run {DRY_CALLS})")
-    p.add_argument("--rep-ms", type=float, default=REP_MS, help="wall-time loop: milliseconds over 5 batches")
+    p.add_argument("--rep-ms", type=float, default=REP_MS, help="wall-time loop: milliseconds over 5 blocks")
     p.add_argument("--out", default=None, help="JSON file, rewritten after every row")
     p.add_argument("--dry-run", action="store_true", help="JAX on the CPU, a tiny shape, 2 calls: the code path only")
     args = p.parse_args(argv)
@@ -392,8 +383,7 @@ def main(argv=None) -> int:
     dry = args.dry_run or jax.default_backend() == "cpu"
     source = "host" if jax.default_backend() == "cpu" else "gpu"
     calls = args.calls or (DRY_CALLS if dry else CALLS)
-    shapes = [tuple(map(int, s.lower().split("x")))
-              for s in (args.shapes or (DRY_SHAPES if dry else DEFAULT_SHAPES)).split(",")]
+    shapes = parse_list(args.shapes or (DRY_SHAPES if dry else DEFAULT_SHAPES))
     device = jax.devices()[0]
     print(f"device_time: backend {jax.default_backend()}, device {device.device_kind}, {calls} traced calls per row, "
           f"events from {'the GPU planes, stream lines only' if source == 'gpu' else '/host:CPU, hlo_op thunks'}",
@@ -405,16 +395,15 @@ def main(argv=None) -> int:
     from benchmarks import impls_jax as ij
 
     lines = Lines()
-    kw = {"calls": calls, "source": source, "dry": dry, "rep_ms": args.rep_ms, "lines": lines}
+    timer = Timer(dry=True) if dry else Timer(WARMUP_MS, args.rep_ms)
+    kw = {"calls": calls, "source": source, "timer": timer, "lines": lines}
     try:
-        copy = copy_reference(**kw)
-        print(f"copy: {copy['what']}: device busy {copy['device_busy_us']:.1f} us ({copy['tbps_device']:.2f} TB/s), "
-              f"wall {copy['wall_us']:.1f} us ({copy['tbps_wall']:.2f} TB/s); kernels:", flush=True)
-        print("\n".join(kernel_lines(copy["kernels"], 3)), flush=True)
+        copy = timer.copy_bandwidth()
+        print(f"copy: {copy['what']}: {copy['median_us']:.1f} us, {copy['tbps']:.2f} TB/s", flush=True)
     except Exception as e:  # noqa: BLE001 (the rows still run; their % of copy is null)
-        copy = {"error": _short(e), "tbps_device": None}
+        copy = {"error": short_error(e), "tbps": None}
         print(f"copy: ERROR {copy['error']}", flush=True)
-    copy_tbps = copy["tbps_device"]
+    copy_tbps = copy["tbps"]
     result = {"schema": "normkit-device-time/1", "argv": sys.argv[1:] if argv is None else list(argv),
               "dry_run": dry, "backend": jax.default_backend(), "device": device.device_kind,
               "versions": versions(), "calls": calls, "event_source": source,
@@ -430,13 +419,14 @@ def main(argv=None) -> int:
     for M, N in shapes:
         for dtype in dtypes:
             for op in ops:
-                k = 1 if dry else num_sets(set_bytes(op, M, N, ITEMSIZE[dtype]))
-                nbytes = {mode: sum(bytemodel.terms(op, mode, M, N, ITEMSIZE[dtype]).values()) for mode in modes}
+                itemsize = bytemodel.itemsize(dtype)
+                k = 1 if dry else num_sets(bytemodel.input_set_bytes(op, M, N, itemsize))
+                nbytes = {mode: bytemodel.bytes_moved(op, mode, M, N, itemsize) for mode in modes}
                 inp, setup_error = None, None
                 try:
                     inp = ij.JaxInputs(op, M, N, dtype, k)
                 except Exception as e:  # noqa: BLE001 (e.g. out of memory): an error on each row
-                    setup_error = f"setup: {_short(e)}"
+                    setup_error = f"setup: {short_error(e)}"
                 for impl in impls:
                     base = {"op": op, "dtype": dtype, "shape": f"{M}x{N}", "M": M, "N": N, "impl": impl,
                             "bench_impl": IMPLS[impl][0], "n_sets": k, "calls": calls}
@@ -446,7 +436,7 @@ def main(argv=None) -> int:
                             f, resolved = impl_fn(impl, op)
                             jitted = ij.Jitted(op, f)
                         except Exception as e:  # noqa: BLE001 (cannot run here: skipped, with the reason)
-                            why_not = f"skipped: {_short(e)}"
+                            why_not = f"skipped: {short_error(e)}"
                     for mode in modes:
                         rec = {**base, "mode": mode, "implementation": resolved, "bytes": nbytes[mode]}
                         if why_not:
@@ -456,14 +446,14 @@ def main(argv=None) -> int:
                                 call, _ = ij.mode_call(jitted, inp, mode)
                                 res = measure(call, **kw)
                                 # both against the copy's device bandwidth: they differ by busy / wall only
-                                tbps_dev = nbytes[mode] / (res["device_busy_us"] * 1e-6) / 1e12
-                                tbps_wall = nbytes[mode] / (res["wall_us"] * 1e-6) / 1e12
+                                tbps_dev = tbps(nbytes[mode], res["device_busy_us"])
+                                tbps_wall = tbps(nbytes[mode], res["wall_us"])
                                 rec.update(res, error=None, tbps_device=tbps_dev, tbps_wall=tbps_wall,
                                            pct_copy_device=copy_tbps and 100 * tbps_dev / copy_tbps,
                                            pct_copy_wall=copy_tbps and 100 * tbps_wall / copy_tbps)
                                 del call
                             except Exception as e:  # noqa: BLE001 (recorded, the run goes on)
-                                rec["error"] = _short(e)
+                                rec["error"] = short_error(e)
                         failed += bool(rec["error"]) and not rec["error"].startswith("skipped")
                         result["records"].append(rec)
                         print(row_line(rec), flush=True)

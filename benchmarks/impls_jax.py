@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import time
 
-ARGS = {"rms_norm": ("x", "weight"), "layer_norm": ("x", "weight", "bias"),
-        "fused_add_rms_norm": ("x", "residual", "weight")}
-PARAMS = frozenset({"weight", "bias"})
-EPS = {"rms_norm": 1e-6, "layer_norm": 1e-5, "fused_add_rms_norm": 1e-6}
+from benchmarks.bytemodel import DTYPES
+from normkit.ops import OPS
+
+EPS = {name: op.default_eps for name, op in OPS.items()}
 
 
 class JaxInputs:
@@ -36,7 +36,7 @@ class JaxInputs:
         import jax
         import jax.numpy as jnp
 
-        dt = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[dtype]
+        dt = jnp.dtype(DTYPES[dtype])
         fused = op == "fused_add_rms_norm"
         per_set = 4 if fused else 2  # x, dy (+ residual, ds)
 
@@ -59,7 +59,7 @@ class JaxInputs:
         i %= self.n_sets
         by_name = {"x": self.x[i], "weight": self.weight, "bias": self.bias,
                    "residual": self.residual[i] if self.residual is not None else None}
-        return tuple(by_name[name] for name in ARGS[self.op])
+        return tuple(by_name[name] for name in OPS[self.op].inputs)
 
     def cotangents(self, i: int) -> tuple:
         i %= self.n_sets
@@ -143,10 +143,10 @@ def _frozen(op: str, f, mode: str):
         return f
     from jax import lax
 
-    names = ARGS[op]
+    spec = OPS[op]
 
     def g(*args):
-        return f(*(lax.stop_gradient(a) if n in PARAMS else a for n, a in zip(names, args)))
+        return f(*(lax.stop_gradient(a) if n in spec.params else a for n, a in zip(spec.inputs, args)))
     return g
 
 

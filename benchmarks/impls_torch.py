@@ -1,8 +1,8 @@
 """Torch-side implementations, their inputs, and how each mode is timed.
 
 Every implementation is a function ``f(*primals) -> tuple of outputs`` over the op's primal
-arguments, in the order of ``ARGS[op]``: ``(x, weight)``, ``(x, weight, bias)`` or
-``(x, residual, weight)``. ``bwd_frozen`` freezes the weight and bias; x (and the residual) stay
+arguments, in the order of ``normkit.ops.OPS[op].inputs``: ``(x, weight)``, ``(x, weight, bias)`` or
+``(x, residual, weight)``, with the op's ``default_eps``. ``bwd_frozen`` freezes the weight and bias; x (and the residual) stay
 trainable.
 
 - ``normkit``: torch_frontend's public functions (autograd through ``ctx.needs_input_grad``), and,
@@ -22,18 +22,18 @@ import time
 import torch
 import torch.nn.functional as F
 
-ARGS = {"rms_norm": ("x", "weight"), "layer_norm": ("x", "weight", "bias"),
-        "fused_add_rms_norm": ("x", "residual", "weight")}
-PARAMS = frozenset({"weight", "bias"})  # frozen in bwd_frozen
-EPS = {"rms_norm": 1e-6, "layer_norm": 1e-5, "fused_add_rms_norm": 1e-6}
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+from benchmarks.bytemodel import DTYPES
+from benchmarks.timing import torch_sync
+from normkit.ops import OPS
+
+EPS = {name: op.default_eps for name, op in OPS.items()}
 
 
 class TorchInputs:
     """Rotated activation sets (x, residual, dy, ds) and one set of parameters for one case."""
 
     def __init__(self, op: str, M: int, N: int, dtype: str, device, n_sets: int, seed: int = 0):
-        dt = TORCH_DTYPES[dtype]
+        dt = getattr(torch, DTYPES[dtype])
         g = torch.Generator(device=device).manual_seed(seed)
 
         def randn(*shape, scale=1.0, shift=0.0):
@@ -52,7 +52,7 @@ class TorchInputs:
         i %= self.n_sets
         by_name = {"x": self.x[i], "weight": self.weight, "bias": self.bias,
                    "residual": self.residual[i] if self.residual is not None else None}
-        return [by_name[name] for name in ARGS[self.op]]
+        return [by_name[name] for name in OPS[self.op].inputs]
 
     def cotangents(self, i: int) -> list:
         i %= self.n_sets
@@ -70,8 +70,9 @@ class TorchInputs:
 
 
 def trainable(op: str, mode: str) -> frozenset:
-    names = frozenset(ARGS[op])
-    return names - PARAMS if mode == "bwd_frozen" else names
+    """The inputs ``mode`` differentiates: all of them, or the row inputs only (``bwd_frozen``)."""
+    spec = OPS[op]
+    return frozenset(spec.row_inputs if mode == "bwd_frozen" else spec.inputs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,10 +207,6 @@ class Compiled:
 # Timing one mode.
 
 
-def _sync_for(timer):
-    return timer.torch_sync
-
-
 def peak_memory(fn, device) -> int | None:
     """Peak bytes allocated by ``fn()`` above what was allocated before it (its outputs included)."""
     if device.type != "cuda":
@@ -228,7 +225,7 @@ def time_e2e(f, inp: TorchInputs, mode: str, timer, device, compiled: Compiled |
     """Time ``f`` through autograd in ``mode``; returns median_us, peak_mem_bytes and notes."""
     op = inp.op
     k = inp.n_sets
-    sync = _sync_for(timer)
+    sync = torch_sync
     extra = {}
     if mode == "fwd":
         inp.set_trainable(frozenset())
@@ -249,7 +246,7 @@ def time_e2e(f, inp: TorchInputs, mode: str, timer, device, compiled: Compiled |
     inp.set_trainable(names)
     try:
         def grad_inputs(i):
-            return [t for name, t in zip(ARGS[op], inp.primals(i)) if name in names]
+            return [t for name, t in zip(OPS[op].inputs, inp.primals(i)) if name in names]
 
         t0 = time.perf_counter()
         if mode == "fwd_bwd":
@@ -280,7 +277,7 @@ def time_kernel(inp: TorchInputs, mode: str, timer, device) -> dict:
     """normkit's bare launches (``normkit.driver`` with the Torch backend), exactly as the frontend issues them."""
     import normkit
     from normkit import driver
-    from normkit.ops import OPS, Grads
+    from normkit.ops import Grads
     from torch_frontend import backend
 
     op = OPS[inp.op]
@@ -320,7 +317,7 @@ def time_kernel(inp: TorchInputs, mode: str, timer, device) -> dict:
         body = lambda i: bwd(i, saved[i % k], mode == "bwd_full")  # noqa: E731
     with normkit.record_launches() as log:  # also the first call: compiles
         body(0)
-    timer.torch_sync()
+    torch_sync()
     # fp32 partial-buffer bytes (written, then read back by the reduction): outside the byte model.
     extra = {"launches": [launch.kernel for launch in log],
              "partial_bytes": int(sum(launch.partial_bytes for launch in log))}

@@ -5,25 +5,19 @@ q_proj/k_proj/v_proj/o_proj), so every norm weight is frozen, and a training ste
 
     loss = model(input_ids=ids, labels=ids).loss; loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
 
-with AdamW over the LoRA parameters only. Variants (each from a deep copy of one base model, so all
-start from the same weights, and see the same tokens):
+with AdamW over the LoRA parameters only. The model is ``benchmarks.models.llama_lora``'s; its
+variants (each from a deep copy of one base model, so all start from the same weights, and see the
+same tokens) are the norms of ``benchmarks.models.swap_norms``: ``hf`` (transformers' ``LlamaRMSNorm``),
+``liger`` (``LigerRMSNorm`` swapped in), ``normkit`` (``torch_frontend.patch_model(model)``; its report
+is printed and recorded) and ``normkit_fused`` (``patch_model(model, fuse_residual_add=True)``: what
+Inductor does for ``hf`` under ``torch.compile``); each eager, under ``torch.compile(model)``
+(default mode) and under ``torch.compile(model, mode="reduce-overhead")`` (CUDA graphs; each step
+begins with ``torch.compiler.cudagraph_mark_step_begin()``). Within a mode every variant is built,
+compiled, checked and warmed up first; then ``--rounds`` rounds of timed steps run interleaved across
+the variants, so that a drift of the machine lands on all of them alike.
 
-- ``hf``: the model as built (``LlamaRMSNorm``, the plain PyTorch expression);
-- ``liger``: every ``LlamaRMSNorm`` replaced by ``liger_kernel.transformers.LigerRMSNorm`` with the
-  HF module's eps and its weight ``Parameter``, configured as Liger's own Llama patch configures it
-  (offset 0, casting "llama", in_place=True). Liger's ``apply_liger_kernel_to_llama`` is not used:
-  it also rebinds ``transformers.models.llama.modeling_llama.LlamaRMSNorm`` process-wide (which would
-  change the other variants of this process) and, given ``model=``, expects an unwrapped Llama, not a
-  PEFT model. Only the norm is swapped; no other Liger kernel (RoPE, SwiGLU, loss) is applied;
-- ``normkit``: ``torch_frontend.patch_model(model)``; its report is printed and recorded;
-- ``normkit_fused``: ``patch_model(model, fuse_residual_add=True)``: also each decoder layer's
-  residual add before ``post_attention_layernorm`` fused into that norm (what Inductor does for
-  ``hf`` under ``torch.compile``);
-
-each eager and under ``torch.compile(model)`` (default mode).
-
-Per row: median / min / max step time over ``--steps`` steps after ``--warmup`` (CUDA events around
-each step, no synchronization in between), the first step's loss and LoRA gradient norm against the
+Per row: median / min / max step time over ``--steps`` steps after ``--warmup`` (wall time of each
+step, synchronized before and after: ``benchmarks.timing.Timer.each``), the first step's loss and LoRA gradient norm against the
 ``hf`` row, eager when it ran (the check), whether any norm weight got a ``.grad`` (it must not), peak memory,
 and the share of the norm in one profiled step (``torch.profiler``, CPU + CUDA):
 
@@ -44,9 +38,9 @@ The step's CUDA time is the sum of all device activity (kernels, memcpy, memset)
 step; "norm %" is the norm's share of it. On a CPU (``--dry-run``) the times are CPU times of the
 same ranges and mean nothing; the run only exercises the code.
 
-A time budget (``--budget-s``) bounds the run: rows run in the order eager hf, normkit, normkit_fused,
-liger, then the same compiled, and a row that would end after the budget (by the time the same kind of
-row took, or an estimate before one has run) is recorded as "skipped: ...". A variant that cannot run
+A time budget (``--budget-s``) bounds the run: the modes run in the order eager, compile,
+reduce-overhead, and a mode whose rows would end after the budget (by the time the same kind of row
+took, or an estimate before one has run) is recorded as "skipped: ...". A variant that cannot run
 is recorded as "unavailable: ...", one that raised as "failed: ...". The exit status is 1 when an hf
 or normkit(_fused) row failed or did not pass its checks (after the results are written); a Liger row's
 failure is reported but does not change it.
@@ -63,16 +57,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import gc
-import importlib.metadata
-import inspect
 import json
 import math
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -88,10 +78,14 @@ import torch  # noqa: E402
 from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
+from benchmarks.env import versions  # noqa: E402
+from benchmarks.models import LORA_TARGETS, Unavailable, llama_lora, norm_modules, swap_norms  # noqa: E402
+from benchmarks.report import markdown_table  # noqa: E402
+from benchmarks.timing import Timer, torch_sync  # noqa: E402
+
 SCHEMA = "normkit-lora-step/1"
 VARIANTS = ("hf", "normkit", "normkit_fused", "liger")  # run order within a mode; hf first: it is the reference
-MODES = ("eager", "compile")
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MODES = ("eager", "compile", "reduce-overhead")  # reduce-overhead: torch.compile with CUDA graphs
 FWD_SCOPE = "lora_step::norm_forward"
 STEP_SCOPE = "lora_step::step"
 EVALUATE = "autograd::engine::evaluate_function"
@@ -101,7 +95,7 @@ NORM_KERNELS = {
     "normkit_fused": _NORMKIT_KERNELS,
     "liger": re.compile(r"_(block_)?rms_norm_(forward|backward)_kernel"),
 }
-ESTIMATE_S = {"eager": 20.0, "compile": 90.0}  # a row's cost before one of its kind has run
+ESTIMATE_S = {"eager": 20.0, "compile": 90.0, "reduce-overhead": 90.0}  # a row's cost before one of its kind has run
 # Default tolerances of the first-step check against hf, relative: (loss, LoRA gradient norm).
 TOLERANCES = {torch.bfloat16: (5e-3, 5e-2), torch.float16: (5e-3, 5e-2), torch.float32: (1e-5, 1e-3)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -112,104 +106,8 @@ DRY_DEFAULTS = dict(layers=2, hidden=64, intermediate=128, heads=4, vocab=256, s
                     dtype="fp32", steps=2, warmup=1)
 
 
-class Unavailable(Exception):
-    """A variant that cannot run here; the message is the reason."""
-
-
 def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T_START:6.1f}s] {msg}", flush=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# Model, variants
-
-
-def build_base(cfg: dict, device: torch.device, dtype: torch.dtype, seed: int):
-    """The random-init Llama in ``dtype`` on ``device`` (built there, no fp32 CPU copy), LoRA-wrapped."""
-    import peft
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], intermediate_size=cfg["intermediate"],
-        num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"], num_key_value_heads=cfg["heads"],
-        max_position_embeddings=max(cfg["seq"], 128), use_cache=False)
-    torch.manual_seed(seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = transformers.LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(LORA_TARGETS),
-                           task_type="CAUSAL_LM")
-    model = peft.get_peft_model(model, lora)
-    model.train()
-    return model, config
-
-
-def norm_modules(model) -> list:
-    return [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
-
-
-def _replace(model, name: str, new) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)
-
-
-def prepare_hf(model, device) -> dict:
-    return {"how": "transformers' LlamaRMSNorm, unchanged"}
-
-
-def prepare_liger(model, device) -> dict:
-    try:
-        from liger_kernel.transformers import LigerRMSNorm
-    except Exception as e:  # noqa: BLE001  (whatever the import raises, the row says why)
-        raise Unavailable(f"liger_kernel.transformers does not import ({type(e).__name__}: {e})") from None
-    if device.type != "cuda":
-        raise Unavailable(f"Liger's Triton kernels need a GPU; this run is on {device.type}")
-    try:
-        version = importlib.metadata.version("liger-kernel")
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown"
-    signature = inspect.signature(LigerRMSNorm.__init__)
-    wanted = {"offset": 0.0, "casting_mode": "llama", "in_place": True, "row_mode": None}
-    kwargs = {k: v for k, v in wanted.items() if k in signature.parameters}
-    swapped = 0
-    for name, old in norm_modules(model):
-        if type(old).__name__ != "LlamaRMSNorm":
-            continue
-        eps = float(old.variance_epsilon)
-        new = LigerRMSNorm(old.weight.shape[0], eps=eps, **kwargs)
-        new.weight = old.weight  # the very Parameter: dtype, device, requires_grad=False all kept
-        new.train(old.training)
-        _replace(model, name, new)
-        swapped += 1
-    if not swapped:
-        raise Unavailable("no LlamaRMSNorm found to replace")
-    return {"how": f"module swap: {swapped} x LlamaRMSNorm -> liger_kernel.transformers.LigerRMSNorm("
-                   f"hidden, eps=<the module's>, {', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) carrying "
-                   "the HF module's weight Parameter (not apply_liger_kernel_to_llama: see the script's docstring)",
-            "liger_version": version, "LigerRMSNorm_signature": str(signature)}
-
-
-def prepare_normkit(model, device, fuse_residual_add: bool = False) -> dict:
-    import torch_frontend
-
-    llama_norms = sum(type(m).__name__ == "LlamaRMSNorm" for _, m in norm_modules(model))
-    layers = sum(type(m).__name__ == "LlamaDecoderLayer" for m in model.modules())
-    report = torch_frontend.patch_model(model, fuse_residual_add=fuse_residual_add)
-    if len(report.patched) != llama_norms or len(report.fused) != (layers if fuse_residual_add else 0):
-        raise RuntimeError(f"patch_model swapped {len(report.patched)} of {llama_norms} LlamaRMSNorm modules and "
-                           f"fused {len(report.fused)} of {layers} decoder layers:\n{report}")
-    how = "torch_frontend.patch_model(model" + (", fuse_residual_add=True)" if fuse_residual_add else ")")
-    return {"how": how, "patch_report": str(report), "patched": len(report.patched),
-            "skipped": len(report.skipped), "fused": len(report.fused)}
-
-
-PREPARE = {"hf": prepare_hf, "liger": prepare_liger, "normkit": prepare_normkit,
-           "normkit_fused": functools.partial(prepare_normkit, fuse_residual_add=True)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,103 +209,143 @@ class NormScopes:
 # One row
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _stats(ms: list) -> dict:
     return {"median": statistics.median(ms), "min": min(ms), "max": max(ms), "mean": statistics.fmean(ms)}
 
 
-def run_row(variant: str, mode: str, base, ids, device, args, ref) -> dict:
-    row: dict = {"variant": variant, "mode": mode}
-    model = opt = fwd = prof = None
-    t0 = time.perf_counter()
-    try:
-        model = copy.deepcopy(base)
-        row["prepare"] = PREPARE[variant](model, device)
-        norms = norm_modules(model)
-        row["norm_modules"] = dict(Counter(type(m).__name__ for _, m in norms))
-        norm_params = {f"{n}.{pn}": p for n, m in norms for pn, p in m.named_parameters(recurse=False)}
-        row["norm_weights_frozen"] = all(not p.requires_grad for p in norm_params.values())
-        params = [p for p in model.parameters() if p.requires_grad]
-        row["trainable_params"] = sum(p.numel() for p in params)
-        row["trainable_dtypes"] = sorted({str(p.dtype).replace("torch.", "") for p in params})
-        opt = torch.optim.AdamW(params, lr=1e-4)
-        fwd = torch.compile(model) if mode == "compile" else model
+class Row:
+    """One variant in one mode: its model, optimizer and training step, alive while the mode's rounds run."""
 
-        def step(check: bool = False):
-            loss = fwd(input_ids=ids, labels=ids, use_cache=False).loss
-            loss.backward()
-            out = None
-            if check:
-                grads = [p.grad.float().norm() for p in params if p.grad is not None]
-                gnorm = torch.stack(grads).norm().item() if grads else 0.0
-                out = (loss.item(), gnorm, sorted(n for n, p in norm_params.items() if p.grad is not None))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss, out
+    def __init__(self, variant: str, mode: str, base, ids, device):
+        self.row: dict = {"variant": variant, "mode": mode}
+        self.variant, self.mode, self.device = variant, mode, device
+        self.t0 = time.perf_counter()
+        self.model = copy.deepcopy(base)
+        self.row["prepare"] = swap_norms(self.model, variant)
+        self.norms = norm_modules(self.model)
+        self.row["norm_modules"] = dict(Counter(type(m).__name__ for _, m in self.norms))
+        self.norm_params = {f"{n}.{pn}": p for n, m in self.norms for pn, p in m.named_parameters(recurse=False)}
+        self.row["norm_weights_frozen"] = all(not p.requires_grad for p in self.norm_params.values())
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.row["trainable_params"] = sum(p.numel() for p in self.params)
+        self.row["trainable_dtypes"] = sorted({str(p.dtype).replace("torch.", "") for p in self.params})
+        self.opt = torch.optim.AdamW(self.params, lr=1e-4)
+        self.fwd = self.model if mode == "eager" else torch.compile(
+            self.model, mode="reduce-overhead" if mode == "reduce-overhead" else None)
+        self.ids = ids
+        self.times_ms: list = []
+        self.rounds_ms: list = []
+        self.last_loss = None
 
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            resident = torch.cuda.memory_allocated(device)
+    def step(self, check: bool = False):
+        if self.mode == "reduce-overhead":  # each step's CUDA-graph outputs may be overwritten by the next
+            torch.compiler.cudagraph_mark_step_begin()
+        loss = self.fwd(input_ids=self.ids, labels=self.ids, use_cache=False).loss
+        loss.backward()
+        out = None
+        if check:
+            grads = [p.grad.float().norm() for p in self.params if p.grad is not None]
+            gnorm = torch.stack(grads).norm().item() if grads else 0.0
+            out = (loss.item(), gnorm, sorted(n for n, p in self.norm_params.items() if p.grad is not None))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.last_loss = loss.detach().clone()  # a copy: a CUDA-graph output is reused by the next replay
+        return out
+
+    def first_steps(self, warmup: int) -> None:
+        """The checked (compiling) first step, then the warm-up steps."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.resident = torch.cuda.memory_allocated(self.device)
         t = time.perf_counter()
-        _, (loss0, gnorm0, with_grad) = step(check=True)
-        _sync(device)
-        row["first_step_s"] = time.perf_counter() - t
-        row["loss_first"], row["lora_grad_norm_first"] = loss0, gnorm0
-        row["norm_weights_with_grad"] = with_grad
-        for _ in range(max(args.warmup - 1, 0)):
-            step()
-        _sync(device)
+        loss0, gnorm0, with_grad = self.step(check=True)
+        torch_sync()
+        self.row["first_step_s"] = time.perf_counter() - t
+        self.row["loss_first"], self.row["lora_grad_norm_first"] = loss0, gnorm0
+        self.row["norm_weights_with_grad"] = with_grad
+        for _ in range(max(warmup - 1, 0)):
+            self.step()
 
-        ms = []
-        if device.type == "cuda":
-            marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                     for _ in range(args.steps)]
-            t = time.perf_counter()
-            for start, end in marks:
-                start.record()
-                loss, _ = step()
-                end.record()
-            _sync(device)
-            wall = time.perf_counter() - t
-            ms = [s.elapsed_time(e) for s, e in marks]
-            row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-            row["step_peak_over_resident_gb"] = (torch.cuda.max_memory_allocated(device) - resident) / 2**30
-        else:
-            t = time.perf_counter()
-            for _ in range(args.steps):
-                s = time.perf_counter()
-                loss, _ = step()
-                ms.append((time.perf_counter() - s) * 1e3)
-            wall = time.perf_counter() - t
-        row["loss_last"] = loss.item()
-        row["step_ms"] = _stats(ms)
-        row["step_ms"]["wall_mean"] = wall * 1e3 / args.steps
-        row["steps"], row["warmup"] = args.steps, args.warmup
-        row["timer"] = "cuda events around each step" if device.type == "cuda" else "perf_counter (CPU)"
+    def time_round(self, steps: int) -> None:
+        us = Timer.each(self.step, steps, torch_sync)
+        ms = [t / 1e3 for t in us]
+        self.times_ms += ms
+        self.rounds_ms.append(statistics.median(ms))
 
-        if not args.no_profile:
-            row.update(profile_step(step, variant, mode, norms, device, steps=args.profile_steps))
+    def finish(self, args, profile: bool) -> dict:
+        row = self.row
+        if self.device.type == "cuda":
+            row["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            row["step_peak_over_resident_gb"] = (torch.cuda.max_memory_allocated(self.device) - self.resident) / 2**30
+        row["loss_last"] = self.last_loss.item()
+        row["step_ms"] = _stats(self.times_ms)
+        row["round_medians_ms"] = self.rounds_ms
+        row["steps"], row["warmup"] = len(self.times_ms), args.warmup
+        row["timer"] = ("wall time of each step, synchronized before and after (benchmarks.timing.Timer.each), "
+                        f"{len(self.rounds_ms)} rounds interleaved with the mode's other variants")
+        if profile:
+            row.update(profile_step(lambda: self.step(), self.variant, self.mode, self.norms, self.device,
+                                    steps=args.profile_steps))
         row["status"] = "ok"
-    except Unavailable as e:
-        row["status"] = f"unavailable: {e}"
-    except Exception as e:  # noqa: BLE001  (one row's failure is recorded; the others still run)
-        traceback.print_exc()
-        row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:400]
-    finally:
-        del model, opt, fwd, prof
-        if mode == "compile":
-            torch.compiler.reset()
+        return row
+
+    def close(self) -> None:
+        """Free the model. Compiled code is reset by ``run_mode`` once every row of the mode is closed:
+        a reset while another compiled row is alive would make that row compile again."""
+        del self.model, self.opt, self.fwd
         gc.collect()
-        if device.type == "cuda":
+        if self.device.type == "cuda":
             torch.cuda.empty_cache()
-    row["wall_s"] = time.perf_counter() - t0
-    if row["status"] == "ok":
-        check_row(row, ref, args)
-    return row
+        self.row["wall_s"] = time.perf_counter() - self.t0
+
+
+def _failed(row: dict, e: Exception) -> None:
+    traceback.print_exc()
+    status = "unavailable" if isinstance(e, Unavailable) else "failed"
+    row["status"] = f"{status}: {type(e).__name__ + ': ' if status == 'failed' else ''}{str(e).splitlines()[0] if str(e) else ''}"[:400]
+
+
+def run_mode(mode: str, variants: list, base, ids, device, args, ref) -> list:
+    """Every variant of one mode: each prepared (compiled, checked, warmed up), then ``args.rounds``
+    rounds of timed steps interleaved across the variants (a drift of the machine's speed then
+    lands on every variant alike), then each profiled. Returns the rows, hf first."""
+    live, rows = [], []
+    for variant in variants:
+        log(f"{variant} {mode}: preparing")
+        r = None
+        try:
+            r = Row(variant, mode, base, ids, device)
+            r.first_steps(args.warmup)
+            live.append(r)
+        except Exception as e:  # noqa: BLE001  (one row's failure is recorded; the others still run)
+            row = r.row if r is not None else {"variant": variant, "mode": mode}
+            _failed(row, e)
+            if r is not None:
+                r.close()
+            rows.append(row)
+    per_round = max(1, args.steps // args.rounds)
+    for k in range(args.rounds):
+        for r in list(live):
+            try:
+                r.time_round(per_round)
+            except Exception as e:  # noqa: BLE001
+                _failed(r.row, e)
+                live.remove(r)
+                r.close()
+                rows.append(r.row)
+        log(f"{mode} round {k + 1}/{args.rounds}: " + ", ".join(f"{r.variant} {r.rounds_ms[-1]:.2f} ms" for r in live))
+    for r in live:
+        try:
+            rows.append(r.finish(args, profile=not args.no_profile))
+        except Exception as e:  # noqa: BLE001
+            _failed(r.row, e)
+            rows.append(r.row)
+        finally:
+            r.close()
+    if mode != "eager":
+        torch.compiler.reset()
+    order = {v: i for i, v in enumerate(variants)}
+    return sorted(rows, key=lambda row: order[row["variant"]])
 
 
 def profile_step(step, variant, mode, norms, device, steps: int = 1) -> dict:
@@ -423,7 +361,7 @@ def profile_step(step, variant, mode, norms, device, steps: int = 1) -> dict:
             for _ in range(steps):
                 with record_function(STEP_SCOPE):
                     step()
-            _sync(device)
+            torch_sync()
     finally:
         if scopes is not None:
             scopes.remove()
@@ -524,26 +462,30 @@ def _f(x, spec=".2f", none="-"):
     return none if x is None else format(x, spec)
 
 
+COLUMNS = ("variant", "mode", "status", "median ms", "min", "max", "speedup vs hf", "first step s", "loss",
+           "Δloss vs hf", "grad rel Δ", "norm ms", "norm % of step", "norm attribution", "step mem GB")
+
+
 def table(rows: list) -> str:
     ref = {r["mode"]: r["step_ms"]["median"] for r in rows if r["variant"] == "hf" and r.get("status") == "ok"}
-    head = ("| variant | mode | status | median ms | min | max | speedup vs hf | first step s | loss | Δloss vs hf "
-            "| grad rel Δ | norm ms | norm % of step | norm attribution | step mem GB |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    cells = []
     for r in rows:
         ok = r.get("status") == "ok"
-        status = r["status"].replace("|", "/") if not ok else ("ok" if r.get("checks_ok") else "CHECK FAILED")
-        if not ok:
-            lines.append(f"| {r['variant']} | {r['mode']} | {status} |" + " - |" * 12)
-            continue
-        s = r["step_ms"]
-        sp = ref.get(r["mode"])
-        lines.append(
-            f"| {r['variant']} | {r['mode']} | {status} | {s['median']:.2f} | {s['min']:.2f} | {s['max']:.2f} "
-            f"| {_f(sp / s['median'] if sp else None, '.3f')} | {r['first_step_s']:.1f} | {r['loss_first']:.4f} "
-            f"| {_f(r.get('loss_diff_vs_hf'), '.2e')} | {_f(r.get('grad_rel_diff_vs_hf'), '.2e')} "
-            f"| {_f(r.get('norm_ms'), '.3f')} | {_f(r.get('norm_pct'), '.1f')} "
-            f"| {r.get('norm_method', '-').split(':')[0]} | {_f(r.get('step_peak_over_resident_gb'), '.2f')} |")
-    return "\n".join(lines)
+        status = r["status"] if not ok else ("ok" if r.get("checks_ok") else "CHECK FAILED")
+        row = dict.fromkeys(COLUMNS, "-")
+        row.update(variant=r["variant"], mode=r["mode"], status=status.replace("|", "/"))
+        if ok:
+            s, sp = r["step_ms"], ref.get(r["mode"])
+            row.update({"median ms": f"{s['median']:.2f}", "min": f"{s['min']:.2f}", "max": f"{s['max']:.2f}",
+                        "speedup vs hf": _f(sp / s["median"] if sp else None, ".3f"),
+                        "first step s": f"{r['first_step_s']:.1f}", "loss": f"{r['loss_first']:.4f}",
+                        "Δloss vs hf": _f(r.get("loss_diff_vs_hf"), ".2e"),
+                        "grad rel Δ": _f(r.get("grad_rel_diff_vs_hf"), ".2e"), "norm ms": _f(r.get("norm_ms"), ".3f"),
+                        "norm % of step": _f(r.get("norm_pct"), ".1f"),
+                        "norm attribution": r.get("norm_method", "-").split(":")[0],
+                        "step mem GB": _f(r.get("step_peak_over_resident_gb"), ".2f")})
+        cells.append(row)
+    return markdown_table(cells)
 
 
 def markdown(result: dict) -> str:
@@ -609,21 +551,6 @@ def write_outputs(out_dir: Path, result: dict) -> None:
     (out_dir / "lora_step.md").write_text(markdown(result))
 
 
-def versions() -> dict:
-    v = {"python": platform.python_version()}
-    for dist in ("torch", "triton", "transformers", "peft", "liger-kernel"):
-        try:
-            v[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            v[dist] = None
-    try:
-        v["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                  timeout=10).stdout.strip() or None
-    except Exception:  # noqa: BLE001
-        v["git"] = None
-    return v
-
-
 # ---------------------------------------------------------------------------------------------
 # Main
 
@@ -639,11 +566,12 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int)
     p.add_argument("--batch", type=int)
     p.add_argument("--dtype", choices=sorted(DTYPES))
-    p.add_argument("--steps", type=int)
+    p.add_argument("--steps", type=int, help="timed steps per variant, split over --rounds")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of timed steps, interleaved across a mode's variants")
     p.add_argument("--warmup", type=int, help="steps before timing, the first (checked, compiling) one included")
     p.add_argument("--variants", default="hf,liger,normkit,normkit_fused",
                    help="comma list of hf, liger, normkit, normkit_fused")
-    p.add_argument("--modes", default=None, help="eager,compile (default both on a GPU, eager on CPU)")
+    p.add_argument("--modes", default=None, help="eager,compile,reduce-overhead (default all on a GPU, eager on CPU)")
     p.add_argument("--no-compile", action="store_true", help="eager rows only")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled steps (no norm share)")
     p.add_argument("--profile-steps", type=int, default=3, help="steps profiled for the norm share (per-step means)")
@@ -667,15 +595,13 @@ def main(argv=None) -> int:
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    if args.intermediate is None:
-        args.intermediate = max(64, round(args.hidden * 11008 / 4096 / 64) * 64)
     dtype = DTYPES[args.dtype]
     loss_tol, grad_tol = TOLERANCES[dtype]
     args.loss_rtol = loss_tol if args.loss_rtol is None else args.loss_rtol
     args.grad_rtol = grad_tol if args.grad_rtol is None else args.grad_rtol
     modes = args.modes.split(",") if args.modes else (["eager"] if dry else list(MODES))
     if args.no_compile:
-        modes = [m for m in modes if m != "compile"]
+        modes = [m for m in modes if m == "eager"]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     bad = [v for v in variants if v not in VARIANTS] + [m for m in modes if m not in MODES]
     if bad:
@@ -694,8 +620,10 @@ def main(argv=None) -> int:
     log(f"config {json.dumps(cfg)}")
     log(f"versions {json.dumps(env['versions'])}")
 
-    base, config = build_base(cfg, device, dtype, args.seed)
-    cfg["attn_implementation"] = getattr(config, "_attn_implementation", None)
+    base, _ = llama_lora(layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, heads=args.heads,
+                         vocab=args.vocab, max_positions=max(args.seq, 128), dtype=dtype, device=device, seed=args.seed)
+    cfg["intermediate"] = base.config.intermediate_size
+    cfg["attn_implementation"] = getattr(base.config, "_attn_implementation", None)
     cfg["total_params"] = sum(p.numel() for p in base.parameters())
     gen = torch.Generator(device=device).manual_seed(args.seed + 1)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen, device=device)
@@ -704,36 +632,38 @@ def main(argv=None) -> int:
     rows, ref, took = [], None, {}
     result = {"schema": SCHEMA, "argv": sys.argv[1:], "config": cfg, "env": env, "rows": rows,
               "attribution": ATTRIBUTION, "budget_s": args.budget_s, "complete": False}
-    plan = [(v, m) for m in MODES if m in modes for v in VARIANTS if v in variants]
-    for variant, mode in plan:
+    ordered = [v for v in VARIANTS if v in variants]
+    for mode in (m for m in MODES if m in modes):
         elapsed = time.perf_counter() - T_START
-        estimate = took.get(mode, ESTIMATE_S[mode])
+        estimate = took.get(mode, ESTIMATE_S[mode]) * len(ordered)
         if args.budget_s > 0 and elapsed + estimate > args.budget_s:
-            rows.append({"variant": variant, "mode": mode, "status": (
-                f"skipped: budget ({elapsed:.0f} s elapsed + ~{estimate:.0f} s for a {mode} row > --budget-s "
-                f"{args.budget_s:.0f})")})
-            log(f"{variant} {mode}: {rows[-1]['status']}")
+            for variant in ordered:
+                rows.append({"variant": variant, "mode": mode, "status": (
+                    f"skipped: budget ({elapsed:.0f} s elapsed + ~{estimate:.0f} s for the {mode} rows > --budget-s "
+                    f"{args.budget_s:.0f})")})
+            log(f"{mode}: {rows[-1]['status']}")
             write_outputs(out_dir, result)
             continue
-        log(f"{variant} {mode}: running")
-        row = run_row(variant, mode, base, ids, device, args, ref)
-        rows.append(row)
-        if row["status"] == "ok" or row["status"].startswith("failed"):
-            took[mode] = max(took.get(mode, 0.0), row["wall_s"])
-        if variant == "hf" and row["status"] == "ok" and ref is None:
-            ref = row  # eager hf when it ran (it runs first), else compiled hf
-            check_row(row, ref, args)  # against itself: zero differences, the frozen-weight checks stay
-        msg = row["status"]
-        if row["status"] == "ok":
-            msg = (f"median {row['step_ms']['median']:.2f} ms (min {row['step_ms']['min']:.2f}, max "
-                   f"{row['step_ms']['max']:.2f}), first step {row['first_step_s']:.1f} s, loss {row['loss_first']:.5f}"
-                   f" (vs hf {_f(row.get('loss_diff_vs_hf'), '.2e')}), norm {_f(row.get('norm_ms'), '.3f')} ms "
-                   f"= {_f(row.get('norm_pct'), '.1f')} % [{row.get('norm_method', '-')}]"
-                   + ("" if row.get("checks_ok") else f"; CHECK FAILED: {'; '.join(row['check_notes'])}"))
-        if row.get("prepare", {}).get("patch_report"):
-            print(row["prepare"]["patch_report"], flush=True)
-        log(f"{variant} {mode}: {msg}")
-        write_outputs(out_dir, result)  # after every row: a run cut short still leaves its rows
+        for row in run_mode(mode, ordered, base, ids, device, args, ref):
+            rows.append(row)
+            if row["status"] == "ok" or row["status"].startswith("failed"):
+                took[mode] = max(took.get(mode, 0.0), row.get("wall_s", 0.0))
+            if row["variant"] == "hf" and row["status"] == "ok" and ref is None:
+                ref = row  # eager hf when it ran (it runs first), else compiled hf
+            if row["status"] == "ok":
+                check_row(row, ref, args)
+            variant, msg = row["variant"], row["status"]
+            if row["status"] == "ok":
+                msg = (f"median {row['step_ms']['median']:.2f} ms (rounds {', '.join(f'{m:.2f}' for m in row['round_medians_ms'])}; "
+                       f"min {row['step_ms']['min']:.2f}, max {row['step_ms']['max']:.2f}), first step "
+                       f"{row['first_step_s']:.1f} s, loss {row['loss_first']:.5f} (vs hf {_f(row.get('loss_diff_vs_hf'), '.2e')}), "
+                       f"device {_f(row.get('profiled_step_ms'), '.2f')} ms/step, norm {_f(row.get('norm_ms'), '.3f')} ms "
+                       f"= {_f(row.get('norm_pct'), '.1f')} % [{row.get('norm_method', '-')}]"
+                       + ("" if row.get("checks_ok") else f"; CHECK FAILED: {'; '.join(row['check_notes'])}"))
+            if row.get("prepare", {}).get("patch_report"):
+                print(row["prepare"]["patch_report"], flush=True)
+            log(f"{variant} {mode}: {msg}")
+        write_outputs(out_dir, result)  # after every mode: a run cut short still leaves its rows
     del base
 
     result["complete"] = True

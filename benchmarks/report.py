@@ -3,7 +3,8 @@
     python3 benchmarks/report.py benchmarks/results/h200.json [--readme README.md] [--no-plots]
 
 Writes, next to the JSON: ``<stem>.md`` (headline, targets, per-op tables, the JAX frontend's
-Triton vs Pallas vs XLA implementations, memory, errors) and
+Triton vs Pallas vs XLA implementations, memory, errors; tables through ``pandas.DataFrame.to_markdown``,
+which needs tabulate) and
 ``<stem>_*.png`` (bandwidth per shape and implementation, % of copy, frozen speedup, memory saved;
 only where matplotlib imports). Rewrites the part of the README between ``<!-- bench:start -->``
 and ``<!-- bench:end -->`` when both markers are there; never creates a README.
@@ -17,11 +18,15 @@ import os
 import sys
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.bytemodel import DTYPES, MODES, OPS  # noqa: E402
+from normkit.ops import OPS as OP_SPECS  # noqa: E402
+
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
-OPS = ("rms_norm", "layer_norm", "fused_add_rms_norm")
-OP_TITLES = {"rms_norm": "RMSNorm", "layer_norm": "LayerNorm", "fused_add_rms_norm": "FusedAddRMSNorm"}
-MODES = ("fwd", "bwd_full", "bwd_frozen", "fwd_bwd")
-DTYPES = ("bf16", "fp32")
+OP_TITLES = {name: op.title for name, op in OP_SPECS.items()}
 # (impl, path) columns in display order; normkit first.
 COLUMNS = (("normkit", "kernel"), ("normkit", "e2e"), ("normkit_jax", "e2e"), ("normkit_jax_pallas", "e2e"),
            ("normkit_jax_xla", "e2e"), ("liger", "e2e"), ("torch_eager", "e2e"), ("torch_compile", "e2e"),
@@ -40,7 +45,15 @@ COLORS = {("normkit", "kernel"): "#1f4e9c", ("normkit", "e2e"): "#3a86ff", ("nor
 # reference under JAX's own autodiff for comparison.
 JAX_IMPLS = (("normkit_jax", "Triton"), ("normkit_jax_pallas", "Pallas"), ("normkit_jax_xla", "XLA"),
              ("xla", "jnp autodiff"))
-TARGETS = {"fwd": 90.0, "bwd_frozen": 90.0, "bwd_full": 85.0}  # % of copy, issue 4, M >= 8192 and N >= 4096
+TARGETS = {"fwd": 90.0, "bwd_frozen": 90.0, "bwd_full": 85.0}  # % of copy of normkit's kernels, M >= 8192, N >= 4096
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """A Markdown table of ``rows`` (one dict per row, its keys the columns), cells as given: the one
+    table renderer of the reports (``pandas.DataFrame.to_markdown``, through tabulate)."""
+    import pandas as pd
+
+    return pd.DataFrame(rows).to_markdown(index=False, disable_numparse=True)
 
 
 def headline_shapes(d) -> tuple[list[str], bool]:
@@ -138,19 +151,21 @@ def _wins(d: Data, op, mode, dtype):
 
 def headline_table(d: Data) -> str:
     hs, _ = headline_shapes(d)
-    lines = ["| op | mode | dtype | normkit kernel, % of copy | normkit e2e, % of copy | e2e speedup vs Liger | vs torch "
-             "eager | vs torch.compile | normkit (jax) vs XLA | fastest e2e on |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for op in d.ops:
         for mode in d.modes:
             for dtype in d.dtypes:
-                k = _pct_range([(d.get(op, mode, dtype, s, "normkit", "kernel") or {}).get("pct_copy") for s in hs])
-                e = _pct_range([(d.get(op, mode, dtype, s, "normkit") or {}).get("pct_copy") for s in hs])
-                cells = [_speedup_cell(d, op, mode, dtype, hs, "normkit", p) for p in TORCH_PEERS]
-                cells.append(_speedup_cell(d, op, mode, dtype, hs, "normkit_jax", "xla"))
-                lines.append(f"| {OP_TITLES[op]} | {mode} | {dtype} | {k} | {e} | " + " | ".join(cells)
-                             + f" | {_wins(d, op, mode, dtype)} |")
-    return "\n".join(lines)
+                speedup = [_speedup_cell(d, op, mode, dtype, hs, "normkit", p) for p in TORCH_PEERS]
+                rows.append({
+                    "op": OP_TITLES[op], "mode": mode, "dtype": dtype,
+                    "normkit kernel, % of copy": _pct_range(
+                        [(d.get(op, mode, dtype, s, "normkit", "kernel") or {}).get("pct_copy") for s in hs]),
+                    "normkit e2e, % of copy": _pct_range(
+                        [(d.get(op, mode, dtype, s, "normkit") or {}).get("pct_copy") for s in hs]),
+                    "e2e speedup vs Liger": speedup[0], "vs torch eager": speedup[1], "vs torch.compile": speedup[2],
+                    "normkit (jax) vs XLA": _speedup_cell(d, op, mode, dtype, hs, "normkit_jax", "xla"),
+                    "fastest e2e on": _wins(d, op, mode, dtype)})
+    return markdown_table(rows)
 
 
 def headline_preamble(d: Data) -> str:
@@ -169,7 +184,7 @@ def headline_preamble(d: Data) -> str:
 
 
 def targets_section(d: Data) -> str:
-    out = ["## Targets (issue 4)", ""]
+    out = ["## Targets", ""]
     hs = [s for s in d.shapes if d.dims[s][0] >= 8192 and d.dims[s][1] >= 4096]  # no fallback: targets are for these
     for mode, target in TARGETS.items():
         miss, n = [], 0
@@ -257,16 +272,15 @@ def op_tables(d: Data) -> str:
             out.append("")
             out.append(f"### {OP_TITLES[op]}, {dtype}: median µs (% of copy); **bold**: fastest end to end")
             out.append("")
-            out.append("| shape | mode | " + " | ".join(LABELS[c] for c in cols) + " |")
-            out.append("|---|---|" + "---|" * len(cols))
+            rows = []
             for s in d.shapes:
                 for mode in d.modes:
                     e2e = {c: d.us(op, mode, dtype, s, *c) for c in cols if c[1] == "e2e"}
                     best = min((u for u in e2e.values() if u), default=None)
-                    cells = [_time_cell(d, op, mode, dtype, s, *c, best=best if c[1] == "e2e" else None)
-                             for c in cols]
-                    M, N = d.dims[s]
-                    out.append(f"| {s} ({M}×{N}) | {mode} | " + " | ".join(cells) + " |")
+                    rows.append({"shape": _shape_label(d, s), "mode": mode,
+                                 **{LABELS[c]: _time_cell(d, op, mode, dtype, s, *c, best=best if c[1] == "e2e" else None)
+                                    for c in cols}})
+            out.append(markdown_table(rows))
         out.append("")
     return "\n".join(out)
 
@@ -321,85 +335,74 @@ def jax_impls_section(d: Data) -> str:
     which = "M ≥ 8192, N ≥ 4096 shapes" if big else "measured shapes"
     names = [name for _, name in present]
     others = [(impl, name) for impl, name in present if impl != "normkit_jax"]
-    out += [f"### Summary over the {which} ({', '.join(hs)}): % of copy (range); time ÷ Triton's, geometric "
-            "mean (range; > 1× is slower than Triton)", "",
-            "| op | mode | dtype | " + " | ".join(f"{n}, % of copy" for n in names) + " | "
-            + " | ".join(f"{n} ÷ Triton" for _, n in others) + " |",
-            "|---|---|---|" + "---|" * (len(names) + len(others))]
+    summary, saving = [], []
     for op in d.ops:
         for mode in d.modes:
             for dtype in d.dtypes:
-                pcts = [_pct_range([(d.get(op, mode, dtype, s, impl) or {}).get("pct_copy") for s in hs])
-                        for impl, _ in present]
-                ratios = [_ratio_cell(d, op, mode, dtype, hs, impl) for impl, _ in others]
-                if all(c == "—" for c in pcts):
-                    continue
-                out.append(f"| {OP_TITLES[op]} | {mode} | {dtype} | " + " | ".join(pcts + ratios) + " |")
-    out += ["", "### Frozen vs full backward: bwd_full → bwd_frozen µs, and the time saved by freezing the weight and bias "
-            "(x and the residual still trained)", "",
-            "| op | dtype | shape | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(names)]
+                pcts = {f"{n}, % of copy": _pct_range([(d.get(op, mode, dtype, s, impl) or {}).get("pct_copy")
+                                                       for s in hs]) for impl, n in present}
+                if any(c != "—" for c in pcts.values()):
+                    summary.append({"op": OP_TITLES[op], "mode": mode, "dtype": dtype, **pcts,
+                                    **{f"{n} ÷ Triton": _ratio_cell(d, op, mode, dtype, hs, impl) for impl, n in others}})
     for op in d.ops:
         for dtype in d.dtypes:
             for s in d.shapes:
-                cells = []
-                for impl, _ in present:
-                    fz = _frozen_saving(d, op, dtype, s, impl)
-                    if fz is None:
-                        cells.append("—")
-                        continue
-                    full, frozen, saved = fz
-                    how = f"{100 * saved:.0f}% saved" if saved >= 0 else f"{-100 * saved:.0f}% slower"
-                    cells.append(f"{_fmt_us(full)} → {_fmt_us(frozen)} ({how})")
-                if any(c != "—" for c in cells):
-                    out.append(f"| {OP_TITLES[op]} | {dtype} | {s} | " + " | ".join(cells) + " |")
+                cells = {n: _saving_cell(_frozen_saving(d, op, dtype, s, impl)) for impl, n in present}
+                if any(c != "—" for c in cells.values()):
+                    saving.append({"op": OP_TITLES[op], "dtype": dtype, "shape": s, **cells})
+    out += [f"### Summary over the {which} ({', '.join(hs)}): % of copy (range); time ÷ Triton's, geometric "
+            "mean (range; > 1× is slower than Triton)", "", markdown_table(summary), "",
+            "### Frozen vs full backward: bwd_full → bwd_frozen µs, and the time saved by freezing the weight and bias "
+            "(x and the residual still trained)", "", markdown_table(saving)]
     for op in d.ops:
         for dtype in d.dtypes:
             rows = []
             for s in d.shapes:
                 for mode in d.modes:
-                    cells, best = [], min((u for u in (d.us(op, mode, dtype, s, impl) for impl, _ in present) if u),
-                                          default=None)
-                    cells += [_time_cell(d, op, mode, dtype, s, impl, best=best) for impl, _ in present]
-                    for impl, _ in others:
+                    best = min((u for u in (d.us(op, mode, dtype, s, impl) for impl, _ in present) if u), default=None)
+                    cells = {n: _time_cell(d, op, mode, dtype, s, impl, best=best) for impl, n in present}
+                    for impl, n in others:
                         a, b = d.us(op, mode, dtype, s, impl), d.us(op, mode, dtype, s, "normkit_jax")
-                        cells.append(_fmt_x(a / b if a and b else None))
-                    if any(c not in ("—", "skipped", "error") for c in cells):
-                        M, N = d.dims[s]
-                        rows.append(f"| {s} ({M}×{N}) | {mode} | " + " | ".join(cells) + " |")
+                        cells[f"{n} ÷ Triton"] = _fmt_x(a / b if a and b else None)
+                    if any(c not in ("—", "skipped", "error") for c in cells.values()):
+                        rows.append({"shape": _shape_label(d, s), "mode": mode, **cells})
             if rows:
                 out += ["", f"### {OP_TITLES[op]}, {dtype}, JAX implementations: median µs (% of copy); "
-                        "**bold**: fastest; then time ÷ Triton's", "",
-                        "| shape | mode | " + " | ".join(names) + " | "
-                        + " | ".join(f"{n} ÷ Triton" for _, n in others) + " |",
-                        "|---|---|" + "---|" * (len(names) + len(others))] + rows
+                        "**bold**: fastest; then time ÷ Triton's", "", markdown_table(rows)]
     return "\n".join(out)
+
+
+def _saving_cell(fz) -> str:
+    if fz is None:
+        return "—"
+    full, frozen, saved = fz
+    how = f"{100 * saved:.0f}% saved" if saved >= 0 else f"{-100 * saved:.0f}% slower"
+    return f"{_fmt_us(full)} → {_fmt_us(frozen)} ({how})"
+
+
+def _shape_label(d: Data, s: str) -> str:
+    M, N = d.dims[s]
+    return f"{s} ({M}×{N})"
 
 
 def memory_table(d: Data) -> str:
-    cols = d.columns
-    out = ["## Peak memory of the backward: full → frozen (MiB)", "",
-           "Torch: `torch.cuda.max_memory_allocated` above the allocation before one backward call, its outputs "
-           "included (Liger's RMSNorm writes dx into dy's buffer). JAX: XLA's `memory_analysis()` of the compiled "
-           "backward (temporaries + outputs). The saving of a frozen backward is the dW/dB outputs plus, for "
-           "normkit and Liger, their fp32 partial buffers.", ""]
-    out.append("| op | dtype | shape | " + " | ".join(LABELS[c] for c in cols) + " |")
-    out.append("|---|---|---|" + "---|" * len(cols))
+    rows = []
     for op in d.ops:
         for dtype in d.dtypes:
             for s in d.shapes:
-                cells, any_val = [], False
-                for c in cols:
+                cells = {}
+                for c in d.columns:
                     f, z = d.get(op, "bwd_full", dtype, s, *c), d.get(op, "bwd_frozen", dtype, s, *c)
-                    fm = f.get("peak_mem_bytes") if f else None
-                    zm = z.get("peak_mem_bytes") if z else None
-                    if fm is None or zm is None:
-                        cells.append("—")
-                        continue
-                    any_val = True
-                    cells.append(f"{fm / 2**20:.1f} → {zm / 2**20:.1f}")
-                if any_val:
-                    out.append(f"| {OP_TITLES[op]} | {dtype} | {s} | " + " | ".join(cells) + " |")
-    return "\n".join(out)
+                    fm, zm = (f or {}).get("peak_mem_bytes"), (z or {}).get("peak_mem_bytes")
+                    cells[LABELS[c]] = "—" if fm is None or zm is None else f"{fm / 2**20:.1f} → {zm / 2**20:.1f}"
+                if any(c != "—" for c in cells.values()):
+                    rows.append({"op": OP_TITLES[op], "dtype": dtype, "shape": s, **cells})
+    return "\n".join(["## Peak memory of the backward: full → frozen (MiB)", "",
+                      "Torch: `torch.cuda.max_memory_allocated` above the allocation before one backward call, its "
+                      "outputs included (Liger's RMSNorm writes dx into dy's buffer). JAX: XLA's `memory_analysis()` "
+                      "of the compiled backward (temporaries + outputs). The saving of a frozen backward is the dW/dB "
+                      "outputs plus, for normkit and Liger, their fp32 partial buffers.", "",
+                      markdown_table(rows) if rows else "No memory figures in this file."])
 
 
 def errors_section(d: Data) -> str:
@@ -465,24 +468,25 @@ def cells_section(d: Data) -> str:
                 nk = d.us(op, mode, dtype, shape, "normkit")
                 peers = {p: d.us(op, mode, dtype, shape, p) for p in TORCH_PEERS}
                 peers = {p: u for p, u in peers.items() if u}
+                cell = {"op": OP_TITLES[op], "mode": mode, "cell": f"{dtype} {shape}"}
                 if nk is None or not peers:
                     missing += 1
-                    rows.append(f"| {OP_TITLES[op]} | {mode} | {dtype} {shape} | "
-                                f"{_fmt_us(nk) if nk else 'not measured'} | {'—' if not peers else ''} | — | — |")
+                    rows.append({**cell, "normkit": _fmt_us(nk) if nk else "not measured",
+                                 "best peer": "" if peers else "—", "best ÷ normkit": "—", "fastest": "—"})
                     continue
                 best = min(peers, key=peers.get)
                 ratio = peers[best] / nk  # > 1: normkit is faster
                 won += ratio >= 1.0
-                mark = "" if ratio >= 1.0 else " (slower)"
-                rows.append(f"| {OP_TITLES[op]} | {mode} | {dtype} {shape} | {_fmt_us(nk)} | {best} "
-                            f"{_fmt_us(peers[best])} | {ratio:.2f}×{mark} | {'normkit' if ratio >= 1.0 else best} |")
+                rows.append({**cell, "normkit": _fmt_us(nk), "best peer": f"{best} {_fmt_us(peers[best])}",
+                             "best ÷ normkit": f"{ratio:.2f}×" + ("" if ratio >= 1.0 else " (slower)"),
+                             "fastest": "normkit" if ratio >= 1.0 else best})
     total = len(OPS) * len(CELL_MODES) * len(CELL_SHAPES)
     head = [f"## Torch end to end, cell by cell: normkit is at least as fast as the best peer in {won} of "
             f"{total - missing} measured cells ({missing} of {total} not measured)", "",
             "Times are medians in µs through `torch.autograd` (forward, full backward, frozen backward), peers "
             f"{', '.join(TORCH_PEERS)}; the ratio is the best peer's time over normkit's (≥ 1× means normkit wins).",
-            "", "| op | mode | cell | normkit | best peer | best ÷ normkit | fastest |", "|---|---|---|---|---|---|---|"]
-    return "\n".join(head + rows)
+            "", markdown_table(rows)]
+    return "\n".join(head)
 
 
 def render_markdown(d: Data, plots: list[str]) -> str:

@@ -1,29 +1,37 @@
-"""Timers.
+"""Timing, one module for the benchmarks, the scripts and the notebooks.
 
-Two ways to time, named in every record (``timer``):
+Three measurements, each named in the records that use it:
 
-- ``do_bench``: ``triton.testing.do_bench(..., return_mode="median")``; one CUDA-event pair around
-  each call with the L2 flushed before it. This is device time; host work shorter than the flush
-  hides behind it. Used for normkit's bare kernel launches (path ``kernel``) and the copy.
-- ``loop``: back-to-back calls, synchronized once per batch, wall clock; the median over batches of
-  the per-call time. A call costs max(host time, device time), so host overhead shows where it
-  dominates (small shapes) and device time where it does not. Used for every frontend call
-  (path ``e2e``), Torch and JAX alike: JAX dispatches asynchronously, so timing it call by call
-  would add a host sync to each call.
+- ``kernel`` (device time): ``triton.testing.do_bench(fn, return_mode="median")``, one CUDA-event
+  pair around each call with the L2 flushed before it. Host work shorter than the flush hides
+  behind it. For bare kernel launches and the copy.
+- ``loop`` (wall time per call): ``torch.utils.benchmark.Timer`` blocks of back-to-back calls, each
+  block synchronized once at its end (``sync(last output)``: ``torch.cuda.synchronize`` or
+  ``jax.block_until_ready``), the median over ``batches`` blocks of the time per call. A call costs
+  max(host time, device time): host overhead shows where it dominates (small shapes), device time
+  where it does not. For every call through a frontend, Torch and JAX alike (JAX dispatches
+  asynchronously: a sync per call would add a host round trip to each). Python's garbage collector
+  is off inside a block (``timeit``'s rule).
+- ``each`` (wall time of every call): each call synchronized before and after, for steps long
+  enough that one sync does not matter (a training step, a sweep's row) and whose spread is reported.
 
-In both, callers rotate through several input sets when one set is smaller than ``ROTATE_BYTES``,
-so consecutive calls do not find their inputs in the 60 MB L2.
+``copy_bandwidth`` is the reference every "% of copy" divides by: a device-to-device copy, read and
+write counted. Callers rotate through ``num_sets`` input sets when one set is smaller than
+``ROTATE_BYTES``, so that consecutive calls do not find their inputs in the L2 (60 MB on an H200).
 
-``DryTimer`` replaces both with ``time.perf_counter`` medians of a few calls, for ``--dry-run`` on CPU.
+``Timer(dry=True)``: on a CPU (Triton's interpreter), one call per measurement after Timer's two
+warm-up calls, timed by the wall clock: it exercises the code paths and says nothing about speed.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
 ROTATE_BYTES = 200 * 2**20  # rotate input sets until the sets together exceed this
 MAX_SETS = 16
-COPY_BYTES = 2 * 2**30  # the copy benchmark moves a 2 GiB bf16 tensor
+COPY_BYTES = 2 * 2**30  # the copy moves a 2 GiB bf16 tensor on the GPU
+DRY_COPY_BYTES = 32 * 2**20  # and 32 MiB on the host in a dry run
 
 
 def num_sets(set_bytes: int, limit: int = ROTATE_BYTES) -> int:
@@ -33,104 +41,91 @@ def num_sets(set_bytes: int, limit: int = ROTATE_BYTES) -> int:
     return max(1, min(MAX_SETS, -(-limit // set_bytes)))
 
 
-class GpuTimer:
-    name = "gpu"
+def tbps(nbytes: int, us: float) -> float:
+    """Terabytes per second of ``nbytes`` moved in ``us`` microseconds."""
+    return nbytes / (us * 1e-6) / 1e12
 
-    def __init__(self, warmup_ms: float, rep_ms: float, batches: int = 5):
-        import torch
+
+def torch_sync(_out=None) -> None:
+    """Wait for the GPU (when torch has one): the ``sync`` of Torch calls."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+@dataclasses.dataclass(frozen=True)
+class Timer:
+    """How long to warm up and to measure (``warmup_ms``, ``rep_ms`` over ``batches`` blocks)."""
+
+    warmup_ms: float = 5.0
+    rep_ms: float = 20.0
+    batches: int = 5
+    dry: bool = False
+
+    @property
+    def name(self) -> str:
+        return "dry" if self.dry else "gpu"
+
+    def kernel(self, fn) -> float:
+        """Median device time of ``fn()`` in µs (do_bench; a dry run: one call's wall time)."""
+        if self.dry:
+            return self.loop(lambda _: fn(), lambda _: None)
         import triton.testing
 
-        self._torch = torch
-        self._do_bench = triton.testing.do_bench
-        self.warmup_ms, self.rep_ms, self.batches = warmup_ms, rep_ms, batches
-
-    def kernel(self, fn) -> float:
-        """Median device time of ``fn()`` in microseconds (do_bench, L2 flushed before each call)."""
-        return 1e3 * float(self._do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median"))
+        return 1e3 * float(triton.testing.do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median"))
 
     def loop(self, call, sync) -> float:
-        """Median per-call wall time in microseconds of back-to-back ``call(i)``; ``sync(out)`` blocks."""
-        return _loop(call, sync, self.warmup_ms, self.rep_ms, self.batches)
+        """Median per-call wall time in µs of back-to-back ``call(i)`` (i = 0, 1, ...: the input set
+        to use); ``sync(out)`` waits for ``out``, the last call's result, at each block's end."""
+        import torch
+        import torch.utils.benchmark as tb
 
-    def torch_sync(self, _out=None) -> None:
-        self._torch.cuda.synchronize()
+        state = {"i": 0, "out": None}
+
+        def step():
+            state["out"] = call(state["i"])
+            state["i"] += 1
+
+        def clock() -> float:  # Timer reads it before and after a block: the block ends synchronized
+            if state["out"] is not None:
+                sync(state["out"])
+            return time.perf_counter()
+
+        timer = tb.Timer("step()", globals={"step": step}, timer=clock, num_threads=torch.get_num_threads())
+        if self.dry:
+            return 1e6 * timer.timeit(1).median
+        first = timer.timeit(3).median  # after Timer's 2 warm-up calls: an estimate of one call
+        if self.warmup_ms > 0:
+            timer.timeit(max(3, int(self.warmup_ms * 1e-3 / first)))
+        number = max(3, min(2000, int(self.rep_ms * 1e-3 / self.batches / first)))
+        return 1e6 * statistics.median(timer.timeit(number).median for _ in range(self.batches))
+
+    @staticmethod
+    def each(fn, n: int, sync) -> list[float]:
+        """Wall time in µs of each of ``n`` calls of ``fn()``, with ``sync(out)`` before and after each."""
+        times, out = [], None
+        for _ in range(n):
+            sync(out)
+            t0 = time.perf_counter()
+            out = fn()
+            sync(out)
+            times.append((time.perf_counter() - t0) * 1e6)
+        return times
 
     def copy_bandwidth(self) -> dict:
-        """A device-to-device copy of a 2 GiB bf16 tensor; read + write counted."""
-        torch = self._torch
-        n = COPY_BYTES // 2
-        src = torch.empty(n, dtype=torch.bfloat16, device="cuda")
-        src.uniform_()
-        dst = torch.empty_like(src)
-        us = self.kernel(lambda: dst.copy_(src))
-        moved = 2 * COPY_BYTES
-        del src, dst
-        torch.cuda.empty_cache()
-        return {"what": "torch copy_ of 2 GiB bf16, device to device", "bytes": moved, "median_us": us,
-                "tbps": moved / (us * 1e-6) / 1e12, "timer": "do_bench"}
-
-
-class DryTimer:
-    """perf_counter medians of a few calls: exercises the code paths on CPU, says nothing about speed."""
-
-    name = "dry"
-
-    def __init__(self, reps: int = 2):
-        self.reps = reps  # callers have already run each function once (compiles, first-call work)
-
-    def kernel(self, fn) -> float:
-        times = []
-        for _ in range(self.reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return 1e6 * statistics.median(times)
-
-    def loop(self, call, sync) -> float:
-        times = []
-        for i in range(self.reps):
-            t0 = time.perf_counter()
-            sync(call(i))
-            times.append(time.perf_counter() - t0)
-        return 1e6 * statistics.median(times)
-
-    def torch_sync(self, _out=None) -> None:
-        pass
-
-    def copy_bandwidth(self) -> dict:
+        """A device-to-device ``copy_`` of 2 GiB of bf16 (a dry run: 32 MiB on the host), read and
+        write counted, timed as ``kernel`` times."""
         import torch
 
-        n = 16 * 2**20  # 32 MiB of bf16 on the host
-        src = torch.ones(n, dtype=torch.bfloat16)
+        nbytes = DRY_COPY_BYTES if self.dry else COPY_BYTES
+        src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cpu" if self.dry else "cuda").uniform_()
         dst = torch.empty_like(src)
         us = self.kernel(lambda: dst.copy_(src))
-        moved = 2 * 2 * n
-        return {"what": "torch copy_ of 32 MiB bf16 on the CPU (dry run)", "bytes": moved, "median_us": us,
-                "tbps": moved / (us * 1e-6) / 1e12, "timer": "perf_counter"}
-
-
-def _loop(call, sync, warmup_ms: float, rep_ms: float, batches: int) -> float:
-    out = call(0)
-    sync(out)
-    # Warm up: at least warmup_ms and a few calls.
-    n, t0 = 0, time.perf_counter()
-    while n < 3 or (time.perf_counter() - t0) * 1e3 < warmup_ms:
-        out = call(n)
-        n += 1
-    sync(out)
-    # Estimate one call (synchronized) to size the batches.
-    t0 = time.perf_counter()
-    for i in range(3):
-        out = call(i)
-    sync(out)
-    est_ms = max((time.perf_counter() - t0) * 1e3 / 3, 1e-3)
-    per_batch = max(3, min(2000, int(rep_ms / batches / est_ms)))
-    times = []
-    for _ in range(batches):
-        sync(out)
-        t0 = time.perf_counter()
-        for i in range(per_batch):
-            out = call(i)
-        sync(out)
-        times.append((time.perf_counter() - t0) / per_batch)
-    return 1e6 * statistics.median(times)
+        del src, dst
+        if not self.dry:
+            torch.cuda.empty_cache()
+        where = "on the CPU (dry run)" if self.dry else "device to device"
+        return {"what": f"torch copy_ of {nbytes / 2**20:g} MiB bf16, {where}", "bytes": 2 * nbytes,
+                "median_us": us, "tbps": tbps(2 * nbytes, us),
+                "timer": "wall clock (dry run)" if self.dry else "do_bench"}

@@ -30,7 +30,7 @@ The patches (written against Triton 3.6.x)
   for the rest of the process, where a later compiled kernel would trace them.
 - ``bf16-rtne``: Triton 3.6's interpreter converts fp32 to bf16 by truncation, where compiled code
   rounds to nearest even; the interpreter would then drift by up to an ulp per rounding. The
-  conversion (``InterpreterBuilder.cast_impl``) is replaced by a round-to-nearest-even one.
+  conversion (``InterpreterBuilder.cast_impl``) is replaced by ``ml_dtypes``' round-to-nearest-even one.
 - ``numpy-index``: the interpreter holds every scalar (runtime arguments, ``tl.program_id``,
   ``tl.num_programs``) as a 1-element array, and its ``tl.tensor.__index__`` -- what ``range()``
   and ``tl.range`` bounds go through -- is ``int(array)``. numpy 2.4 made that conversion of an
@@ -64,6 +64,7 @@ import threading
 import warnings
 from typing import Callable
 
+import ml_dtypes
 import numpy as np
 
 TESTED_TRITON = ("3.6.",)  # version prefixes the patches were written against and tested with
@@ -164,9 +165,8 @@ def _apply_device_calls(undo: _Undo) -> None:
 
 
 def _f32_to_bf16_rtne(data):
-    u = np.ascontiguousarray(data, dtype=np.float32).view(np.uint32)
-    rounded = ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
-    return np.where(np.isnan(data), np.uint16(0x7FC0), rounded)
+    """fp32 to bf16 bits, rounded to nearest even (``ml_dtypes``), as the interpreter stores bf16."""
+    return np.asarray(data, dtype=np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
 
 
 def _cast_rtne(cast_impl):

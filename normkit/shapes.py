@@ -1,5 +1,7 @@
-"""Named shapes, one list for tests and benchmarks. ``tags``: "ci" (small, CPU-interpretable),
-"gpu" (compiled test sizes), "bench" (benchmark rows), "model" (hidden sizes of real models)."""
+"""Named shapes, one list for tests and benchmarks, and the one parser of "MxN" strings (``parse``).
+
+``tags``: "ci" (small, CPU-interpretable), "gpu" (compiled test sizes), "bench" (benchmark rows),
+"model" (hidden sizes of real models)."""
 from __future__ import annotations
 
 import dataclasses
@@ -65,3 +67,16 @@ SHAPES = [
 def shapes(*tags: str) -> list[Shape]:
     """The shapes with any of ``tags``, each once, in table order."""
     return [s for s in SHAPES if s.tags & set(tags)]
+
+
+def parse(text: str) -> tuple[int, int]:
+    """An ``"MxN"`` string (rows x normalized size, e.g. ``"8192x4096"``) as ``(M, N)``."""
+    parts = text.strip().lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"shape {text!r} is not MxN with positive integers M and N (e.g. 8192x4096)")
+    return int(parts[0]), int(parts[1])
+
+
+def parse_list(text: str) -> list[tuple[int, int]]:
+    """A comma list of ``"MxN"`` strings, each parsed by ``parse``."""
+    return [parse(item) for item in text.split(",") if item.strip()]

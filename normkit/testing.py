@@ -9,13 +9,14 @@
 - ``poisoned_outputs``: backends fill every output with NaN before a launch, so an element a kernel
   fails to write shows up as NaN.
 
-Framework-free: NumPy only.
+Framework-free: NumPy (and ml_dtypes for bfloat16) only.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 
+import ml_dtypes
 import numpy as np
 
 from normkit import driver
@@ -62,27 +63,14 @@ def assert_close(actual, ref, dtype: str, what: str, reduced_over: int = 1) -> N
             f"{[(float(actual[tuple(i)]), float(ref[tuple(i)])) for i in bad]}")
 
 
-def _bf16(a: np.ndarray) -> np.ndarray:
-    u = np.array(a, dtype=np.float32).view(np.uint32)  # a fresh copy, rounded in place (large test arrays)
-    bias = u >> 16
-    bias &= 1
-    bias += 0x7FFF
-    u += bias  # round to nearest even on the 16 bits that go
-    u &= np.uint32(0xFFFF0000)
-    out = u.view(np.float32).astype(np.float64)
-    nan = np.isnan(a)
-    if nan.any():
-        out[nan] = np.nan
-    return out
-
-
 def rounded(a, dtype: str) -> np.ndarray:
-    """``a`` as the float64 values it takes once stored in ``dtype`` (round to nearest even)."""
+    """``a`` as the float64 values it takes once stored in ``dtype`` (round to nearest even; bfloat16
+    through ``ml_dtypes``, from float32 as the kernels round it)."""
     a = np.asarray(a, dtype=np.float64)
     if dtype == "float64":
         return a
     if dtype == "bfloat16":
-        return _bf16(a.astype(np.float32))
+        return a.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
     return a.astype(np.dtype(dtype)).astype(np.float64)
 
 

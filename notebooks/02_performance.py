@@ -15,10 +15,20 @@
 # %% [markdown]
 # # 02 · Performance: normkit and its peers on the GPU
 #
+# **Question.** How fast are normkit's kernels against Liger, torch eager, torch.compile and XLA, as a
+# share of what the memory system allows, and how much does a frozen weight speed up and shrink the
+# backward?
+#
+# **Answer** (the figures below): at the large shapes (M ≥ 8192, N ≥ 4096) normkit's kernels run near
+# the copy bandwidth, and its frozen backward is faster than its full one for every op; at the smallest
+# shapes every library's call is bound by host time, not by the kernel. The tables under the figures
+# give the medians.
+#
 # **Every figure in the first part is read from the committed benchmark results,
 # `benchmarks/results/h200.json`**, written by `benchmarks/bench.py` on an NVIDIA H200. Nothing in
-# that part is measured where this notebook runs, so the plots look the same on a laptop. The last
-# cell re-measures a few shapes on the spot, and only when a CUDA GPU is present.
+# that part is measured where this notebook runs, so the plots look the same on a laptop; each says
+# under it which device, date and commit it comes from. The last cell re-measures a few shapes on the
+# spot, and only when a CUDA GPU is present.
 #
 # Bandwidth is achieved bytes per second under the byte model of `benchmarks/bytemodel.py` (each input
 # read once, each output written once; fp32 partials not counted), and *share of copy* divides it by a
@@ -35,13 +45,13 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from _nbutil import display, ROOT, environment, notebook_size, table
+from _nbutil import ROOT, Source, display, environment, footnote, grouped_bars, notebook_size, show, table, this_run
 
 SIZE = notebook_size()
 RESULTS = Path(os.environ.get("NORMKIT_BENCH_RESULTS") or ROOT / "benchmarks" / "results" / "h200.json").resolve()
 SHOWN = RESULTS.relative_to(ROOT) if RESULTS.is_relative_to(ROOT) else RESULTS
 print(f"size: {SIZE}")
-table([environment()])
+display(table(list(environment().items()), ["component", "version or device"]))
 
 # %%
 if RESULTS.exists():
@@ -55,10 +65,13 @@ if RESULTS.exists():
           f"{len(doc.get('records', []))}; {skipped} skipped by the run's time budget, {len(errors) - skipped} errors")
     if dry:
         print("WARNING: this file comes from a --dry-run (interpreter, CPU timings): its numbers mean nothing")
+    SOURCE = Source.of(RESULTS, doc)
+    SOURCE_NOTE = "Committed results: " + SOURCE.label() + (" (dry-run: CPU timings, meaningless)" if dry else "")
+    print(SOURCE_NOTE)
     display(table([{"device": dev.get("name"), "SMs": dev.get("sms"), "copy bandwidth (TB/s)": copy.get("tbps"),
-                    **{k: ver.get(k) for k in ("torch", "triton", "jax", "liger-kernel", "git commit") if k in ver}}]))
+                    **{k: ver.get(k) for k in ("torch", "triton", "jax", "liger-kernel", "git") if k in ver}}]))
 else:
-    doc, records, copy = None, [], {}
+    doc, records, copy, SOURCE_NOTE = None, [], {}, ""
     print(f"No benchmark results are committed yet ({SHOWN} is missing): the plots below "
           "are skipped. Run benchmarks/bench.py on the GPU machine, commit the JSON and rebuild this notebook "
           "(python notebooks/build.py 02).")
@@ -78,6 +91,9 @@ LABELS = {("normkit", "kernel"): "normkit kernel", ("normkit", "e2e"): "normkit 
           ("torch_compile", "e2e"): "torch.compile", ("xla", "e2e"): "XLA jit", ("tokamax", "e2e"): "tokamax"}
 STYLE = {("normkit", "kernel"): dict(color="black", ls="--"), ("normkit", "e2e"): dict(color="black", lw=2.2),
          ("normkit_jax", "e2e"): dict(color="tab:purple", lw=1.8)}
+
+
+SHAPE_LABEL = "shape M x N (rows x hidden size)"
 
 
 def measured(r):
@@ -123,10 +139,12 @@ def grid_plot(value, ylabel, dtype, title, hline=None, logy=False):
                 ax.set_ylabel(ylabel)
             if i == len(MODES) - 1:
                 ax.set_xticks(xs, [f"{dims[s][0]}x{dims[s][1]}" for s in shapes], rotation=60, fontsize=7)
+                ax.set_xlabel(SHAPE_LABEL, fontsize=8)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 8), bbox_to_anchor=(0.5, 1.0))
-    fig.suptitle(f"{title} ({dtype}; from {RESULTS.name})", y=1.03)
+    fig.suptitle(f"{title} ({dtype})", y=1.03)
     fig.tight_layout()
+    footnote(fig, SOURCE_NOTE)
     return fig
 
 
@@ -137,9 +155,9 @@ def grid_plot(value, ylabel, dtype, title, hline=None, logy=False):
 
 # %%
 for dtype in dtypes:
-    fig = grid_plot(lambda *a: get(*a, "tbps"), "TB/s", dtype, "Achieved bandwidth", hline=copy.get("tbps"))
-    display(fig)
-    plt.close(fig)
+    fig = grid_plot(lambda *a: get(*a, "tbps"), "achieved bandwidth (TB/s)", dtype,
+                    "Achieved bandwidth per implementation (higher is better; dotted: copy)", hline=copy.get("tbps"))
+    show(fig)
 
 # %% [markdown]
 # ## Share of copy bandwidth
@@ -148,9 +166,9 @@ for dtype in dtypes:
 
 # %%
 for dtype in dtypes[:1]:
-    fig = grid_plot(lambda *a: get(*a, "pct_copy"), "% of copy", dtype, "Share of copy bandwidth", hline=100)
-    display(fig)
-    plt.close(fig)
+    fig = grid_plot(lambda *a: get(*a, "pct_copy"), "share of copy bandwidth (%)", dtype,
+                    "Share of copy bandwidth (higher is better; dotted: 100%)", hline=100)
+    show(fig)
 
 
 def median(xs):
@@ -165,10 +183,10 @@ for dtype in dtypes:
         for mode in MODES:
             row = {"dtype": dtype, "op": op, "mode": mode}
             for impl in impls:
-                row[LABELS[impl]] = median([get(op, mode, dtype, s, impl, "pct_copy") for s in large])
+                row[f"{LABELS[impl]} (% of copy)"] = median([get(op, mode, dtype, s, impl, "pct_copy") for s in large])
             share_rows.append(row)
 if large:
-    display(table(share_rows, ["dtype", "op", "mode"] + [LABELS[c] for c in impls], floatfmt=".0f"))
+    display(table(share_rows).round(0))
 
 # %% [markdown]
 # ## Frozen speedup
@@ -198,16 +216,18 @@ if records:
             ax.set_xticks(xs, [f"{dims[s][0]}x{dims[s][1]}" for s in shapes], rotation=60, fontsize=7)
             ax.grid(alpha=0.3)
             if j == 0:
-                ax.set_ylabel("full / frozen backward time")
+                ax.set_ylabel("full / frozen backward time (x)")
+            if i == len(dtypes) - 1:
+                ax.set_xlabel(SHAPE_LABEL, fontsize=8)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 8), bbox_to_anchor=(0.5, 1.0))
-    fig.suptitle(f"Frozen-weight backward speedup (from {RESULTS.name})", y=1.04)
+    fig.suptitle("Frozen-weight backward speedup (above 1: the frozen backward is faster)", y=1.04)
     fig.tight_layout()
-    display(fig)
-    plt.close(fig)
-    display(table([{"op": op, "dtype": dtype, **{LABELS[c]: median([frozen_speedup(op, None, dtype, s, c) for s in large])
-                                                 for c in impls}} for dtype in dtypes for op in ops],
-                  floatfmt=".2f"))
+    footnote(fig, SOURCE_NOTE)
+    show(fig)
+    display(table([{"op": op, "dtype": dtype,
+                    **{f"{LABELS[c]} (x)": median([frozen_speedup(op, None, dtype, s, c) for s in large]) for c in impls}}
+                   for dtype in dtypes for op in ops]).round(2))
 
 # %% [markdown]
 # ## Memory saved
@@ -236,85 +256,96 @@ if mem_impls:
         ax.set_title(f"{OP_TITLES[op]} · {dtype}", fontsize=10)
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))],
                       [f"{dims[s][0]}x{dims[s][1]}" for s in shapes], rotation=60, fontsize=7)
+        ax.set_xlabel(SHAPE_LABEL, fontsize=8)
         ax.grid(alpha=0.3, axis="y")
         if j == 0:
-            ax.set_ylabel("MiB saved (full − frozen)")
+            ax.set_ylabel("peak memory saved, full − frozen (MiB)")
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="upper center", ncol=min(len(labels), 8), bbox_to_anchor=(0.5, 1.08))
-    fig.suptitle(f"Peak memory saved by freezing, one backward (from {RESULTS.name})", y=1.14)
+    fig.suptitle(f"Peak memory saved by freezing, one backward ({dtype})", y=1.14)
     fig.tight_layout()
-    display(fig)
-    plt.close(fig)
+    footnote(fig, SOURCE_NOTE)
+    show(fig)
     partial_rows = []
     for r in records:
         extra = r.get("extra") or {}
         if r["impl"] == "normkit" and r["path"] == "kernel" and r["mode"] == "bwd_full" and "partial_bytes" in extra \
                 and r["dtype"] == dtype and measured(r):
-            partial_rows.append({"op": r["op"], "shape": f"{r['M']}x{r['N']}", "fp32 partial bytes (full)": extra["partial_bytes"],
-                                 "peak saved (normkit torch)": memory_saved(r["op"], dtype, r["shape"], ("normkit", "e2e"))})
+            saved = memory_saved(r["op"], dtype, r["shape"], ("normkit", "e2e"))
+            partial_rows.append({"op": r["op"], "shape": f"{r['M']}x{r['N']}",
+                                 "fp32 partials of the full backward (MiB)": extra["partial_bytes"] / 2**20,
+                                 "peak saved, normkit torch (MiB)": None if saved is None else saved / 2**20})
     if partial_rows:
-        display(table(partial_rows))
+        display(table(partial_rows).round(2))
 elif records:
     print("no peak-memory figures in the results")
 
 # %% [markdown]
 # ## Re-measured here (GPU only)
 # With a CUDA GPU present, this cell times normkit (Torch frontend) and torch eager RMSNorm in bf16 on
-# a few shapes, forward and both backwards, and puts the committed numbers beside them. Bytes come
-# from the committed records of the same (op, mode, dtype, shape) when present, so both columns use
-# one byte model. On CPU it does nothing: the interpreter's timings would mean nothing.
+# a few shapes, forward and both backwards, timed as the committed end-to-end records were
+# (`benchmarks.timing.Timer.loop`: back-to-back calls, input sets rotated past the L2), and puts the
+# committed numbers beside them. Bytes come from the committed records of the same (op, mode,
+# dtype, shape) when present, so both use one byte model. On CPU it does nothing: the interpreter's
+# timings would mean nothing.
 
 # %%
 import torch  # noqa: E402
 
 if torch.cuda.is_available():
-    import triton.testing
-
     import torch_frontend as tf
+    from benchmarks import bytemodel
+    from benchmarks.timing import Timer, num_sets, torch_sync
 
-    def copy_tbps(nbytes=2 * 2**30):
-        src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
-        dst = torch.empty_like(src)
-        ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=100)
-        return 2 * nbytes / (ms * 1e-3) / 1e12  # read + write
+    timer = Timer(warmup_ms=25, rep_ms=100)
 
     def bench_rms(M, N, impl):
-        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        """µs per call of the forward and both backwards, timed as bench.py's e2e records are: back-to-back
+        calls (``Timer.loop``), input sets rotated so that their sum exceeds the L2."""
+        k = num_sets(3 * M * N * 2)  # x, dy and the output, bf16
+        xs = [torch.randn(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
+        dys = [torch.randn_like(x) for x in xs]
         w = (torch.rand(N, device="cuda", dtype=torch.bfloat16) + 0.5)
-        dy = torch.randn_like(x)
         fn = (lambda x, w: tf.rms_norm(x, w, 1e-6)) if impl == "normkit" else \
             (lambda x, w: torch.nn.functional.rms_norm(x, (N,), w, 1e-6))
         out = {}
         with torch.no_grad():
-            out["fwd"] = triton.testing.do_bench(lambda: fn(x, w), warmup=25, rep=100)
+            out["fwd"] = timer.loop(lambda i: fn(xs[i % k], w), torch_sync)
         for mode, train_w in (("bwd_full", True), ("bwd_frozen", False)):
-            xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(train_w)
-            y = fn(xg, wg)
-            inputs = (xg, wg) if train_w else (xg,)
-            out[mode] = triton.testing.do_bench(lambda: torch.autograd.grad(y, inputs, dy, retain_graph=True),
-                                                warmup=25, rep=100)
-        return {k: v * 1e3 for k, v in out.items()}  # µs
+            wg = w.clone().requires_grad_(train_w)
+            xgs = [x.clone().requires_grad_(True) for x in xs]
+            ys = [fn(xg, wg) for xg in xgs]
+            wrt = [(xg, wg) if train_w else (xg,) for xg in xgs]
+            out[mode] = timer.loop(lambda i: torch.autograd.grad(ys[i % k], wrt[i % k], dys[i % k], retain_graph=True),
+                                   torch_sync)
+        return out
 
-    def model_bytes(M, N, mode):  # used only where the committed file has no record of this shape
-        s = 2
-        return {"fwd": 2 * M * N * s + N * s, "bwd_full": 3 * M * N * s + 4 * M + 2 * N * s,
-                "bwd_frozen": 3 * M * N * s + 4 * M + N * s}[mode]
-
-    here_copy = copy_tbps()
+    here_copy = timer.copy_bandwidth()["tbps"]
     print(f"copy bandwidth here: {here_copy:.2f} TB/s ({torch.cuda.get_device_name(0)})")
     check_shapes = {"smoke": [(4096, 4096)], "full": [(4096, 4096), (8192, 8192), (32768, 4096)]}[SIZE]
     rows = []
     for M, N in check_shapes:
         name = next((s for s in shapes if dims[s] == (M, N)), None)
         for impl in ("normkit", "torch_eager"):
-            times = bench_rms(M, N, impl)
-            for mode, us in times.items():
+            for mode, us in bench_rms(M, N, impl).items():
                 nbytes = (get("rms_norm", mode, "bf16", name, (impl, "e2e"), "bytes") if name else None) \
-                    or model_bytes(M, N, mode)
+                    or bytemodel.bytes_moved("rms_norm", mode, M, N, 2)  # bf16; this shape is not in the file
                 committed = get("rms_norm", mode, "bf16", name, (impl, "e2e"), "median_us") if name else None
-                rows.append({"shape": f"{M}x{N}", "impl": impl, "mode": mode, "µs here": us,
-                             "% of copy here": 100 * nbytes / (us * 1e-6) / 1e12 / here_copy,
-                             "µs committed": committed})
-    display(table(rows, floatfmt=".1f"))
+                rows.append({"shape": f"{M}x{N}", "impl": impl, "mode": mode, "here (µs)": us,
+                             "here (% of copy)": 100 * nbytes / (us * 1e-6) / 1e12 / here_copy,
+                             "committed (µs)": committed})
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    grouped_bars(ax, [f"{r['shape']}\n{r['impl']}\n{r['mode']}" for r in rows],
+                 {"here": [r["here (µs)"] for r in rows], "committed": [r["committed (µs)"] for r in rows]},
+                 colors={"here": "tab:green", "committed": "tab:gray"})
+    ax.set_ylabel("time per call (µs)")
+    ax.set_xlabel("shape, implementation and mode (RMSNorm, bf16)")
+    ax.tick_params(axis="x", labelsize=7)
+    ax.legend(ncol=2, loc="upper left")
+    ax.set_title("RMSNorm re-measured here against the committed results (lower is faster)")
+    fig.tight_layout()
+    footnote(fig, this_run(SIZE) + "\n" + SOURCE_NOTE)
+    show(fig)
+    display(table(rows).round(1))
 else:
     print("No CUDA GPU here: nothing re-measured." + (f" The figures above are read from {SHOWN}." if records else ""))

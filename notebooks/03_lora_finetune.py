@@ -15,6 +15,17 @@
 # %% [markdown]
 # # 03 · LoRA fine-tuning with normkit norms
 #
+# **Question.** What happens when normkit's norms go into a LoRA fine-tune that already runs: do the
+# losses and gradients stay as accurate as with the model's own norms, and what does it do to the step
+# time and memory?
+#
+# **Answer.** On the H200 (first figure, from the committed LoRA-step benchmarks) normkit's norms give
+# the fastest eager step of the three in every configuration, with less memory than Hugging Face's;
+# compiled, normkit's step is the fastest at 16 layers of hidden size 1024 and within 1% of Hugging
+# Face's at 4 layers of 4096 (the printed lines under the figure give the numbers). In this run's
+# training (later figures), the patched model's losses and LoRA gradients are as close to a float64
+# run as the unpatched model's, and the frozen norm weights get no gradient.
+#
 # A fine-tuner's view of the frozen-parameter backward: drop normkit into a model that is already
 # being trained, without touching its code.
 #
@@ -30,14 +41,18 @@
 
 # %%
 import copy
+import json
 import time
 import types
 import warnings
 
+import matplotlib.pyplot as plt
 import numpy as np
 import torch
+from matplotlib.ticker import MaxNLocator
 
-from _nbutil import environment, notebook_size, table
+# _nbutil first: it puts the repository on sys.path
+from _nbutil import RESULTS_DIR, Source, display, environment, footnote, grouped_bars, notebook_size, show, table, this_run
 
 import normkit
 import torch_frontend as tf
@@ -46,40 +61,98 @@ SIZE = notebook_size()
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CFG = {
     "smoke": dict(hidden=64, layers=2, heads=4, kv_heads=2, vocab=96, seq=16, batch=2, steps=4),
-    "full": dict(hidden=512, layers=4, heads=8, kv_heads=4, vocab=1024, seq=128, batch=8, steps=20),
+    "full": dict(hidden=512, layers=4, heads=8, kv_heads=4, vocab=1024, seq=128, batch=8, steps=12),
 }[SIZE]
 print(f"size: {SIZE}", CFG)
-table([environment()])
+display(table(list(environment().items()), ["component", "version or device"]))
+
+# %% [markdown]
+# ## The answer on the H200: step time and memory of a LoRA step
+#
+# From the committed LoRA-step benchmarks (`benchmarks/lora_step.py`, results
+# `benchmarks/results/lora_step_*.json`, one group of bars per model and mode; the table gives each
+# model's sequence length and batch): a random-init Llama in bf16 with PEFT LoRA (r = 16) on q/k/v/o and
+# the norm weights frozen, AdamW on the adapters. Each
+# variant changes only the norms: Hugging Face's `LlamaRMSNorm` (`hf`), Liger's `LigerRMSNorm`
+# (`liger`), `torch_frontend.patch_model` (`normkit`) and the same with the residual add fused into the
+# norm (`normkit_fused`); eager and under `torch.compile`. Step time is the median of the timed steps
+# (CUDA events); memory is the step's peak allocation above the resident model; the norms' own time is
+# their kernels' device time per step from a profile. Nothing here is measured where the notebook runs.
+
+# %%
+VARIANT_COLORS = {"hf": "tab:orange", "liger": "tab:blue", "normkit": "black", "normkit_fused": "tab:gray"}
+lora_files = sorted(RESULTS_DIR.glob("lora_step_*.json"))
+step_rows, lora_sources = [], []
+for path in lora_files:
+    doc = json.loads(path.read_text())
+    lora_sources.append(Source.of(path, doc))
+    cfg = doc["config"]
+    for r in doc["rows"]:
+        if r.get("status") != "ok":
+            continue
+        step_rows.append({"config": f"{cfg['layers']} x {cfg['hidden']}", "seq x batch": f"{cfg['seq']} x {cfg['batch']}",
+                          "mode": {"compile": "compiled"}.get(r["mode"], r["mode"]),
+                          "variant": r["variant"], "step (ms)": r["step_ms"]["median"],
+                          "step min (ms)": r["step_ms"]["min"], "step max (ms)": r["step_ms"]["max"],
+                          "step memory (GB)": r.get("step_peak_over_resident_gb"),
+                          # 0 ms "by kernel name": no normkit kernel ran (Inductor generated the frozen norm)
+                          "norm kernels (ms per step)": r.get("norm_ms") or None,
+                          "norm share of step (%)": r.get("norm_pct") or None,
+                          "norm attribution": (r.get("norm_method") or "").split(":")[0],
+                          "loss Δ vs hf eager": r.get("loss_diff_vs_hf"), "timed steps": r.get("steps")})
+STEPS = table(step_rows)
+if step_rows:
+    groups = list(dict.fromkeys(f"{r['config']}\n{r['mode']}" for r in step_rows))
+    variants = [v for v in VARIANT_COLORS if any(r["variant"] == v for r in step_rows)]
+    at = {(f"{r['config']}\n{r['mode']}", r["variant"]): r for r in step_rows}
+
+    def series(column):
+        return {v: [at.get((g, v), {}).get(column) for g in groups] for v in variants}
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    panels = [("step (ms)", "median step time (ms)", "Step time (lower is better)", "{:.1f}"),
+              ("step memory (GB)", "step peak above the model (GB)", "Memory of a step", "{:.2f}"),
+              ("norm kernels (ms per step)", "norm device time per step (ms)", "Time in the norms' kernels", "{:.2f}")]
+    for ax, (column, ylabel, title, fmt) in zip(axes, panels):
+        grouped_bars(ax, groups, series(column), colors=VARIANT_COLORS, annotate=fmt)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("model (layers x hidden size) and mode")
+        ax.legend(title="norms", fontsize=7, ncol=2, loc="upper left")
+    axes[2].text(0.98, 0.97, "no bar: no kernel is the norm's alone\n(compiled, Inductor generates the norm\n"
+                 "and fuses it with its neighbours)", transform=axes[2].transAxes, ha="right", va="top", fontsize=7)
+    devices = ", ".join(dict.fromkeys(s.device or "an unrecorded device" for s in lora_sources))
+    fig.suptitle(f"LoRA training step on the {devices}: Hugging Face, Liger and normkit norms (Llama, bf16)")
+    fig.tight_layout()
+    footnote(fig, "Committed results:\n" + "\n".join(s.label() for s in lora_sources))
+    show(fig)
+    display(STEPS.round(3))
+    for (config, mode), g in STEPS.groupby(["config", "mode"], sort=False):
+        ms = dict(zip(g["variant"], g["step (ms)"]))
+        ranked = ", ".join(f"{v} {t:.1f} ms" for v, t in sorted(ms.items(), key=lambda kv: kv[1]))
+        against = f"; normkit against hf: {100 * (ms['normkit'] / ms['hf'] - 1):+.1f}%" if {"hf", "normkit"} <= ms.keys() else ""
+        print(f"{config}, {mode}: {ranked}{against}")
+else:
+    print("No LoRA-step results are committed (benchmarks/results/lora_step_*.json): run "
+          "`bash scripts/gpu-check.sh lora` on the GPU machine and commit its JSON to draw this figure.")
 
 # %% [markdown]
 # ## Torch: a tiny Llama, LoRA, and `patch_model`
 #
-# The norm weights are set away from their init (HF starts them at 1), so a dropped weight would show.
-# One deep copy stays unpatched as the reference.
+# The model is the benchmarks' (`benchmarks.models.llama_lora`): a random-init `LlamaForCausalLM` in a
+# PEFT LoRA adapter, its norm weights drawn away from their init (HF starts them at 1) so that a dropped
+# weight would show. One deep copy stays unpatched as the reference.
 
 # %%
 warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm's note that ipywidgets is absent
-from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
+from benchmarks.models import llama_lora
 
-torch.manual_seed(0)
-config = LlamaConfig(vocab_size=CFG["vocab"], hidden_size=CFG["hidden"], intermediate_size=2 * CFG["hidden"],
-                     num_hidden_layers=CFG["layers"], num_attention_heads=CFG["heads"],
-                     num_key_value_heads=CFG["kv_heads"], max_position_embeddings=2 * CFG["seq"])
-base = LlamaForCausalLM(config)
-with torch.no_grad():
-    for name, p in base.named_parameters():
-        if "norm" in name:
-            p.copy_(torch.empty_like(p).uniform_(0.5, 1.5))
-
-with warnings.catch_warnings():
-    # peft 0.21 calls transformers' deprecated is_gradient_checkpointing; harmless here.
-    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-    # init_lora_weights=False draws B at random too (PEFT's default starts B at zero), so that every
-    # LoRA gradient, A's included, is non-zero from the first step.
-    lora_cfg = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, init_lora_weights=False,
-                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])
-    reference = get_peft_model(base, lora_cfg).to(DEVICE)
+# init_lora_weights=False draws B at random too (PEFT's default starts B at zero), so that every LoRA
+# gradient, A's included, is non-zero from the first step.
+reference, _ = llama_lora(layers=CFG["layers"], hidden=CFG["hidden"], heads=CFG["heads"], kv_heads=CFG["kv_heads"],
+                          vocab=CFG["vocab"], intermediate=2 * CFG["hidden"], max_positions=2 * CFG["seq"],
+                          device=DEVICE, seed=0, norms="hf", r=8, alpha=16, init_lora_weights=False,
+                          targets=("q_proj", "k_proj", "v_proj", "o_proj", "down_proj"))
 model = copy.deepcopy(reference)
 
 report = tf.patch_model(model)
@@ -190,10 +263,10 @@ def step_in_three(ids):
 # %%
 norms = [(n, m) for n, m in model.named_modules() if isinstance(m, tf.RMSNorm)]
 ref_modules = dict(reference.named_modules())
-table([{"module": n.removeprefix("base_model.model."), "class": type(m).__name__,
-        "eps": m.eps, "casting": m.casting_mode, "weight dtype": str(m.weight.dtype).removeprefix("torch."),
-        "requires_grad": m.weight.requires_grad,
-        "was": type(ref_modules[n]).__name__} for n, m in norms])
+display(table([{"module": n.removeprefix("base_model.model."), "class": type(m).__name__,
+                "eps": m.eps, "casting": m.casting_mode, "weight dtype": str(m.weight.dtype).removeprefix("torch."),
+                "requires_grad": m.weight.requires_grad,
+                "was": type(ref_modules[n]).__name__} for n, m in norms]))
 
 # %% [markdown]
 # ### One step, looked at closely
@@ -226,7 +299,9 @@ assert all(m.weight.grad is None for _, m in norms), "a frozen norm weight got a
 print(f"{len(rows)} LoRA gradients, error ratio: median {np.median([r['ratio'] for r in rows]):.2f}, max "
       f"{max(r['ratio'] for r in rows):.2f} (at most {CAP:g}); norm weights' .grad: "
       f"{sorted({str(m.weight.grad) for _, m in norms})}")
-table(rows[:8] + ([{"LoRA parameter": f"... {len(rows) - 8} more"}] if len(rows) > 8 else []))
+display(table(rows[:8] + ([{"LoRA parameter": f"... {len(rows) - 8} more"}] if len(rows) > 8 else []))
+        .rename(columns={"normkit err": "normkit error (L2)", "reference err": "HF error (L2)",
+                         "ratio": "error ratio normkit / HF (x)", "norm of grad": "|grad| (L2)"}))
 
 # %% [markdown]
 # The launch record of that step. The first input norm reads the frozen embeddings, so nothing
@@ -245,7 +320,7 @@ bwd = log.of("norm_bwd_kernel")
 assert len(bwd) == 2 * CFG["layers"] and not any(b.flags["COMPUTE_DW"] for b in bwd)
 assert not log.of("partial_sum_kernel")
 print("kernels:", {k: log.kernels().count(k) for k in dict.fromkeys(log.kernels())})
-table(launch_rows)
+display(table(launch_rows))
 
 # %% [markdown]
 # ### A few training steps
@@ -254,10 +329,58 @@ table(launch_rows)
 # compute the loss and the LoRA gradients on the same batch: at every step the patched model must be as
 # accurate as the unpatched one. (Two free-running trajectories would drift apart: a training loop
 # amplifies float32 rounding differences from step to step, which is a property of training, not of
-# the norm.) The table shows each step's losses and, over its LoRA gradients, the median and largest
-# error ratio; the median over all steps must be at most `TYPICAL`.
+# the norm.) The figure and the table below it show each step's losses (the *reference* is the
+# unpatched model, with HF's norms), each float32 model's loss error against float64 and, over the step's
+# LoRA gradients, the median and largest error ratio; the median over all steps must be at most `TYPICAL`.
 
 # %%
+def step_row(step, loss64, loss_ref, loss_nk, acc):
+    """One training step's losses (nats), the two float32 models' loss errors against float64, and the
+    LoRA gradients' error ratios (``acc[0]`` is the loss's ``accuracy``, the rest the gradients')."""
+    ratios = [a["ratio"] for a in acc[1:]]
+    return {"step": step, "float64 loss (nats)": loss64, "reference loss (nats)": loss_ref,
+            "normkit loss (nats)": loss_nk, "reference loss error (nats)": acc[0]["reference err"],
+            "normkit loss error (nats)": acc[0]["normkit err"], "grad error ratio: median (x)": float(np.median(ratios)),
+            "grad error ratio: max (x)": max(ratios)}
+
+
+def training_figure(steps, reference_name, title):
+    """Loss curves, loss errors against float64 and the gradients' error ratios, one step at a time."""
+    fig, (ax_l, ax_e, ax_r) = plt.subplots(1, 3, figsize=(15, 3.8))
+    x = steps["step"]
+    ax_l.plot(x, steps["float64 loss (nats)"], color="0.6", lw=4, label="float64 (exact)")
+    ax_l.plot(x, steps["reference loss (nats)"], color="tab:orange", marker="o", ms=4, label=reference_name)
+    ax_l.plot(x, steps["normkit loss (nats)"], color="black", ls="--", marker="x", ms=5, label="normkit norms")
+    ax_l.set_ylabel("cross-entropy loss (nats)")
+    ax_l.set_title("Loss per step (the curves overlap)", fontsize=10)
+    floor = EPS32 * steps["float64 loss (nats)"].abs().min()  # float32's resolution at this loss
+    ax_e.plot(x, steps["reference loss error (nats)"].clip(lower=floor / 10), color="tab:orange", marker="o", ms=4,
+              label=reference_name)
+    ax_e.plot(x, steps["normkit loss error (nats)"].clip(lower=floor / 10), color="black", ls="--", marker="x", ms=5,
+              label="normkit norms")
+    ax_e.axhline(floor, color="0.5", lw=0.8, ls=":", label="eps32 x loss (float32's resolution)")
+    ax_e.set_yscale("log")
+    ax_e.set_ylabel("|loss − float64 loss| (nats)")
+    ax_e.set_title("Loss error against float64 (lower is closer)", fontsize=10)
+    ax_r.plot(x, steps["grad error ratio: median (x)"], color="black", marker="o", ms=4, label="median over the LoRA grads")
+    ax_r.plot(x, steps["grad error ratio: max (x)"], color="tab:red", marker="^", ms=4, label="largest")
+    ax_r.axhline(TYPICAL, color="black", lw=0.8, ls="--", label=f"TYPICAL = {TYPICAL:g} (the run's median)")
+    ax_r.axhline(CAP, color="tab:red", lw=0.8, ls="--", label=f"CAP = {CAP:g} (every gradient)")
+    ax_r.set_yscale("log")
+    ax_r.set_ylabel("normkit's gradient error / reference's (x)")
+    ax_r.set_title("LoRA gradients: error ratio (1 = as accurate)", fontsize=10)
+    for ax in (ax_l, ax_e, ax_r):
+        ax.set_xlabel("training step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    footnote(fig, this_run(SIZE, "trained in this run") + ".\nLosses and errors are arithmetic, not speed: "
+             "they mean the same at any size and on any device.")
+    return fig
+
+
 gen.manual_seed(2)
 batches = [batch() for _ in range(CFG["steps"])]
 
@@ -278,13 +401,12 @@ for step, ids in enumerate(batches):
     acc = [accuracy(f"step {step}: loss", loss_nk, loss_hf, loss_64)]
     acc += [accuracy(f"step {step}: grad {name}", g_nk[name], g_hf[name], g_64[name]) for name in g_64]
     compared += acc[1:]
-    rows.append({"step": step, "float64 loss": loss_64, "unpatched loss": loss_hf, "patched loss": loss_nk,
-                 "loss err: unpatched": acc[0]["reference err"], "loss err: patched": acc[0]["normkit err"],
-                 "grad err ratio: median": float(np.median([a["ratio"] for a in acc[1:]])),
-                 "grad err ratio: max": max(a["ratio"] for a in acc[1:])})
+    rows.append(step_row(step, loss_64, loss_hf, loss_nk, acc))
     opt.step()
     reference.zero_grad(set_to_none=True)
-table(rows, floatfmt=".6g")
+TORCH_STEPS = table(rows)
+show(training_figure(TORCH_STEPS, "HF norms (unpatched)", "Torch: a tiny Llama with LoRA, HF norms against normkit's"))
+display(TORCH_STEPS)
 
 # %%
 # Random tokens: each batch's loss is noise around ln(vocab); the mean over the training batches shows
@@ -341,7 +463,7 @@ import jax_frontend as nk
 jax.config.update("jax_default_matmul_precision", "highest")
 
 JCFG = {"smoke": dict(d=64, heads=4, vocab=96, seq=16, batch=2, rank=4, steps=4),
-        "full": dict(d=512, heads=8, vocab=1024, seq=128, batch=8, rank=8, steps=20)}[SIZE]
+        "full": dict(d=512, heads=8, vocab=1024, seq=128, batch=8, rank=8, steps=12)}[SIZE]
 EPS = 1e-6
 
 
@@ -423,7 +545,8 @@ print("parameter tree:", jax.tree.map(lambda a: a.shape, params0))
 # %% [markdown]
 # Train the normkit model. At every step, before the update, the reference computes the same loss and
 # gradients from the same parameters, in float32 and in float64. The first call of the normkit step is
-# traced and compiled, and that is when its launches are recorded.
+# traced and compiled, and that is when its launches are recorded. In the figure and table, the
+# *reference* is the same model with plain `jnp` norms.
 
 # %%
 _ref_grad = jax.jit(jax.value_and_grad(lambda params, ids: loss_fn(params, ids, REF_NORMS)))
@@ -453,11 +576,10 @@ with normkit.record_launches() as jlog:
         g_nk, g32, g64 = lora_leaves(grads), lora_leaves(g32), lora_leaves(g64)
         acc += [accuracy(f"step {i}: grad {name}", g_nk[name], g32[name], g64[name]) for name in g64]
         jcompared += acc[1:]
-        rows.append({"step": i, "float64 loss": loss64, "jnp reference loss": loss32, "normkit loss": float(loss),
-                     "loss err: reference": acc[0]["reference err"], "loss err: normkit": acc[0]["normkit err"],
-                     "grad err ratio: median": float(np.median([a["ratio"] for a in acc[1:]])),
-                     "grad err ratio: max": max(a["ratio"] for a in acc[1:])})
-table(rows, floatfmt=".6g")
+        rows.append(step_row(i, loss64, loss32, float(loss), acc))
+JAX_STEPS = table(rows)
+show(training_figure(JAX_STEPS, "plain jnp norms", "JAX: a transformer block with LoRA, jnp norms against normkit's"))
+display(JAX_STEPS)
 
 # %%
 # Frozen leaves: zero gradients (symbolic zeros, instantiated) and, after training, unchanged values.
@@ -468,8 +590,10 @@ median = typical(f"{JCFG['steps']} steps", jcompared)
 print(f"{JCFG['steps']} steps x {len(g64)} LoRA gradients: normkit's float32 error / the jnp reference's: median "
       f"{median:.2f} (at most {TYPICAL:g}), max {max(a['ratio'] for a in jcompared):.2f} (at most {CAP:g}); "
       "frozen leaves have zero gradients and did not move")
-table([{"LoRA leaf": name, "norm of grad": float(np.linalg.norm(g64[name])),
-        **accuracy(name, g_nk[name], g32[name], g64[name])} for name in g64])
+display(table([{"LoRA leaf": name, "|grad| (L2)": float(np.linalg.norm(g64[name])),
+                **accuracy(name, g_nk[name], g32[name], g64[name])} for name in g64])
+        .rename(columns={"normkit err": "normkit error (L2)", "reference err": "jnp error (L2)",
+                         "ratio": "error ratio normkit / jnp (x)"}))
 
 # %% [markdown]
 # The norm launches of the normkit model's training step. The attention norm reads the frozen
@@ -487,4 +611,4 @@ jrows = [{"kernel": l.kernel, "frontend": l.frontend, "N": l.flags["N"], "STORE_
 jbwd = jlog.of("norm_bwd_kernel")
 assert len(jbwd) == 2 and all(b.flags["COMPUTE_DX"] and not b.flags["COMPUTE_DW"] for b in jbwd)
 assert not jlog.of("partial_sum_kernel")
-table(jrows)
+display(table(jrows))

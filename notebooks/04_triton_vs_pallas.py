@@ -15,6 +15,18 @@
 # %% [markdown]
 # # 04 · One op, four ways: Triton, Triton from Torch, Pallas, XLA
 #
+# **Question.** The JAX frontend has three implementations of each op (`implementation="triton"`,
+# `"pallas"`, `"xla"`). How close does each come to the memory bandwidth on the H200, how much does a
+# frozen weight save in each, and do they compute the same numbers?
+#
+# **Answer.** On the H200 (first figures, from the committed device-time results) Triton and Pallas
+# run near the copy bandwidth in every mode and, in the backward, well above XLA and plain `jnp` under
+# autodiff; Triton leads Pallas in most cases (the numbers are printed under the figure). A frozen
+# weight saves backward time in nearly every implementation and case; XLA saves the largest share,
+# because its full backward is the slowest. All four columns agree with the float64 reference within
+# the tolerances, and Triton through JAX is bitwise equal to Triton through Torch (asserted below, in
+# this run).
+#
 # The JAX frontend runs every op through one `jax.custom_vjp` (so one set of frozen semantics) over
 # a choice of kernels, picked with `implementation=`. This notebook runs the same ops — RMSNorm,
 # LayerNorm and the fused residual-add + RMSNorm, forward, full backward and frozen backward (weight
@@ -49,12 +61,15 @@
 import html
 import importlib.util
 import inspect
+import json
 import os
 import warnings
 
+import matplotlib.pyplot as plt
 import numpy as np
 
-from _nbutil import display, environment, notebook_size, table  # first: puts the repository on sys.path
+# _nbutil first: it puts the repository on sys.path
+from _nbutil import RESULTS_DIR, Source, display, environment, footnote, grouped_bars, notebook_size, show, table, this_run
 
 import jax
 import jax.numpy as jnp
@@ -62,8 +77,9 @@ import jax.numpy as jnp
 import jax_frontend as nk
 import normkit
 from benchmarks import bytemodel
-from benchmarks.timing import DryTimer, num_sets
+from benchmarks.timing import Timer, num_sets
 from normkit.ops import OPS
+from normkit.shapes import parse as parse_shape
 from normkit.testing import TOLERANCES, assert_close, random_inputs
 
 # jax 0.11 warns at every Pallas-Triton lowering that the backend is deprecated (see above): expected here.
@@ -76,12 +92,13 @@ try:
 except ImportError:  # _nbutil asks torch whether CUDA is there; without torch, ask JAX
     SIZE = os.environ.get("NORMKIT_NOTEBOOK_SIZE") or ("full" if ON_GPU else "smoke")
 # Accuracy runs on M x N, timing on TM x TN. smoke: tiny (the interpreters are slow). full: accuracy on
-# 1024 x 8192 (the float64 reference and the comparisons run on the host), timing on 8192 x 8192 (one
+# 512 x 8192 (the float64 reference and the comparisons run on the host), timing on 8192 x 8192 (one
 # bf16 array is 128 MiB: large enough that a call's time is the memory traffic, not the dispatch). The
 # same N lets the Triton columns reuse their compiled kernels (M is not specialized on).
-M, N = {"smoke": (64, 256), "full": (1024, 8192)}[SIZE]
+M, N = {"smoke": (64, 256), "full": (512, 8192)}[SIZE]
 TM, TN = {"smoke": (64, 256), "full": (8192, 8192)}[SIZE]
-DTYPES = ["bfloat16", "float32"]
+# smoke: bf16 only (the interpreters are slow; tests/test_jax_implementations.py covers fp32 on CPU)
+DTYPES = {"smoke": ["bfloat16"], "full": ["bfloat16", "float32"]}[SIZE]
 SHORT = {"bfloat16": "bf16", "float32": "fp32"}
 JAX_DT = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 VARIANTS = ["full", "frozen"]  # full: every input trained; frozen: weight and bias frozen
@@ -90,7 +107,135 @@ try:
     info = environment()
 except ImportError:  # environment() reports torch's and Triton's versions too
     info = {"jax": jax.__version__, "jax devices": ", ".join(sorted({d.platform for d in jax.devices()}))}
-table([info])
+display(table(list(info.items()), ["component", "version or device"]))
+
+# %% [markdown]
+# ## The answer on the H200: share of copy bandwidth, and what freezing saves
+#
+# From the committed device-time results (`benchmarks/device_time.py`, in
+# `benchmarks/results/device_time/`): each call is built as `benchmarks/bench.py` builds it (a jitted
+# forward; the backward as the vjp function of a separately jitted forward), traced with
+# `jax.profiler`, and its **device busy time** (the sum of its GPU events) is turned into bandwidth under
+# `benchmarks/bytemodel.py` (each input read once, each output written once) and divided by an XLA
+# device copy's bandwidth traced the same way. `jnp` is a plain `jax.numpy` norm under JAX's own
+# autodiff (no `custom_vjp`), the baseline a JAX user starts from. For each dtype, the figure uses the
+# file with the most measurements (one sweep, not a mix of runs). Nothing here is measured where the
+# notebook runs.
+
+# %%
+IMPL_LABELS = {"triton": "triton", "pallas": "pallas", "xla": "xla (normkit custom_vjp)", "jnp": "jnp (JAX autodiff)"}
+IMPL_COLORS = {"triton": "black", "pallas": "tab:green", "xla": "tab:red", "jnp": "tab:gray"}
+MODES = ["fwd", "bwd_full", "bwd_frozen"]
+OP_TITLES = {"rms_norm": "RMSNorm", "layer_norm": "LayerNorm", "fused_add_rms_norm": "add+RMSNorm"}
+
+
+def load_device_time(directory=RESULTS_DIR / "device_time"):
+    """{dtype: (Source, [records])}: per dtype, the file with the most error-free records."""
+    best = {}
+    for path in sorted(directory.glob("*.json")):
+        doc = json.loads(path.read_text())
+        if doc.get("dry_run") or not str(doc.get("schema", "")).startswith("normkit-device-time"):
+            continue
+        for dtype in {r["dtype"] for r in doc["records"]}:
+            recs = [r for r in doc["records"] if r["dtype"] == dtype and not r.get("error") and r.get("pct_copy_device")]
+            if len(recs) > len(best.get(dtype, (None, []))[1]):
+                best[dtype] = (Source.of(path, doc), recs)
+    return best
+
+
+DEVICE_TIME = load_device_time()
+dt_rows = [{"dtype": dtype, "shape": r["shape"], "op": r["op"], "mode": r["mode"], "impl": r["impl"],
+            "device busy (µs)": r["device_busy_us"], "wall (µs)": r["wall_us"],
+            "device bandwidth (% of copy)": r["pct_copy_device"]}
+           for dtype, (_, recs) in DEVICE_TIME.items() for r in recs]
+DT = table(dt_rows)
+DT_SOURCES = {dtype: f"{dtype}: {src.label()}" for dtype, (src, _) in DEVICE_TIME.items()}
+for dtype, (src, recs) in DEVICE_TIME.items():
+    print(f"{len(recs)} records, {DT_SOURCES[dtype]}")
+
+
+def shapes_of(dtype):
+    return sorted(set(DT[DT["dtype"] == dtype]["shape"]), key=parse_shape)
+
+
+if "bf16" in DEVICE_TIME:
+    shapes_bf16 = shapes_of("bf16")
+    impls = [i for i in IMPL_LABELS if i in set(DT["impl"])]
+    fig, axes = plt.subplots(len(OPS), len(shapes_bf16), figsize=(4.6 * len(shapes_bf16), 3.1 * len(OPS)),
+                             squeeze=False, sharey=True)
+    for i, op in enumerate(OPS):
+        for j, shape in enumerate(shapes_bf16):
+            ax = axes[i][j]
+            cell = DT[(DT["dtype"] == "bf16") & (DT["shape"] == shape) & (DT["op"] == op)].set_index(["impl", "mode"])
+            pct = cell["device bandwidth (% of copy)"]
+            grouped_bars(ax, MODES, {IMPL_LABELS[k]: [pct.get((k, m)) for m in MODES] for k in impls},
+                         colors={IMPL_LABELS[k]: IMPL_COLORS[k] for k in impls}, annotate="{:.0f}", headroom=1.0)
+            ax.axhline(100, color="0.4", lw=0.8, ls=":")
+            ax.set_ylim(0, 125)
+            ax.set_title(f"{OP_TITLES[op]} · {shape.replace('x', ' x ')}", fontsize=10)
+            if j == 0:
+                ax.set_ylabel("device bandwidth (% of copy)")
+            if i == len(OPS) - 1:
+                ax.set_xlabel("mode")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(labels), bbox_to_anchor=(0.5, 1.0))
+    fig.suptitle("Share of copy bandwidth per implementation, bf16 (higher is better; dotted: a copy)", y=1.03)
+    fig.tight_layout()
+    footnote(fig, "Committed results, " + DT_SOURCES["bf16"])
+    show(fig)
+    pct = DT[DT["dtype"] == "bf16"].pivot_table(index=["shape", "op", "mode"], columns="impl",
+                                                values="device bandwidth (% of copy)")
+    for k in impls:
+        print(f"bf16, {IMPL_LABELS[k]}: {pct[k].min():.0f} to {pct[k].max():.0f}% of copy (median {pct[k].median():.0f}%)")
+    if {"triton", "pallas"} <= set(pct.columns):
+        print(f"triton ahead of pallas in {int((pct['triton'] > pct['pallas']).sum())} of {len(pct)} bf16 cases")
+
+if dt_rows:
+    dtypes_dt = [d for d in ("bf16", "fp32") if d in DEVICE_TIME]
+    ncols = max(len(shapes_of(d)) for d in dtypes_dt)
+    fig, axes = plt.subplots(len(dtypes_dt), ncols, figsize=(4.6 * ncols, 3.2 * len(dtypes_dt)), squeeze=False,
+                             sharey=True)
+    saving_dt = []
+    for i, dtype in enumerate(dtypes_dt):
+        for j in range(ncols):
+            ax = axes[i][j]
+            if j >= len(shapes_of(dtype)):
+                ax.axis("off")
+                continue
+            shape = shapes_of(dtype)[j]
+            cell = DT[(DT["dtype"] == dtype) & (DT["shape"] == shape)].set_index(["impl", "op", "mode"])["device busy (µs)"]
+            impls = [k for k in IMPL_LABELS if any(key[0] == k for key in cell.index)]
+            saved = {}
+            for k in impls:
+                saved[k] = []
+                for op in OPS:
+                    full, frozen = cell.get((k, op, "bwd_full")), cell.get((k, op, "bwd_frozen"))
+                    pct = None if not (full and frozen) else 100 * (1 - frozen / full)
+                    saved[k].append(pct)
+                    saving_dt.append({"dtype": dtype, "shape": shape, "op": op, "impl": k, "full backward (µs)": full,
+                                      "frozen backward (µs)": frozen, "saved by freezing (%)": pct})
+            grouped_bars(ax, [OP_TITLES[op] for op in OPS], {IMPL_LABELS[k]: v for k, v in saved.items()},
+                         colors={IMPL_LABELS[k]: IMPL_COLORS[k] for k in impls}, annotate="{:.0f}", headroom=1.0)
+            ax.axhline(0, color="black", lw=0.6)
+            ax.set_title(f"{dtype} · {shape.replace('x', ' x ')}", fontsize=10)
+            if j == 0:
+                ax.set_ylabel("backward device time saved\nby a frozen weight (%)")
+    top = max((r["saved by freezing (%)"] or 0) for r in saving_dt)
+    for ax in axes.flat:
+        ax.set_ylim(min(0, *(r["saved by freezing (%)"] or 0 for r in saving_dt)) - 5, top * 1.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(labels), bbox_to_anchor=(0.5, 1.0))
+    fig.suptitle("Frozen against full backward: device time saved per implementation (higher saves more)", y=1.04)
+    fig.tight_layout()
+    footnote(fig, "Committed results:\n" + "\n".join(DT_SOURCES.values()))
+    show(fig)
+    display(DT.pivot_table(index=["dtype", "shape", "op", "mode"], columns="impl",
+                           values="device bandwidth (% of copy)", sort=False).round(0)
+            .rename(columns=lambda k: f"{k} (% of copy)"))
+    display(table(saving_dt).round(1))
+else:
+    print("No device-time results are committed (benchmarks/results/device_time/*.json): run "
+          "`bash scripts/gpu-check.sh device-time` on the GPU machine and commit its JSON to draw these figures.")
 
 # %% [markdown]
 # ## Which columns can run here
@@ -129,8 +274,8 @@ for col, why in SKIPPED.items():
 if not ON_GPU:
     print("No GPU for JAX: the Triton columns run in Triton's interpreter and Pallas in interpret mode.")
 BASE = next(c for c in ("triton (jax)", "pallas", "xla") if c in COLUMNS)  # the column others are compared with
-table([{"column": c, "runs": "yes" if c in COLUMNS else "skipped", "how": HOW[c], "why skipped": SKIPPED.get(c)}
-       for c in HOW])
+display(table([{"column": c, "runs": "yes" if c in COLUMNS else "skipped", "how": HOW[c], "why skipped": SKIPPED.get(c)}
+               for c in HOW]))
 
 # %% [markdown]
 # ## The code, side by side
@@ -330,7 +475,7 @@ for op in OPS.values():
                                     "backward launches": " → ".join(e.kernel for e in log
                                                                     if e.kernel not in ("norm_fwd_kernel", "xla_norm_fwd")),
                                     "DW": launch.flags["COMPUTE_DW"], "DB": launch.flags["COMPUTE_DB"],
-                                    "fp32 partial bytes": launch.partial_bytes, "interpreted": launch.interpreted})
+                                    "fp32 partials (bytes)": launch.partial_bytes, "interpreted": launch.interpreted})
 print(f"{len(AGREE)} runs checked: {len(COLUMNS)} columns x {len(OPS)} ops x {len(DTYPES)} dtypes x "
       f"{len(VARIANTS)} variants; all within tolerance, all gradients bitwise equal across two runs")
 
@@ -340,7 +485,8 @@ print(f"{len(AGREE)} runs checked: {len(COLUMNS)} columns x {len(OPS)} ops x {le
 
 # %%
 TOL_COLUMNS = ["y", "residual_out", "dx", "dresidual", "dweight", "dbias", "2 runs bitwise equal"]
-table(AGREE, ["column", "op", "dtype", "variant"] + TOL_COLUMNS, floatfmt=".2f")
+display(table(AGREE, ["column", "op", "dtype", "variant"] + TOL_COLUMNS)
+        .rename(columns={k: f"{k} (share of tolerance)" for k in TOL_COLUMNS[:-1]}))
 
 # %% [markdown]
 # ### Against each other
@@ -369,7 +515,30 @@ for (col, name, dtype, variant), (outs, grads) in RESULTS.items():
     CROSS.append(row)
     if {col, BASE} == {"triton (torch)", "triton (jax)"} and ON_GPU == (TORCH_DEVICE.type == "cuda"):
         assert same == n, f"triton through torch and through jax differ: {row}"
-table(CROSS, ["column", "vs", "op", "dtype", "variant"] + TOL_COLUMNS[:-1] + ["bitwise equal"], floatfmt=".3g")
+CROSS_TABLE = table(CROSS, ["column", "vs", "op", "dtype", "variant"] + TOL_COLUMNS[:-1] + ["bitwise equal"])
+cross_cols = [k for k in TOL_COLUMNS[:-1] if k in CROSS_TABLE]
+CROSS_TABLE["largest difference (ulps)"] = CROSS_TABLE[cross_cols].max(axis=1)
+if CROSS:
+    others = [c for c in COLUMNS if c != BASE]
+    groups = [f"{OP_TITLES[op]}\n{SHORT[dt]}" for op in OPS for dt in DTYPES]
+    fig, axes = plt.subplots(1, len(VARIANTS), figsize=(13, 3.8), sharey=True)
+    for ax, variant in zip(axes, VARIANTS):
+        sel = CROSS_TABLE[CROSS_TABLE["variant"] == variant].set_index(["column", "op", "dtype"])["largest difference (ulps)"]
+        grouped_bars(ax, groups, {c: [sel.get((c, op, dt)) for op in OPS for dt in DTYPES] for c in others},
+                     colors={"triton (torch)": "tab:blue", "pallas": "tab:green", "xla": "tab:red"})
+        ax.set_yscale("symlog", linthresh=1)
+        ax.set_ylim(0, 1e3)
+        ax.set_title(f"{variant} backward", fontsize=10)
+        ax.set_xlabel("op and dtype")
+        ax.tick_params(axis="x", labelsize=8)
+        ax.legend(title=f"against {BASE}", fontsize=7, ncol=3, loc="upper center")
+    axes[0].set_ylabel("largest difference of y and the gradients\n(ulps of the dtype; 0 = bitwise equal)")
+    fig.suptitle(f"The implementations against {BASE}, at {M} x {N}")
+    fig.tight_layout()
+    footnote(fig, this_run(SIZE, "computed in this run") + ".\nDifferences are arithmetic, not speed; every "
+             "column is within the float64 reference's tolerance (asserted above).")
+    show(fig)
+display(CROSS_TABLE.rename(columns={k: f"{k} (ulps)" for k in cross_cols} | {"bitwise equal": "bitwise equal (arrays)"}))
 
 # %% [markdown]
 # ## What freezing changes in the backward
@@ -379,44 +548,38 @@ table(CROSS, ["column", "vs", "op", "dtype", "variant"] + TOL_COLUMNS[:-1] + ["b
 # every implementation skips dW/dB; Triton and Pallas also skip the partial buffer and the reduction.
 
 # %%
-table([r for r in LAUNCH_ROWS if r["dtype"] == "bfloat16"],
-      ["column", "op", "variant", "implementation", "backward launches", "DW", "DB", "fp32 partial bytes",
-       "interpreted"])
+display(table([r for r in LAUNCH_ROWS if r["dtype"] == "bfloat16"],
+              ["column", "op", "variant", "implementation", "backward launches", "DW", "DB", "fp32 partials (bytes)",
+               "interpreted"]))
 
 # %% [markdown]
 # ## Time, bandwidth and frozen savings
 #
 # Each column is timed the same way, end to end as a network calls it: the forward under `jax.jit`
 # (Torch: under `no_grad`), the backward as the vjp function of a separately jitted forward (Torch:
-# `autograd.grad` of a saved graph). On a GPU: `benchmarks.timing.GpuTimer.loop` (back-to-back calls,
-# one sync per batch, median over batches), input sets rotated past the L2 as `benchmarks/bench.py`
+# `autograd.grad` of a saved graph). On a GPU: `benchmarks.timing.Timer.loop` (blocks of back-to-back
+# calls, one sync per block, median over blocks), input sets rotated past the L2 as `benchmarks/bench.py`
 # does, and % of copy = the byte model's bytes (`benchmarks/bytemodel.py`: each input read once, each
 # output written once; fp32 partials not counted) per second over a device-to-device copy's bandwidth
-# measured here. On CPU: the median of three wall-clock calls (`benchmarks.timing.DryTimer`).
+# measured here (`Timer.copy_bandwidth`). On CPU: `Timer(dry=True)`, one wall-clock call after two
+# warm-up calls, bf16 only: it runs the code path and says nothing about speed.
 
 # %%
 GPU_TIMING = ON_GPU
 COPY = None
+timer = Timer(warmup_ms=5, rep_ms=50, dry=not GPU_TIMING)
 if ON_GPU and HAVE_TORCH and torch.cuda.is_available():
-    from benchmarks.timing import GpuTimer
-
-    timer = GpuTimer(warmup_ms=5, rep_ms=50)
     COPY = timer.copy_bandwidth()
     print(f"copy bandwidth: {COPY['tbps']:.2f} TB/s ({COPY['what']})")
-elif ON_GPU:  # GpuTimer and the copy benchmark use torch: time the same way without them, and no % of copy
-    from benchmarks import timing
-
-    class _Timer:
-        def loop(self, call, sync):
-            return timing._loop(call, sync, 5.0, 50.0, 5)
-
-    timer = _Timer()
+elif ON_GPU:
     print("no torch with CUDA here: no copy-bandwidth measurement, so no % of copy below")
 else:
-    timer = DryTimer(reps=3)
     print("CPU: the times below mean NOTHING about GPU performance (Triton and Pallas run in interpreters "
-          "here; wall clock, median of 3 calls). % of copy is shown on a GPU only.")
-MODES = ["fwd", "bwd_full", "bwd_frozen"]
+          "here; wall clock of one call, bf16 only). % of copy is shown on a GPU only.")
+TIME_DTYPES = DTYPES if GPU_TIMING else DTYPES[:1]
+if not HAVE_TORCH:  # benchmarks.timing times calls through torch.utils.benchmark
+    TIME_DTYPES = []
+    print("torch is not installed: nothing is timed here (benchmarks.timing needs torch)")
 
 
 def jax_sets(op, dtype, k, seed=0):
@@ -475,7 +638,7 @@ def time_torch(op, dtype, mode, k):
 
 TIMES = {}
 for op in OPS.values():
-    for dtype in DTYPES:
+    for dtype in TIME_DTYPES:
         item = {"bfloat16": 2, "float32": 4}[dtype]
         k = num_sets((4 if op.has_residual else 2) * TM * TN * item) if GPU_TIMING else 1
         for col in COLUMNS:
@@ -496,33 +659,68 @@ def pct_copy(op, dtype, mode, us):
 
 rows = []
 for (col, name, dtype, mode), us in TIMES.items():
-    rows.append({"op": name, "dtype": SHORT[dtype], "mode": mode, "column": col, "µs": us,
-                 "% of copy": pct_copy(name, dtype, mode, us),
-                 f"÷ {BASE}": us / TIMES[BASE, name, dtype, mode]})
+    rows.append({"op": name, "dtype": SHORT[dtype], "mode": mode, "column": col, "time (µs)": us,
+                 "bandwidth (% of copy)": pct_copy(name, dtype, mode, us),
+                 f"time / {BASE} (x)": us / TIMES[BASE, name, dtype, mode]})
 rows.sort(key=lambda r: (list(OPS).index(r["op"]), r["dtype"], MODES.index(r["mode"]), COLUMNS.index(r["column"])))
-table(rows, floatfmt=".3g")
+HERE = table(rows)
+
+saving_rows = []
+for op in OPS.values():
+    for dtype in TIME_DTYPES:
+        item = {"bfloat16": 2, "float32": 4}[dtype]
+        for col in COLUMNS:
+            full, frozen = TIMES[col, op.name, dtype, "bwd_full"], TIMES[col, op.name, dtype, "bwd_frozen"]
+            saving_rows.append({"op": op.name, "dtype": SHORT[dtype], "column": col, "full backward (µs)": full,
+                                "frozen backward (µs)": frozen, "saved by freezing (%)": 100 * (1 - frozen / full),
+                                "byte model: dW/dB bytes saved (bytes)":
+                                    bytemodel.bytes_moved(op.name, "bwd_full", TM, TN, item)
+                                    - bytemodel.bytes_moved(op.name, "bwd_frozen", TM, TN, item)})
+SAVED_HERE = table(saving_rows)
+
+if TIMES:
+    COLUMN_COLORS = {"triton (jax)": "black", "triton (torch)": "tab:blue", "pallas": "tab:green", "xla": "tab:red"}
+    fig, (ax_b, ax_s) = plt.subplots(1, 2, figsize=(15, 4), gridspec_kw={"width_ratios": [3, 2]})
+    value = "bandwidth (% of copy)" if COPY else "time (µs)"
+    cell = HERE[HERE["dtype"] == "bf16"].set_index(["column", "op", "mode"])[value]
+    if not COPY:
+        ax_b.set_yscale("log")
+    grouped_bars(ax_b, [f"{OP_TITLES[op]}\n{mode}" for op in OPS for mode in MODES],
+                 {c: [cell.get((c, op, mode)) for op in OPS for mode in MODES] for c in COLUMNS}, colors=COLUMN_COLORS)
+    ax_b.set_ylabel("bandwidth (% of copy)" if COPY else "wall time per call (µs)")
+    ax_b.set_title("bf16, " + ("higher is better" if COPY else "interpreter wall clock: says nothing about speed"),
+                   fontsize=10)
+    if COPY:
+        ax_b.axhline(100, color="0.4", lw=0.8, ls=":")
+    ax_b.set_xlabel("op and mode")
+    ax_b.tick_params(axis="x", labelsize=7)
+    cell = SAVED_HERE.set_index(["column", "op", "dtype"])["saved by freezing (%)"]
+    grouped_bars(ax_s, [f"{OP_TITLES[op]}\n{SHORT[dt]}" for op in OPS for dt in TIME_DTYPES],
+                 {c: [cell.get((c, op, SHORT[dt])) for op in OPS for dt in TIME_DTYPES] for c in COLUMNS},
+                 colors=COLUMN_COLORS)
+    ax_s.axhline(0, color="black", lw=0.6)
+    ax_s.set_ylabel("backward time saved by freezing (%)")
+    ax_s.set_title("Frozen against full backward" + ("" if COPY else ", interpreter wall clock"), fontsize=10)
+    ax_s.set_xlabel("op and dtype")
+    ax_s.tick_params(axis="x", labelsize=7)
+    handles, labels = ax_b.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(labels), bbox_to_anchor=(0.5, 1.0))
+    fig.suptitle(f"The {len(COLUMNS)} columns timed in this run, {TM} x {TN}", y=1.06)
+    fig.tight_layout()
+    footnote(fig, this_run(SIZE, "timed in this run") + ("" if COPY else ".\nThe answer on the GPU is the first "
+                                                           "figures, from the committed device-time results."))
+    show(fig)
+display(HERE)
 
 # %% [markdown]
 # ### Frozen vs full backward
 #
-# Time of the frozen backward over the full one, per column (`saved` = 1 − frozen / full), and the
+# Time of the frozen backward against the full one, per column (`saved` = 1 − frozen / full), and the
 # byte model's difference (the dW/dB writes only: the fp32 partials the full backward also writes and
 # reads back are not in the model, see the launch records above for their size).
 
 # %%
-saving_rows = []
-for op in OPS.values():
-    for dtype in DTYPES:
-        item = {"bfloat16": 2, "float32": 4}[dtype]
-        row = {"op": op.name, "dtype": SHORT[dtype],
-               "model bytes saved": bytemodel.bytes_moved(op.name, "bwd_full", TM, TN, item)
-               - bytemodel.bytes_moved(op.name, "bwd_frozen", TM, TN, item)}
-        for col in COLUMNS:
-            full, frozen = TIMES[col, op.name, dtype, "bwd_full"], TIMES[col, op.name, dtype, "bwd_frozen"]
-            row[f"{col}: full → frozen µs"] = f"{full:.4g} → {frozen:.4g}"
-            row[f"{col}: saved"] = f"{1 - frozen / full:.0%}"
-        saving_rows.append(row)
-table(saving_rows)
+display(SAVED_HERE)
 
 # %% [markdown]
 # Reading the GPU numbers: Triton through JAX and through Torch are the same kernels on the same grids,

@@ -1,13 +1,16 @@
-"""Regenerate the executed notebooks from their jupytext sources.
+"""Execute the notebooks from their jupytext sources and save them with their outputs.
 
-    python notebooks/build.py                  # every notebooks/NN_*.py -> NN_*.ipynb, size chosen by the machine
-    python notebooks/build.py --size full 02   # one notebook, full size (run on the GPU machine)
-    python notebooks/build.py --check          # execute at smoke size without writing anything
+    python notebooks/build.py                     # every notebooks/NN_*.py -> NN_*.ipynb, size chosen by the machine
+    python notebooks/build.py 01                  # one notebook (a name prefix), written with its outputs
+    python notebooks/build.py --size full 02 04   # full size (on a GPU); --size smoke on a CPU
+    python notebooks/build.py --check             # execute every notebook at smoke size, write nothing
 
 The ``.py`` (py:percent) file is the source; the ``.ipynb`` beside it is written with outputs so tables
-and plots show wherever the repository is viewed. Kernels are the current interpreter's ``python3``
+and figures show wherever the repository is viewed. Kernels are the current interpreter's ``python3``
 (jupyter_client maps its ``python`` to ``sys.executable``), started in notebooks/ with the repository
-root on PYTHONPATH and ``NORMKIT_NOTEBOOK_SIZE`` set when a size is given.
+root on PYTHONPATH and ``NORMKIT_NOTEBOOK_SIZE`` set when a size is given. Each notebook's time is
+printed; a notebook that fails is reported (with its failing cell) and not written, and the others
+still run; the exit status is 1 if any failed.
 """
 from __future__ import annotations
 
@@ -61,24 +64,37 @@ def execute(source: Path, size: str | None = None, timeout: int = 600):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("names", nargs="*", help="notebook name prefixes (default: all)")
+    ap.add_argument("names", nargs="*", help="notebook name prefixes, e.g. 01 (default: all)")
     ap.add_argument("--size", choices=("smoke", "full"), default=None,
                     help="NORMKIT_NOTEBOOK_SIZE (default: full when CUDA is available, smoke otherwise)")
     ap.add_argument("--check", action="store_true", help="execute at smoke size, write nothing")
+    ap.add_argument("--timeout", type=int, default=600, help="seconds one cell may take (default 600)")
     args = ap.parse_args(argv)
     import jupytext
+    from nbclient.exceptions import CellExecutionError
 
-    for src in sources(args.names):
+    chosen = sources(args.names)
+    if not chosen:
+        ap.error(f"no notebook matches {args.names}; have {[p.stem for p in sources()]}")
+    failed, start = [], time.perf_counter()
+    for src in chosen:
         t0 = time.perf_counter()
-        nb = execute(src, "smoke" if args.check else args.size)
+        try:
+            nb = execute(src, "smoke" if args.check else args.size, timeout=args.timeout)
+        except CellExecutionError as err:
+            failed.append(src.name)
+            print(f"FAILED {src.name} ({time.perf_counter() - t0:.0f} s):\n{err}", flush=True)
+            continue
         took = time.perf_counter() - t0
         if args.check:
-            print(f"ok   {src.name} ({took:.0f} s)")
+            print(f"ok     {src.name} ({took:.0f} s)", flush=True)
             continue
         out = src.with_suffix(".ipynb")
         jupytext.write(nb, out)
-        print(f"wrote {out.relative_to(ROOT)} ({took:.0f} s)")
-    return 0
+        print(f"wrote  {out.relative_to(ROOT)} ({took:.0f} s)", flush=True)
+    print(f"{len(chosen) - len(failed)} of {len(chosen)} notebooks in {time.perf_counter() - start:.0f} s"
+          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ agreement with the float64 reference (and x.grad of frozen vs full), and median 
 *full* trains every input of the op; *frozen* only its row inputs (x, and the fused add's residual):
 the weight and bias are frozen, as in LoRA fine-tuning. Each run is also checked: the backward launch
 must carry exactly the variant's gradient flags, and every gradient must be within the tolerance
-table (``normkit.testing``) of the reference; the exit status is 1 if a check fails.
+table (``normkit.testing``) of the reference; the exit status is 1 if a check fails. Every column of
+the table is explained, with its unit, in the legend printed under it.
 
     python scripts/compare.py [--shape MxN] [--dtype bfloat16] [--frontends torch,jax] [--reps N]
 """
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -26,7 +26,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import normkit  # noqa: E402
+from benchmarks.timing import Timer, torch_sync  # noqa: E402
 from normkit.ops import CASTING_MODES, OPS, Grads, Op, Options  # noqa: E402
+from normkit.shapes import parse as parse_shape  # noqa: E402
 from normkit.testing import assert_close, random_inputs  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -52,17 +54,9 @@ def rel_err(a, b):
 
 
 def timed(fn, reps):
+    """Median wall time in µs of ``reps`` calls of ``fn()``, each synchronized, after one warm-up call."""
     fn()
-    times = []
-    for _ in range(reps):
-        if CUDA:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if CUDA:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
+    return statistics.median(Timer.each(fn, reps, torch_sync))
 
 
 def torch_runner(op: Op, arrays: dict, dtype: str, opts: Options, trained: frozenset):
@@ -150,22 +144,41 @@ def check(op: Op, dtype: str, M: int, got: dict, want: dict, grads: Grads, log, 
     return problems
 
 
+def legend(reps: int) -> dict[str, str]:
+    """Each column of the table, with its unit, and what it means (printed under the table)."""
+    timing = (f"median wall time of one forward + backward over {reps} call{'s' if reps > 1 else ''}, synchronized"
+              + ("" if CUDA else "; on the CPU the kernels run in Triton's interpreter, so this says nothing "
+                                 "about speed (run on a GPU, or see benchmarks/)"))
+    return {
+        "op": "the op (normkit.ops.OPS)",
+        "frontend": "torch: torch_frontend through torch.autograd; jax: jax_frontend through jax.vjp under jit",
+        "backward": "full: every input trained; frozen: the weight and bias frozen (x and the residual trained), "
+                    "as in LoRA",
+        "kernels": "the kernels one forward + backward launched, in order (normkit.record_launches)",
+        "partials (B)": "bytes of the fp32 per-program dW/dB partial buffers the backward allocated",
+        "dx err": "relative error ||dx - ref|| / ||ref|| against the float64 reference (normkit/reference.py)",
+        "dW err": "the same for the weight's gradient; '-' where the weight is frozen (no gradient computed)",
+        "dx frozen==full": "whether the frozen backward's dx is bitwise equal to the full one's (it must be: "
+                           "freezing changes only which gradients are computed)",
+        "fwd+bwd us": timing,
+    }
+
+
 def main(argv=None) -> int:
+    from tabulate import tabulate
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="8192x4096" if CUDA else "64x512")
     p.add_argument("--dtype", default="bfloat16" if CUDA else "float32", choices=["float32", "bfloat16"])
     p.add_argument("--frontends", default="torch,jax")
     p.add_argument("--reps", type=int, default=50 if CUDA else 3)
     args = p.parse_args(argv)
-    M, N = map(int, args.shape.split("x"))
+    M, N = parse_shape(args.shape)
     rng = np.random.default_rng(0)
     where = "compiled on " + torch.cuda.get_device_name() if CUDA else "Triton interpreter on the CPU"
-    print(f"normkit {normkit.__version__}: frozen vs full backward, {M}x{N} {args.dtype}, {where}\n")
-    header = (f"{'op':19s} {'frontend':8s} {'backward':8s} {'kernels':34s} {'partials (B)':>12s} {'dx err':>8s} "
-              f"{'dW err':>8s} {'dx frozen==full':>15s} {'fwd+bwd us':>11s}")
-    print(header)
-    print("-" * len(header))
-    problems = []
+    print(f"normkit {normkit.__version__}: frozen vs full backward, {M}x{N} {args.dtype}, {where}\n", flush=True)
+    columns = legend(args.reps)
+    rows, problems = [], []
     for op in OPS.values():
         opts = op.options(eps=op.default_eps)  # the frontends' defaults
         arrays = random_inputs(op, (M, N), args.dtype, rng)  # rounded to the dtype: every side sees the same values
@@ -181,25 +194,27 @@ def main(argv=None) -> int:
                     t = timed(run, args.reps)
                     results[variant] = (grads, op.grads(trained), log, t)
             except Exception as e:  # report the frontend as unavailable, keep the table going
-                print(f"{op.name:19s} {name:8s} unavailable: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+                rows.append([op.name, name, None, f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:60]}"])
                 continue
             dx_same = np.array_equal(results["frozen"][0]["x"], results["full"][0]["x"])
             for variant, (grads, flags, log, t) in results.items():
-                kernels = ",".join(k.replace("_kernel", "") for k in dict.fromkeys(log.kernels()))
-                partial = sum(launch.partial_bytes for launch in log)
                 dw = grads.get("weight")
-                dw_err = "-" if dw is None else f"{rel_err(dw, want['weight']):.1e}"
-                print(f"{op.name:19s} {name:8s} {variant:8s} {kernels:34s} {partial:12d} "
-                      f"{rel_err(grads['x'], want['x']):8.1e} {dw_err:>8s} {str(dx_same):>15s} {t:11.1f}")
+                rows.append([op.name, name, variant,
+                             ",".join(k.replace("_kernel", "") for k in dict.fromkeys(log.kernels())),
+                             sum(launch.partial_bytes for launch in log), rel_err(grads["x"], want["x"]),
+                             None if dw is None else rel_err(dw, want["weight"]), "yes" if dx_same else "no", t])
                 problems += check(op, args.dtype, M, grads, want, flags, log, f"{op.name} {name} {variant}")
-    print("\nerr: ||got - ref|| / ||ref|| against the float64 reference (normkit/reference.py); partials: bytes of "
-          "fp32 dW/dB partial buffers the backward allocated.")
+    print(tabulate(rows, headers=list(columns), floatfmt=("", "", "", "", "d", ".1e", ".1e", "", ".1f"),
+                   missingval="-"))
+    print("\nColumns:")
+    for column, meaning in columns.items():
+        print(f"  {column}: {meaning}")
     if problems:
         print(f"\n{len(problems)} check(s) failed:")
         for line in problems:
             print("  " + line)
         return 1
-    print("Checks passed: launch flags as the variant asks; gradients within the tolerance table (normkit.testing).")
+    print("\nChecks passed: launch flags as the variant asks; gradients within the tolerance table (normkit.testing).")
     print("Next: notebooks/01_frozen_vs_full.ipynb, and torch_frontend.patch_model(model) for a HF/PEFT model.")
     return 0
 

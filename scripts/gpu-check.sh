@@ -4,8 +4,8 @@
 #   notebooks  every notebook source run as a script at full size;
 #   tests      the whole test suite, compiled, with the larger "gpu" shapes too (the notebook test needs
 #              jupytext/nbclient, which that machine lacks: the notebooks target runs them instead);
-#   timing     host time per call through autograd, normkit against its peers (benchmarks/host_time.py;
-#              kernel timings come from the bench target);
+#   timing     host time per call through autograd, normkit against its peers (benchmarks/host_time.py
+#              [--shape MxN] [--ops ...] [--rep-ms MS] [--graphs]; kernel timings come from the bench target);
 #   bench      the full benchmark (benchmarks/bench.py); tune: the launch-configuration sweep (scripts/tune.py);
 #   tune-pallas  the Pallas launch-shape sweep (scripts/tune_pallas.py);
 #   device-time  device vs wall time per call of the JAX implementations, from jax.profiler traces
@@ -18,8 +18,9 @@
 #              only the distributions the machine does not already have are installed.
 # With several GPUs the test workers spread over them (tests/conftest.py, NORMKIT_TEST_GPUS), one
 # worker per CPU core by default.
-# It first installs the carried wheels (jax-triton 0.3.1, liger-kernel 0.8.5) without touching the
-# machine's stack. Logs go to $OUT (or ./gpu-check-out). Usage: bash scripts/gpu-check.sh [target] [args...]
+# It first installs the carried wheels (jax-triton 0.3.1, liger-kernel 0.8.5, tabulate 0.10.0 for the
+# reports' Markdown tables and their tests) without touching the machine's stack. Logs go to $OUT (or
+# ./gpu-check-out). Usage: bash scripts/gpu-check.sh [target] [args...]
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-check-out}
 mkdir -p "$OUT"

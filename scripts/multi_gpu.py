@@ -2,18 +2,19 @@
 
 Torch part (``torch``, one process per GPU under torchrun, NCCL):
 
-1. the cases of ``tests/test_distributed_torch.py`` (``tests/dist_workers.py``) at a larger shape:
+1. the cases of ``tests/test_distributed_torch.py`` (``benchmarks/dist_workers.py``) at a larger shape:
    each op on DTensors (``Shard(1)``, ``Shard(0)``, uneven, replicated) with trained and frozen
    parameters against the single-GPU result, collectives counted per phase with ``CommDebugMode``;
    the placement errors; a ``SequenceParallel`` module; DDP and FSDP2 with frozen norm parameters;
-2. a LoRA-style training step of a small random-init Llama (``transformers.LlamaConfig``, nothing
-   downloaded) with tensor + sequence parallelism (torch's ``parallelize_module``: colwise/rowwise
-   projections, ``SequenceParallel`` norms on ``Shard(1)`` activations, vocab-parallel loss), base
-   weights frozen and rank-16 LoRA adapters on q_proj and v_proj trained. Four variants: norms from
-   ``torch_frontend.patch_model`` (normkit) or transformers' eager ``LlamaRMSNorm`` (hf), each with
-   the norm weights frozen and trained. Per variant: median step time, and the collectives of one
-   step per phase (forward, backward, reducing the ``Partial`` gradients once, optimizer), counted
-   and sized (bytes of each collective's input) from a ``CommDebugMode``.
+2. a LoRA training step of a small random-init Llama (``benchmarks.models.llama_lora``: PEFT LoRA
+   r=16 on q_proj and v_proj, B drawn at random) with tensor + sequence parallelism (torch's
+   ``parallelize_module``: colwise/rowwise projections, ``SequenceParallel`` norms on ``Shard(1)``
+   activations, vocab-parallel loss), base weights frozen and the adapters trained. Four variants:
+   norms from ``torch_frontend.patch_model`` (normkit) or transformers' eager ``LlamaRMSNorm`` (hf),
+   each with the norm weights frozen and trained. Per variant: median step time (each step
+   synchronized, ranks at a barrier), and the collectives of one step per phase (forward, backward,
+   reducing the ``Partial`` gradients once, optimizer), counted and sized (bytes of each
+   collective's input) from a ``CommDebugMode``.
 
 JAX part (``jax``, one process with 2 GPUs):
 
@@ -22,7 +23,7 @@ JAX part (``jax``, one process with 2 GPUs):
    collectives;
 2. sharded RMSNorm forward and forward+backward, normkit against XLA's jnp norm under the same
    sharding (sequence axis over 2 GPUs), weight trained and frozen: median times and the compiled
-   collectives (count and bytes of each all-reduce).
+   collectives (``benchmarks.hlo.collectives``: count and bytes of the all-reduces).
 
 Usage (repository root)::
 
@@ -46,7 +47,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
 
@@ -54,16 +54,19 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests import dist_workers  # noqa: E402
+from benchmarks import dist_workers  # noqa: E402
+from benchmarks.hlo import collectives  # noqa: E402
+from benchmarks.models import llama_lora  # noqa: E402
+from benchmarks.timing import Timer  # noqa: E402
 
 # Shapes and model sizes: the GPU run, and the CPU dry run (Triton's interpreter: tiny).
 FULL = dict(case_shape=(2, 64, 512), dtype="bfloat16", warmup=3, steps=10,
-            llama=dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=16,
-                       num_key_value_heads=8, vocab_size=32000), batch=2, seq=4096, lora_rank=16,
+            llama=dict(hidden=2048, intermediate=5632, layers=4, heads=16, kv_heads=8, vocab=32000), batch=2,
+            seq=4096, lora_rank=16,
             jax_shape=(4, 4096, 4096), jax_reps=20)
 DRY = dict(case_shape=dist_workers.TINY, dtype="float32", warmup=1, steps=1,
-           llama=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=64), batch=2, seq=8, lora_rank=4,
+           llama=dict(hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, vocab=64), batch=2, seq=8,
+           lora_rank=4,
            jax_shape=(2, 8, 32), jax_reps=1)
 
 
@@ -71,50 +74,20 @@ DRY = dict(case_shape=dist_workers.TINY, dtype="float32", warmup=1, steps=1,
 # Torch: the sequence-parallel LoRA step.
 
 
-def _lora_linear_class():
-    import torch
-    from torch import nn
-
-    class LoRALinear(nn.Module):
-        """``base(x) + B(A(x))``: a frozen projection and a trained low-rank adapter (LoRA without scaling)."""
-
-        def __init__(self, base: nn.Linear, rank: int):
-            super().__init__()
-            self.base = base
-            self.lora_A = nn.Linear(base.in_features, rank, bias=False, device=base.weight.device,
-                                    dtype=base.weight.dtype)
-            self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=base.weight.device,
-                                    dtype=base.weight.dtype)
-            with torch.no_grad():  # B small but nonzero, so that A receives a gradient from the first step
-                self.lora_B.weight.normal_(0.0, 0.01)
-
-        def forward(self, x):
-            return self.base(x) + self.lora_B(self.lora_A(x))
-
-    return LoRALinear
+LORA_TARGETS = ("q_proj", "v_proj")
 
 
 def build_llama(cfg: dict, impl: str, norms_trained: bool, mesh, device, dtype):
-    """The model of one variant, parallelized over ``mesh`` (tensor + sequence parallel)."""
-    import torch
+    """The Llama of one variant (its LoRA layers inside), parallelized over ``mesh`` (tensor + sequence
+    parallel)."""
     from torch.distributed.tensor import Replicate, Shard, distribute_module
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    import torch_frontend as tf
-
-    torch.manual_seed(0)
-    config = LlamaConfig(**cfg["llama"], max_position_embeddings=cfg["seq"], attn_implementation="sdpa")
-    model = LlamaForCausalLM(config).to(device=device, dtype=dtype)
-    if impl == "normkit":
-        report = tf.patch_model(model)
-        assert report is not None
-    LoRALinear = _lora_linear_class()
-    for layer in model.model.layers:
-        layer.self_attn.q_proj = LoRALinear(layer.self_attn.q_proj, cfg["lora_rank"])
-        layer.self_attn.v_proj = LoRALinear(layer.self_attn.v_proj, cfg["lora_rank"])
-
+    peft_model, _ = llama_lora(**cfg["llama"], max_positions=cfg["seq"], dtype=dtype, device=device, norms=impl,
+                               r=cfg["lora_rank"], targets=LORA_TARGETS, init_lora_weights=False,
+                               attn_implementation="sdpa")
+    model = peft_model.get_base_model()
     plan = {"model.norm": SequenceParallel(),
             "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
     for i in range(len(model.model.layers)):
@@ -124,21 +97,20 @@ def build_llama(cfg: dict, impl: str, norms_trained: bool, mesh, device, dtype):
             p + "post_attention_layernorm": SequenceParallel(),
             p + "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
                                                 desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-            p + "self_attn.q_proj.base": ColwiseParallel(),
-            p + "self_attn.q_proj.lora_B": ColwiseParallel(),
             p + "self_attn.k_proj": ColwiseParallel(),
-            p + "self_attn.v_proj.base": ColwiseParallel(),
-            p + "self_attn.v_proj.lora_B": ColwiseParallel(),
             p + "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
             p + "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             p + "mlp.gate_proj": ColwiseParallel(),
             p + "mlp.up_proj": ColwiseParallel(),
             p + "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         })
+        for target in LORA_TARGETS:  # the frozen projection and the adapter's B split like the projection
+            plan[f"{p}self_attn.{target}.base_layer"] = ColwiseParallel()
+            plan[f"{p}self_attn.{target}.lora_B.default"] = ColwiseParallel()
     parallelize_module(model, mesh, plan)
     for layer in model.model.layers:  # the adapters' A: replicated (a DTensor on a replicated input)
-        distribute_module(layer.self_attn.q_proj.lora_A, mesh)
-        distribute_module(layer.self_attn.v_proj.lora_A, mesh)
+        for target in LORA_TARGETS:
+            distribute_module(getattr(layer.self_attn, target).lora_A["default"], mesh)
     # Freeze after parallelizing: SequenceParallel re-creates the norm parameters as nn.Parameter, which
     # sets requires_grad=True.
     for name, param in model.named_parameters():
@@ -170,10 +142,15 @@ def torch_bench(cfg: dict, mesh, device: str) -> list[dict]:
     dtype = getattr(torch, cfg["dtype"])
     B, S = cfg["batch"], cfg["seq"]
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, cfg["llama"]["vocab_size"], (B, S + 1), generator=g).to(device)
+    ids = torch.randint(0, cfg["llama"]["vocab"], (B, S + 1), generator=g).to(device)
     inputs, labels = ids[:, :-1], ids[:, 1:]
     chunk = S // world
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def sync(_out=None):  # every rank done: a step's time is its slowest rank's
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        dist.barrier()
+
     results = []
     for impl in ("normkit", "hf"):
         for norms_trained in (False, True):
@@ -212,14 +189,7 @@ def torch_bench(cfg: dict, mesh, device: str) -> list[dict]:
 
                 for _ in range(cfg["warmup"]):
                     step()
-                times = []
-                for _ in range(cfg["steps"]):
-                    sync()
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    loss = step()
-                    sync()
-                    times.append((time.perf_counter() - t0) * 1e3)
+                times = [us / 1e3 for us in Timer.each(step, cfg["steps"], sync)]
                 comms = {}
 
                 @contextlib.contextmanager
@@ -353,36 +323,14 @@ def jax_bench(cfg: dict, devices) -> list[dict]:
                 try:
                     for label, f, args in (("fwd", fwd, (x, w)), ("fwd_bwd", bwd, (x, w, dy))):
                         jax.block_until_ready(f(*args))
-                        times = []
-                        for _ in range(cfg["jax_reps"]):
-                            t0 = time.perf_counter()
-                            jax.block_until_ready(f(*args))
-                            times.append((time.perf_counter() - t0) * 1e3)
-                        entry[f"{label}_ms_median"] = statistics.median(times)
+                        times = Timer.each(lambda f=f, args=args: f(*args), cfg["jax_reps"], jax.block_until_ready)
+                        entry[f"{label}_ms_median"] = statistics.median(times) / 1e3
                         hlo = f.lower(*args).compile().as_text()
-                        entry[f"{label}_collectives"] = dist_workers.hlo_collectives(hlo, (shape[-1],))
-                        entry[f"{label}_collectives"]["all_reduce_bytes"] = _hlo_bytes(
-                            entry[f"{label}_collectives"]["all_reduce_arrays"])
+                        entry[f"{label}_collectives"] = collectives(hlo, (shape[-1],))
                 except Exception:  # noqa: BLE001
                     entry["crash"] = traceback.format_exc()[-4000:]
                 results.append(entry)
     return results
-
-
-_HLO_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "u32": 4, "pred": 1}
-
-
-def _hlo_bytes(arrays: list[str]) -> int:
-    import math
-    import re
-
-    total = 0
-    for a in arrays:
-        m = re.match(r"([a-z]+\d*)\[([\d,]*)\]", a)
-        if m:
-            dims = [int(d) for d in m[2].split(",") if d]
-            total += _HLO_BYTES.get(m[1], 4) * math.prod(dims)
-    return total
 
 
 def jax_main(out: Path, dry_run: bool, skip_cases: bool) -> dict:

@@ -39,15 +39,16 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.bytemodel import bytes_moved  # noqa: E402
+from benchmarks import bytemodel  # noqa: E402
+from benchmarks.timing import Timer, tbps  # noqa: E402
 from normkit import driver  # noqa: E402
 from normkit.launch import KernelCall  # noqa: E402
 from normkit.ops import ELEM_BYTES, OPS, Grads, Op  # noqa: E402
+from normkit.shapes import parse_list  # noqa: E402
 from normkit.testing import TOLERANCES, assert_close, poisoned_outputs, random_inputs  # noqa: E402
 from torch_frontend import backend  # noqa: E402
-from torch_frontend._backend import TORCH_DTYPES  # noqa: E402
 
-MODES = ("fwd", "bwd_frozen", "bwd_full")
+MODES = tuple(m for m in bytemodel.MODES if m != "fwd_bwd")
 DEFAULT_SHAPES = "8192x8192,32768x4096,65536x2048,4096x1024"
 DRY_RUN_SHAPES = "72x48"  # 3-9 tiles, a ragged row: masks, persistent loops with prefetch, partials
 WARPS = (4, 8, 16)
@@ -247,8 +248,8 @@ def inputs(op: Op, M: int, N: int, dtype: str, device, rng) -> tuple[dict, dict]
     """(torch arrays on ``device``, float64 NumPy inputs or None on CUDA, where they are drawn on the device)."""
     if device.type == "cpu":
         ref = random_inputs(op, (M, N), dtype, rng)
-        return {k: torch.from_numpy(v).to(TORCH_DTYPES[dtype]) for k, v in ref.items()}, ref
-    tdt = TORCH_DTYPES[dtype]
+        return {k: torch.from_numpy(v).to(getattr(torch, dtype)) for k, v in ref.items()}, ref
+    tdt = getattr(torch, dtype)
     g = torch.Generator(device=device).manual_seed(0)
     rows = lambda: torch.randn(M, N, device=device, dtype=tdt, generator=g)  # noqa: E731
     arrays = {"x": rows() * 1.5 + 0.3, "dy": rows()}
@@ -263,27 +264,6 @@ def inputs(op: Op, M: int, N: int, dtype: str, device, rng) -> tuple[dict, dict]
 
 # ---------------------------------------------------------------------------------------------
 # The sweep.
-
-
-def do_bench_us(fn, warmup_ms: float, rep_ms: float) -> float:
-    import triton.testing
-
-    return 1e3 * float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-
-
-def copy_tbps(warmup_ms: float, rep_ms: float) -> float:
-    """A device-to-device copy of 2 GiB of bf16, read + write counted."""
-    src = torch.empty(2**30, dtype=torch.bfloat16, device="cuda").uniform_()
-    dst = torch.empty_like(src)
-    us = do_bench_us(lambda: dst.copy_(src), warmup_ms, rep_ms)
-    moved = 2 * src.numel() * src.element_size()
-    del src, dst
-    torch.cuda.empty_cache()
-    return moved / (us * 1e-6) / 1e12
-
-
-def parse_shapes(text: str) -> list[tuple[int, int]]:
-    return [tuple(int(v) for v in s.split("x")) for s in text.split(",") if s]
 
 
 def main(argv=None) -> int:
@@ -303,11 +283,11 @@ def main(argv=None) -> int:
     ops = args.ops.split(",")
     modes = args.modes.split(",")
     dtypes = args.dtypes.split(",")
-    for name, given, known in (("op", ops, OPS), ("mode", modes, MODES), ("dtype", dtypes, TORCH_DTYPES)):
+    for name, given, known in (("op", ops, OPS), ("mode", modes, MODES), ("dtype", dtypes, TOLERANCES)):
         bad = [v for v in given if v not in known]
         if bad:
             p.error(f"unknown {name}(s) {bad}; expected some of {list(known)}")
-    shapes = parse_shapes(args.shapes or (DRY_RUN_SHAPES if args.dry_run else DEFAULT_SHAPES))
+    shapes = parse_list(args.shapes or (DRY_RUN_SHAPES if args.dry_run else DEFAULT_SHAPES))
 
     if args.dry_run:
         device = torch.device("cpu")
@@ -318,7 +298,7 @@ def main(argv=None) -> int:
         if not torch.cuda.is_available():
             p.error("no CUDA device: the sweep times compiled kernels (use --dry-run on a CPU)")
         device = torch.device("cuda")
-        copy = copy_tbps(args.warmup_ms, 4 * args.rep_ms)
+        copy = Timer(args.warmup_ms, 4 * args.rep_ms).copy_bandwidth()["tbps"]
         print(f"{torch.cuda.get_device_name()}: copy {copy:.2f} TB/s (2 GiB bf16, read + write), "
               f"{backend.num_sms(torch.empty(0, device=device))} SMs", flush=True)
 
@@ -376,8 +356,8 @@ def sweep(op: Op, mode: str, dtype: str, M: int, N: int, base_plan: tuple, num_s
                 check_reference(out, mode, *reference, dtype, M, what)
             elif not agrees(out, base_out, dtype, M):
                 raise AssertionError(f"{what}: results differ from the base plan's beyond the tolerance table")
-            us = None if args.dry_run else do_bench_us(lambda launches=launches: run(launches, arrays), args.warmup_ms,
-                                                       args.rep_ms)
+            us = None if args.dry_run else Timer(args.warmup_ms, args.rep_ms).kernel(
+                lambda launches=launches: run(launches, arrays))
         except AssertionError as e:
             print(f"  FAIL {str(e).splitlines()[0]}", flush=True)
             failures += 1
@@ -395,8 +375,8 @@ def sweep(op: Op, mode: str, dtype: str, M: int, N: int, base_plan: tuple, num_s
     if not results:
         print(f"{label}: no variant ran", flush=True)
         return failures
-    nbytes = bytes_moved(op.name, mode, M, N, ELEM_BYTES[dtype])
-    pct = lambda us: 100 * nbytes / (us * 1e-6) / 1e12 / copy  # noqa: E731
+    nbytes = bytemodel.bytes_moved(op.name, mode, M, N, ELEM_BYTES[dtype])
+    pct = lambda us: 100 * tbps(nbytes, us) / copy  # noqa: E731
     results.sort(key=lambda r: r[0])
     best_us, best = results[0]
     base_us = next(us for us, cfg in results if cfg == base_cfg) if any(c == base_cfg for _, c in results) else None

@@ -12,10 +12,10 @@ per variant, and times each through ``jax_frontend._pallas`` exactly as the fron
   persistent grid (as the forward).
 
 Every variant's outputs are checked against the base configuration's (within the tolerance table;
-a variant that disagrees is reported and not ranked). On a GPU, times are medians over 5 batches of
-back-to-back calls with one synchronization per batch (the GPU queue stays full, so the time is the
-device's), with bandwidth under ``benchmarks/bytemodel.py`` as a share of an XLA device copy timed
-the same way. ``--dry-run`` (CPU, Pallas interpret mode): a tiny shape, each variant launched and
+a variant that disagrees is reported and not ranked). On a GPU, times are ``benchmarks.timing.Timer.loop``
+medians (blocks of back-to-back calls, one synchronization per block: the GPU queue stays full, so the
+time is the device's), with bandwidth under ``benchmarks/bytemodel.py`` as a share of the device copy
+of ``Timer.copy_bandwidth``. ``--dry-run`` (CPU, Pallas interpret mode): a tiny shape, each variant launched and
 checked once, nothing timed.
 
     python scripts/tune_pallas.py [--shapes 8192x8192] [--ops layer_norm] [--modes fwd] [--dtypes bfloat16]
@@ -24,10 +24,7 @@ checked once, nothing timed.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,13 +36,15 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import bytemodel  # noqa: E402
+from benchmarks.timing import Timer, tbps  # noqa: E402
 from jax_frontend import _pallas  # noqa: E402
 from normkit import record  # noqa: E402
 from normkit.launch import PallasBlocks  # noqa: E402
 from normkit.ops import OPS, Grads, Op  # noqa: E402
+from normkit.shapes import parse_list  # noqa: E402
 from normkit.testing import TOLERANCES  # noqa: E402
 
-MODES = ("fwd", "bwd_full", "bwd_frozen")
+MODES = tuple(m for m in bytemodel.MODES if m != "fwd_bwd")
 DEFAULT_SHAPES = "8192x8192,16384x8192,32768x4096"
 DRY_RUN_SHAPES = "24x256"
 WARPS = (4, 8, 16, 32)
@@ -144,26 +143,7 @@ def agree(out: dict, base: dict, dtype: str) -> bool:
     return True
 
 
-def median_us(fn, args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t) / reps * 1e6)
-    return statistics.median(times)
-
-
-def copy_tbps(reps: int) -> float:
-    """An XLA device copy of 1 GiB (read + write), timed like the variants."""
-    x = jnp.ones((1 << 29,), jnp.bfloat16)
-    us = median_us(jax.jit(lambda a: a * 1), (x,), reps)
-    return 2 * x.size * 2 / (us * 1e-6) / 1e12
-
-
-def sweep(op: Op, mode: str, dtype: str, M: int, N: int, num_sms: int, *, dry: bool, reps: int,
+def sweep(op: Op, mode: str, dtype: str, M: int, N: int, num_sms: int, *, dry: bool, timer: Timer,
           copy: float | None, top: int) -> None:
     a = inputs(op, M, N, dtype, seed=0)
     args = args_of(mode, a)
@@ -182,21 +162,20 @@ def sweep(op: Op, mode: str, dtype: str, M: int, N: int, num_sms: int, *, dry: b
         elif not agree(out, base_out, dtype):
             print(f"  {label(cfg)}: DISAGREES with the base configuration (not ranked)")
             continue
-        rows.append((None if dry else median_us(fn, args, reps), i, cfg))
+        rows.append((None if dry else timer.loop(lambda _, fn=fn: fn(*args), jax.block_until_ready), i, cfg))
         if not dry:  # as it goes: a run cut short by a time limit still says what it measured
             print(f"  measured {rows[-1][0]:8.1f} us  {label(cfg)}", flush=True)
     what = f"{op.name} {mode} {dtype} {M}x{N}"
     if dry:
         print(f"{what}: {len(rows)}/{len(cfgs)} variants launched as configured, all within tolerance of the base")
         return
-    itemsize = jnp.dtype(dtype).itemsize
-    nbytes = sum(bytemodel.terms(op.name, mode, M, N, itemsize).values())
+    nbytes = bytemodel.bytes_moved(op.name, mode, M, N, bytemodel.itemsize(dtype))
     rows.sort(key=lambda r: r[0])
     base_us = next(us for us, i, _ in rows if i == 0)
 
     def fmt(us, cfg):
-        tbps = nbytes / (us * 1e-6) / 1e12
-        return f"{us:8.1f} us  {tbps:5.2f} TB/s ({100 * tbps / copy:3.0f}% of copy)  {label(cfg)}"
+        bw = tbps(nbytes, us)
+        return f"{us:8.1f} us  {bw:5.2f} TB/s ({100 * bw / copy:3.0f}% of copy)  {label(cfg)}"
 
     print(f"{what}: base {fmt(base_us, cfgs[0])}")
     for us, i, cfg in rows[:top + 1]:
@@ -209,20 +188,21 @@ def main(argv=None) -> int:
     p.add_argument("--ops", default=",".join(OPS))
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--dtypes", default="bfloat16")
-    p.add_argument("--reps", type=int, default=20, help="calls per timed batch")
+    p.add_argument("--rep-ms", type=float, default=25.0, help="milliseconds timed per variant, over 5 blocks")
     p.add_argument("--top", type=int, default=4, help="configurations listed after the best")
     p.add_argument("--dry-run", action="store_true", help="CPU, interpret mode, a tiny shape, nothing timed")
     args = p.parse_args(argv)
     dry = args.dry_run or jax.default_backend() == "cpu"
-    shapes = [tuple(map(int, s.split("x"))) for s in (args.shapes or (DRY_RUN_SHAPES if dry else DEFAULT_SHAPES)).split(",")]
+    shapes = parse_list(args.shapes or (DRY_RUN_SHAPES if dry else DEFAULT_SHAPES))
     num_sms = _pallas.num_sms()
-    copy = None if dry else copy_tbps(args.reps)
-    print(f"backend {jax.default_backend()}, {num_sms} SMs" + ("" if dry else f", XLA copy {copy:.2f} TB/s"))
+    timer = Timer(rep_ms=args.rep_ms)
+    copy = None if dry else timer.copy_bandwidth()["tbps"]
+    print(f"backend {jax.default_backend()}, {num_sms} SMs" + ("" if dry else f", copy {copy:.2f} TB/s"))
     for M, N in shapes:
         for dtype in args.dtypes.split(","):
             for name in args.ops.split(","):
                 for mode in args.modes.split(","):
-                    sweep(OPS[name], mode, dtype, M, N, num_sms, dry=dry, reps=args.reps, copy=copy, top=args.top)
+                    sweep(OPS[name], mode, dtype, M, N, num_sms, dry=dry, timer=timer, copy=copy, top=args.top)
     return 0
 
 

@@ -4,16 +4,36 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from benchmarks import bytemodel, report
-from benchmarks.timing import MAX_SETS, ROTATE_BYTES, num_sets
+from benchmarks.timing import MAX_SETS, ROTATE_BYTES, Timer, num_sets
 
 REPO = Path(__file__).resolve().parents[1]
 RECORD_KEYS = {"op", "mode", "dtype", "shape", "M", "N", "impl", "path", "median_us", "bytes", "tbps", "pct_copy",
                "peak_mem_bytes", "error", "speedup_vs", "run_id", "timer", "n_sets", "measured_as", "extra"}
+
+
+def table_rows(markdown: str) -> list[list[str]]:
+    """The body rows of the first Markdown table in ``markdown``, as lists of stripped cells."""
+    lines = [line.strip() for line in markdown.splitlines()]
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = []
+    for line in lines[start + 2:]:  # after the header and the |---| line
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def row_of(markdown: str, *first: str) -> list[str]:
+    """The cells of the table row of ``markdown`` whose first cells are ``first``."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in markdown.splitlines()
+            if line.startswith("|")]
+    return next(row for row in rows if row[:len(first)] == list(first))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -60,6 +80,53 @@ def test_rotation_exceeds_l2_or_caps():
         assert k == MAX_SETS or k * nbytes >= ROTATE_BYTES
 
 
+def test_loop_rotates_inputs_and_times_per_call():
+    """Timer.loop: call(i) with i = 0, 1, 2, ... (the input set), ``sync`` given the last result at each
+    block's end, and the median time of one call, not of a block: every call sleeps at least 2 ms."""
+    seen, synced = [], []
+
+    def call(i):
+        seen.append(i)
+        time.sleep(0.002)
+        return i
+
+    us = Timer(warmup_ms=0, rep_ms=30, batches=3).loop(call, synced.append)
+    assert seen == list(range(len(seen))) and len(seen) >= 3 * 3, seen
+    assert synced and synced[-1] == seen[-1] and set(synced) <= set(seen), synced
+    assert 2000 <= us < 2000 * len(seen), us
+    assert Timer(dry=True).loop(call, synced.append) >= 2000
+    times = Timer.each(lambda: time.sleep(0.002), 3, lambda _: None)
+    assert len(times) == 3 and min(times) >= 2000, times
+
+
+def test_shape_strings():
+    from normkit.shapes import parse, parse_list
+
+    assert parse("8192x4096") == (8192, 4096) and parse(" 3X5 ") == (3, 5)
+    assert parse_list("8x64,32768x4096,") == [(8, 64), (32768, 4096)]
+    for bad in ("8192", "8x0", "ax4", "2x3x4", "-1x4"):
+        with pytest.raises(ValueError, match=f"shape {bad!r} is not MxN"):
+            parse(bad)
+
+
+def test_llama_lora_trains_the_adapters_only():
+    from benchmarks.models import Unavailable, llama_lora, norm_modules, swap_norms
+
+    model, info = llama_lora(layers=1, hidden=32, heads=2, vocab=64, intermediate=64, r=4,
+                             targets=("q_proj", "v_proj"), norms="normkit")
+    assert info["patched"] == 3 and info["fused"] == 0, info  # the layer's two norms and the final one
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert sorted({n.split(".")[-4] for n in trained}) == ["q_proj", "v_proj"], trained
+    assert all(".lora_A." in n or ".lora_B." in n for n in trained), trained
+    norms = norm_modules(model)
+    assert {type(m).__name__ for _, m in norms} == {"HFRMSNorm"} and len(norms) == 3
+    assert all(not m.weight.requires_grad and not bool((m.weight == 1).all()) for _, m in norms)
+    with pytest.raises(ValueError, match="unknown norms 'apex'"):
+        swap_norms(model, "apex")
+    with pytest.raises(Unavailable):  # Liger's Triton kernels: a GPU (and liger-kernel) only
+        swap_norms(model, "liger")
+
+
 # ---------------------------------------------------------------------------------------------
 # The report's arithmetic on a made-up file.
 
@@ -86,8 +153,7 @@ def test_report_speedups_wins_and_readme(tmp_path):
            "records": recs}
     d = report.Data(doc)
     table = report.headline_table(d)
-    row = next(line for line in table.splitlines() if line.startswith("| RMSNorm | bwd_frozen | bf16"))
-    cells = [c.strip() for c in row.strip("|").split("|")]
+    cells = row_of(table, "RMSNorm", "bwd_frozen", "bf16")
     # Liger: 1.5x and 4x -> geomean sqrt(6) = 2.45, min 1.5; compile: 2x and 0.9x -> sqrt(1.8) = 1.34, min 0.9.
     assert cells[5] == "2.45× (min 1.50×)"
     assert cells[7] == "1.34× (min 0.90×)"
@@ -100,7 +166,7 @@ def test_report_speedups_wins_and_readme(tmp_path):
     report.generate(tmp_path / "r.json", readme=readme, plots=False)
     text = readme.read_text()
     assert "old table" not in text and "before\n" in text and text.endswith("after\n")
-    assert "| RMSNorm | bwd_frozen | bf16 |" in text and "[r.md](r.md)" in text
+    assert row_of(text, "RMSNorm", "bwd_frozen", "bf16") == cells and "[r.md](r.md)" in text
     no_markers = tmp_path / "OTHER.md"
     no_markers.write_text("nothing to replace\n")
     assert not report.rewrite_readme(no_markers, d, tmp_path / "r.md")
@@ -118,9 +184,8 @@ def test_report_cells_against_the_best_peer():
     sec = report.cells_section(d)
     assert sec.startswith("## Torch end to end, cell by cell: normkit is at least as fast as the best peer in 1 of "
                           "2 measured cells (79 of 81 not measured)"), sec.splitlines()[0]
-    rows = {tuple(c.strip() for c in line.strip("|").split("|"))[:3]: [c.strip() for c in line.strip("|").split("|")]
-            for line in sec.splitlines() if line.startswith("| RMSNorm |")}
-    assert len(rows) == 27  # 3 modes x 9 (dtype, shape) cells for one op
+    rows = {tuple(row[:3]): row for row in table_rows(sec)}
+    assert len(rows) == 81 and sum(op == "RMSNorm" for op, _, _ in rows) == 27  # 3 modes x 9 (dtype, shape)
     assert rows["RMSNorm", "fwd", "bf16 4096x1024"][4:] == ["torch_eager 40.0", "0.80× (slower)", "torch_eager"]
     assert rows["RMSNorm", "bwd_frozen", "bf16 8192x8192"][4:] == ["torch_compile 150.0", "1.50×", "normkit"]
     assert rows["RMSNorm", "bwd_full", "fp32 32768x4096"][3] == "not measured"
@@ -145,26 +210,21 @@ def test_report_jax_implementations_table():
     d = report.Data(doc)
     sec = report.jax_impls_section(d)
     assert "## JAX implementations: Triton vs Pallas vs XLA" in sec and "is not Triton" not in sec
-    lines = sec.splitlines()
-    header = next(line for line in lines if line.startswith("| op | mode | dtype | Triton, % of copy"))
-    assert [c.strip() for c in header.strip("|").split("|")][3:] == [
+    assert row_of(sec, "op", "mode", "dtype")[3:] == [
         "Triton, % of copy", "Pallas, % of copy", "XLA, % of copy", "jnp autodiff, % of copy",
         "Pallas ÷ Triton", "XLA ÷ Triton", "jnp autodiff ÷ Triton"]
-    row = next(line for line in lines if line.startswith("| RMSNorm | bwd_full | bf16 |"))
-    cells = [c.strip() for c in row.strip("|").split("|")]
+    cells = row_of(sec, "RMSNorm", "bwd_full", "bf16")
     pct = [r["pct_copy"] for r in recs if (r["impl"], r["mode"]) == ("normkit_jax", "bwd_full")]
     assert cells[3] == report._pct_range(pct)
     assert cells[7] == "1.70× (1.20–2.40)"  # sqrt(1.2 * 2.4)
     assert cells[8] == "2.50× (2.50–2.50)" and cells[9] == "3.00× (3.00–3.00)"
     # Frozen savings: Triton 100 -> 80 (20% saved); XLA 250 -> 260 (4% slower).
-    row = next(line for line in lines if line.startswith("| RMSNorm | bf16 | a |"))
-    cells = [c.strip() for c in row.strip("|").split("|")]
+    cells = row_of(sec, "RMSNorm", "bf16", "a")
     assert cells[3] == "100.0 → 80.0 (20% saved)"
     assert cells[5] == "250.0 → 260.0 (4% slower)"
     assert cells[6] == "300.0 → 150.0 (50% saved)"
     # Per shape: the fastest is bold, ratios against Triton.
-    row = next(line for line in lines if line.startswith("| a (8192×4096) | bwd_frozen |"))
-    cells = [c.strip() for c in row.strip("|").split("|")]
+    cells = row_of(sec, "a (8192×4096)", "bwd_frozen")
     assert cells[2].startswith("**80.0 (") and cells[6:] == ["1.05×", "3.25×", "1.88×"]
     assert sec in report.render_markdown(d, [])
     # Auto resolving to something else than Triton is called out; no Pallas/XLA records: a hint instead.
@@ -235,7 +295,7 @@ def test_dry_run_writes_schema_report_and_readme(tmp_path):
             for impl, path in (("normkit", "kernel"), ("normkit", "e2e"), ("torch_eager", "e2e"),
                                ("normkit_jax", "e2e"), ("normkit_jax_pallas", "e2e"), ("normkit_jax_xla", "e2e")):
                 assert (op, mode, impl, path) in got, (op, mode, impl, path)
-    # The hand count of issue 4's example, on the dry-run shape.
+    # The hand count of the RMSNorm forward (read x and the weight, write y), on the dry-run shape.
     r = next(r for r in recs if (r["op"], r["mode"], r["impl"], r["path"]) == ("rms_norm", "fwd", "normkit", "kernel"))
     assert r["bytes"] == 2 * r["M"] * r["N"] * 2 + 2 * r["N"]
     # Every peer that imported left a record per mode; one that did not is explained in the run.
@@ -251,11 +311,11 @@ def test_dry_run_writes_schema_report_and_readme(tmp_path):
     assert kernel[("rms_norm", "bwd_frozen")]["extra"]["partial_bytes"] == 0
 
     md = out.with_suffix(".md").read_text()
-    assert "| op | mode | dtype |" in md and "## Targets (issue 4)" in md
+    assert row_of(md, "op", "mode", "dtype") and "\n## Targets\n" in md
     assert "## JAX implementations: Triton vs Pallas vs XLA" in md
-    assert "| RMSNorm | bwd_frozen | bf16 |" in md.split("## JAX implementations")[1]
+    assert row_of(md.split("## JAX implementations")[1], "RMSNorm", "bwd_frozen", "bf16")
     text = readme.read_text()
-    assert text.startswith("intro\n") and "| RMSNorm | fwd | bf16 |" in text
+    assert text.startswith("intro\n") and row_of(text, "RMSNorm", "fwd", "bf16")
 
 
 def test_cells_selects_exactly_the_table():
@@ -267,3 +327,34 @@ def test_cells_selects_exactly_the_table():
     assert sorted(pairs) == sorted(report.CELL_SHAPES)
     assert args.modes == list(report.CELL_MODES) and args.peers == list(report.TORCH_PEERS)
     assert len(args.ops) * len(args.modes) * len(pairs) == 81
+
+
+# ---------------------------------------------------------------------------------------------
+# The HLO collectives parser (benchmarks/hlo.py).
+
+
+def test_hlo_counts_each_async_all_reduce_once_by_what_it_reduces():
+    from benchmarks.hlo import collectives
+
+    hlo = """
+  %sync = f32[16]{0} all-reduce(f32[16]{0} %a), channel_id=1, replica_groups={{0,1}}, to_apply=%add
+  %merged = (f32[16]{0}, bf16[16]{0}) all-reduce(%b, %c), channel_id=2, to_apply=%add
+  %s = (f32[16]{0}, f32[16]{0}) all-reduce-start(f32[16]{0} %d), channel_id=3, to_apply=%add
+  %s2 = ((f32[4]{0}, f32[8]{0}), (f32[4]{0}, f32[8]{0})) all-reduce-start(%e, %f), to_apply=%add
+  %s3 = (f32[16]{0}, f32[16]{0}) all-reduce-start(%g, %h), to_apply=%add
+  %d = (f32[16]{0}, f32[16]{0}) all-reduce-done(%s3)
+  %d2 = f32[16]{0} all-reduce-done(%s)
+  %ag = f32[32]{0} all-gather-start(f32[16]{0} %i), dimensions={0}
+  ROOT %agd = f32[32]{0} all-gather-done(%ag)
+"""
+    got = collectives(hlo, (16,))
+    # async starts typed (operands, results) count their operands once; the -done lines not at all
+    assert got["all_reduce_ops"] == 5 and got["all_gather"] == 1, got
+    assert got["all_reduce_elements"] == [16, 32, 16, 12, 32], got
+    assert got["all_reduce_arrays"] == ["f32[16]", "f32[16]", "bf16[16]", "f32[16]", "f32[4]", "f32[8]",
+                                        "f32[16]", "f32[16]"]
+    assert got["all_reduce_bytes"] == 4 * 16 + (4 * 16 + 2 * 16) + 4 * 16 + 4 * 12 + 4 * 32
+    assert got["param_reductions"] == 6 and len(got["all_reduce_lines"]) == 5
+    assert got["all_reduce_lines"][1].startswith("%merged = (f32[16]{0}, bf16[16]{0}) all-reduce(")
+    none = collectives("%x = f32[16]{0} add(%a, %b)")
+    assert none["all_reduce_ops"] == 0 and none["all_reduce_bytes"] == 0 and "param_reductions" not in none

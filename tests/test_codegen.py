@@ -11,19 +11,25 @@ the RMSNorm forward 91 µs instead of 71 µs at 8192×8192 bf16.
 
 A third launcher, Inductor (a compiled model's ``torch.library.triton_op``), types a Python float
 argument as fp64: the kernels pin eps and offset to fp32, so the row math stays fp32 there too.
+
+The Pallas kernels (``jax_frontend`` with ``implementation="pallas"``) are lowered for CUDA here too:
+Pallas's Triton lowering makes Triton IR, which Triton compiles to the same PTX as XLA would on the GPU.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
+import re
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from normkit.launch import plan_backward, plan_forward
 from normkit.ops import OPS, Grads
 
-triton = pytest.importorskip("triton")
-
-from scripts.pallas_ptx import summary  # noqa: E402  (global loads and stores of a PTX, by kind)
+import triton  # noqa: E402
 
 M, N, SMS = 8192, 4096, 132
 TYPES = {"bfloat16": "bf16", "float32": "fp32"}
@@ -57,6 +63,18 @@ def ptx(call, dtypes: dict, *, integer_hints: bool, float_type: str = "fp32") ->
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
+def global_accesses(code: str) -> collections.Counter:
+    """Global memory instructions of a PTX by kind: ``ld.global.v4.b32`` is a 128-bit load."""
+    return collections.Counter(m.group(0) for line in code.splitlines()
+                               if (m := re.search(r"\b(ld|st)\.global[.\w]*", line)))
+
+
+def assert_rows_128_bits_wide(accesses: collections.Counter, what: str) -> None:
+    narrow = {k: v for k, v in accesses.items() if ".v" not in k and k.endswith(".b16")}
+    assert not narrow, f"{what}: 16-bit row accesses {dict(accesses)}"
+    assert accesses["ld.global.v4.b32"] > 0 and accesses["st.global.v4.b32"] > 0, (what, dict(accesses))
+
+
 def fwd_call(op_name: str):
     """The forward plan of bf16 rows and parameters, and its inputs' dtypes."""
     op = OPS[op_name]
@@ -85,10 +103,7 @@ def test_contiguous_rows_are_accessed_128_bits_wide_under_either_launcher(what, 
     call, dtypes = fwd_call(op) if trained is None else bwd_call(op, trained)
     assert call.constexprs["ROWS_CONTIGUOUS"] is True, f"{what}: contiguous rows planned on the run-time strides"
     for hints in (False, True):
-        got = collections.Counter(summary(ptx(call, dtypes, integer_hints=hints))["global"])
-        narrow = {k: v for k, v in got.items() if ".v" not in k and k.endswith(".b16")}
-        assert not narrow, f"{what}, integer hints {hints}: 16-bit row accesses {dict(got)}"
-        assert got["ld.global.v4.b32"] > 0 and got["st.global.v4.b32"] > 0, (what, hints, dict(got))
+        assert_rows_128_bits_wide(global_accesses(ptx(call, dtypes, integer_hints=hints)), f"{what}, integer hints {hints}")
 
 
 def test_an_absent_input_does_not_decide_the_row_addressing():
@@ -122,4 +137,94 @@ def test_an_fp64_scalar_from_inductor_does_not_promote_the_math(what, op, traine
     inductor = ptx(call, dtypes, integer_hints=True, float_type="fp64")
     assert not _f64_instructions(inductor), f"{what}: fp64 math under Inductor's typing {dict(_f64_instructions(inductor))}"
     eager = ptx(call, dtypes, integer_hints=True)
-    assert summary(inductor)["global"] == summary(eager)["global"], what
+    assert global_accesses(inductor) == global_accesses(eager), what
+
+
+# ---------------------------------------------------------------------------------------------
+# The Pallas kernels, lowered for CUDA through the public API.
+
+TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call that carries a Pallas-Triton kernel's IR
+
+
+def _h200():
+    """Lower for an H200 whatever this machine has: JAX's Pallas-Triton lowering reads the GPU from the
+    abstract mesh's device when no GPU is present; a JAX without abstract devices lowers for sm_90."""
+    sharding = __import__("jax").sharding
+    if not hasattr(sharding, "AbstractDevice") or not hasattr(sharding, "use_abstract_mesh"):
+        return contextlib.nullcontext()
+    device = sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
+    return sharding.use_abstract_mesh(sharding.AbstractMesh((1,), ("_",), abstract_device=device))
+
+
+def pallas_ptx(fn, *args) -> dict:
+    """``{kernel name: PTX}`` of every Pallas kernel in ``jax.jit(fn)(*args)`` lowered for CUDA: jaxlib's
+    private MLIR bindings print the kernel's Triton IR, which Triton compiles for sm_90."""
+    import jax
+    from jax._src.lib import triton as jaxlib_triton
+    from jax._src.lib.mlir import ir
+    from triton.backends.compiler import GPUTarget
+
+    with _h200():
+        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    found = {}
+
+    def walk(operation):
+        for region in operation.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    if (inner.operation.name == "stablehlo.custom_call"
+                            and str(inner.attributes["call_target_name"]).strip('"') == TRITON_CALL):
+                        config = ir.DictAttr(inner.attributes["mhlo.backend_config"])
+                        context = ir.Context()
+                        jaxlib_triton.dialect.register_dialect(context)
+                        with context:
+                            ttir = str(ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes))
+                        found[str(config["name"]).strip('"')] = (ttir, ir.IntegerAttr(config["num_warps"]).value)
+                    walk(inner.operation)
+
+    walk(lowered.compiler_ir("stablehlo").operation)
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (ttir, warps) in found.items():
+            path = Path(tmp) / f"{name}.ttir"
+            path.write_text(ttir)
+            out[name] = triton.compile(str(path), target=GPUTarget("cuda", 90, 32),
+                                       options={"num_warps": warps}).asm["ptx"]
+    return out
+
+
+@functools.cache
+def pallas_training_step(op_name: str) -> dict:
+    """The PTX of a training step's Pallas kernels at 64 x 256 bf16, weight and bias frozen: the
+    training forward and the frozen backward (the vjp with respect to the row inputs only)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_frontend as jf
+
+    op = OPS[op_name]
+    rows, col = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16), jax.ShapeDtypeStruct((256,), jnp.bfloat16)
+    args = [rows if name in op.row_inputs else col for name in op.inputs]
+    k = len(op.row_inputs)
+
+    def step(*args):
+        y, vjp = jax.vjp(lambda *r: getattr(jf, op_name)(*r, *args[k:], implementation="pallas"), *args[:k])
+        return vjp(y)
+
+    return pallas_ptx(step, *args)
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_pallas_rows_are_accessed_128_bits_wide(op):
+    kernels = pallas_training_step(op)
+    assert sorted(kernels) == [f"normkit_{op}_bwd", f"normkit_{op}_fwd"], sorted(kernels)
+    for name, code in kernels.items():
+        assert_rows_128_bits_wide(global_accesses(code), name)
+
+
+def test_pallas_fused_backward_reads_one_more_row_stream():
+    """The fused add's frozen backward reads s, dy and d(residual_out), RMSNorm's x and dy: 3/2 of the
+    128-bit loads, at the same shape and launch."""
+    loads = {op: global_accesses(pallas_training_step(op)[f"normkit_{op}_bwd"])["ld.global.v4.b32"]
+             for op in ("rms_norm", "fused_add_rms_norm")}
+    assert 2 * loads["fused_add_rms_norm"] == 3 * loads["rms_norm"], loads

@@ -1,8 +1,8 @@
-"""JAX distributed (issue 12): jit on inputs sharded over a 2-device mesh, on CPU.
+"""JAX distributed: jit on inputs sharded over a 2-device mesh, on CPU.
 
 The cases run once for the module in a subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=2``
 (the flag must be set before JAX initializes; the rest of the suite runs with one device):
-``python -m tests.dist_workers jax``. Each is judged by ``dist_workers.jax_failures``: results
+``python -m benchmarks.dist_workers jax``. Each is judged by ``dist_workers.jax_failures``: results
 against the unsharded run, and the compiled HLO: no all-gather (nor all-to-all / collective-permute)
 of the activations, and in the backward exactly one all-reduced array of the parameter's shape per
 trained norm parameter, none for a frozen one.
@@ -23,9 +23,10 @@ import numpy as np
 import pytest
 
 import jax_frontend as jf
+from benchmarks import dist_workers
+from benchmarks.hlo import collectives
 from jax_frontend import _sharding
 from normkit.ops import RMS_NORM
-from tests import dist_workers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,7 +36,7 @@ def cases(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("dist_jax") / "jax.json"
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
            "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "tests.dist_workers", "jax", "--out", str(out)], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.dist_workers", "jax", "--out", str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return {c["name"]: c for c in json.loads(out.read_text())}
@@ -105,7 +106,7 @@ def test_hlo_collectives_parser():
   %ars = f32[] all-reduce-start(f32[] %d), channel_id=3, to_apply=%add
   %ag = f32[4,16]{1,0} all-gather(f32[2,16]{1,0} %e), dimensions={0}
 """
-    got = dist_workers.hlo_collectives(hlo, (16,))
+    got = collectives(hlo, (16,))
     assert got["all_reduce_ops"] == 3 and got["param_reductions"] == 3 and got["all_gather"] == 1, got
     assert got["all_reduce_arrays"] == ["f32[16]", "f32[16]", "bf16[16]", "f32[]"]
     assert got["all_reduce_elements"] == [16, 32, 1] and len(got["all_reduce_lines"]) == 3
@@ -119,16 +120,16 @@ def test_hlo_collectives_merged_and_async():
   %s2 = (f32[16]{0}, f32[8]{0}) all-reduce-start(f32[16]{0} %a, f32[8]{0} %b), channel_id=3, to_apply=%add
   %s3 = ((f32[4]{0}, f32[4]{0}), (f32[4]{0}, f32[4]{0})) all-reduce-start(f32[4]{0} %a, f32[4]{0} %b), to_apply=%add
 """
-    got = dist_workers.hlo_collectives(hlo, (16,))
+    got = collectives(hlo, (16,))
     assert got["all_reduce_elements"] == [32, 16, 24, 8], got
     case = {"name": "c", "kind": "sharded", "params": ["weight", "bias"], "trained": ["x", "weight", "bias"],
-            "spec": ["data", None], "errors": {}, "N": 16, "forward_hlo": dist_workers.hlo_collectives("", (16,)),
-            "backward_hlo": dist_workers.hlo_collectives(hlo.split("\n")[1], (16,))}
+            "spec": ["data", None], "errors": {}, "N": 16, "forward_hlo": collectives("", (16,)),
+            "backward_hlo": collectives(hlo.split("\n")[1], (16,))}
     assert dist_workers.jax_failures(case) == []  # one merged all-reduce of dW and dB: right
-    case["backward_hlo"] = dist_workers.hlo_collectives(hlo, (16,))  # 80 elements for 2 x 16: wrong
+    case["backward_hlo"] = collectives(hlo, (16,))  # 80 elements for 2 x 16: wrong
     assert dist_workers.jax_failures(case) and "reduced once" in dist_workers.jax_failures(case)[0]
     case["trained"] = ["x"]
-    case["backward_hlo"] = dist_workers.hlo_collectives("", (16,))
+    case["backward_hlo"] = collectives("", (16,))
     assert dist_workers.jax_failures(case) == []  # frozen: nothing reduced
 
 

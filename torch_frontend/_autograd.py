@@ -30,7 +30,8 @@ _NO_CONTEXT = contextlib.nullcontext()
 
 class NormFunction(torch.autograd.Function):
     """``forward(op, opts, store_stats, bound, x, residual, weight, bias)`` over any leading shape;
-    ``bound``: the call signature's ``_fastpath.Bound`` plans (eager fast path), or None."""
+    ``bound``: the call signature's ``_fastpath.Bound`` plans (eager fast path), a
+    ``_composite.Composite`` (compiling a frozen norm), or None (the route of ``_ops``)."""
 
     @staticmethod
     def forward(ctx, op: Op, opts: Options, store_stats: bool, bound, x, residual, weight, bias):

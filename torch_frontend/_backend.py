@@ -1,10 +1,10 @@
 """The Torch backend of ``normkit.driver``: allocate with torch, launch compiled (CUDA) or interpreted (CPU).
 
 Compiled launches skip Triton's ``JITFunction.run`` (which re-binds and re-specializes every argument
-on every call, ~20 us of host time): the compiled kernel is cached on the plan under the same
-specialization Triton would compute (16-byte alignment of the pointers; the plan fixes everything
-else) and launched directly. A launch hook (profilers), or a Triton version this was not written
-for, takes the ordinary path.
+on every call, ~20 us of host time): the kernel Triton compiled for 16-byte-aligned pointers (the
+plan fixes every other specialization: strides, flags, sizes) is kept on the plan, and its C
+launcher is called directly with the pointers as integers (``_DirectLaunch``). Unaligned pointers,
+a launch hook (profilers), or a Triton version this was not written for take the ordinary path.
 """
 from __future__ import annotations
 
@@ -67,18 +67,13 @@ class TorchBackend:
     def launch(call: KernelCall, arrays: dict, rows_shape: tuple | None = None) -> dict:
         """``rows_shape``: the caller's ``(..., N)`` shape, in which the row outputs are allocated
         (the same memory layout as the planned ``[M, N]``); see ``normkit.driver.Backend``."""
-        prep, device, args, outs = _operands(call, arrays, rows_shape)
+        prep, device, outs = _outputs(call, arrays, rows_shape)
         if device.type != "cuda" or prep.interpreted:
-            _interpreter.interpreted(call.kernel)[call.grid](*args, **call.constexprs, num_warps=call.num_warps,
-                                                            num_stages=call.num_stages)
+            _interpreter.interpreted(call.kernel)[call.grid](*prep.args(call, arrays, outs), **call.constexprs,
+                                                            num_warps=call.num_warps, num_stages=call.num_stages)
             call.record("torch", True)
         else:
-            index = device.index  # a CUDA tensor's device always has its index
-            if index != torch._C._cuda_getDevice():
-                with torch.cuda.device(index):
-                    _launch_compiled(call, args, index)
-            else:
-                _launch_compiled(call, args, index)
+            _launch_cuda(call, prep, device.index, arrays, outs)  # a CUDA tensor's device always has its index
             call.record("torch", False)
         return dict(zip(prep.out_names, outs))
 
@@ -100,16 +95,16 @@ class InductorBackend(TorchBackend):
 
     @staticmethod
     def launch(call: KernelCall, arrays: dict, rows_shape: tuple | None = None) -> dict:
-        prep, _, args, outs = _operands(call, arrays, rows_shape)
-        torch.library.wrap_triton(call.kernel)[call.grid](*args, **call.constexprs, num_warps=call.num_warps,
-                                                          num_stages=call.num_stages)
+        prep, _, outs = _outputs(call, arrays, rows_shape)
+        torch.library.wrap_triton(call.kernel)[call.grid](*prep.args(call, arrays, outs), **call.constexprs,
+                                                          num_warps=call.num_warps, num_stages=call.num_stages)
         call.record("torch", False)
         return dict(zip(prep.out_names, outs))
 
 
-def _operands(call: KernelCall, arrays: dict, rows_shape: tuple | None = None) -> tuple:
-    """``(prepared plan, device, kernel arguments, outputs)``: every output allocated once, in
-    ``call.out_specs`` order (NaN-filled under ``driver.POISON_OUTPUTS``)."""
+def _outputs(call: KernelCall, arrays: dict, rows_shape: tuple | None = None) -> tuple:
+    """``(prepared plan, device, outputs)``: every output allocated once, in ``call.out_specs`` order
+    (NaN-filled under ``driver.POISON_OUTPUTS``)."""
     prep = call.cache.get("torch")
     if prep is None:
         prep = call.cache["torch"] = _Prepared(call)
@@ -119,10 +114,7 @@ def _operands(call: KernelCall, arrays: dict, rows_shape: tuple | None = None) -
     if driver.POISON_OUTPUTS:
         for t in outs:
             t.fill_(float("nan"))
-    args = [arrays[name] if present else None for name, present in prep.inputs]
-    args += call.scalars
-    args += [outs[i] if i is not None else None for i in prep.out_slots]
-    return prep, device, args, outs
+    return prep, device, outs
 
 
 class _Prepared:
@@ -136,6 +128,14 @@ class _Prepared:
         self._allocs_in: dict = {}
         self.out_slots = [self.out_names.index(name) if name in call.out_specs else None for name in call.outputs]
         self.interpreted = _interpreter.is_interpreted(call.kernel)  # TRITON_INTERPRET=1 made it interpreted
+        self.direct: dict = {}  # device index -> _DirectLaunch of the kernel compiled for aligned pointers
+
+    def args(self, call: KernelCall, arrays: dict, outs: list) -> list:
+        """The kernel's positional arguments: inputs (None where absent), scalars, outputs."""
+        args = [arrays[name] if present else None for name, present in self.inputs]
+        args += call.scalars
+        args += [outs[i] if i is not None else None for i in self.out_slots]
+        return args
 
     def allocs_in(self, rows_shape: tuple) -> list:
         """``allocs`` with the row outputs in ``rows_shape`` (the caller's ``(..., N)``) and the per-row
@@ -147,18 +147,54 @@ class _Prepared:
         return allocs
 
 
-def _launch_compiled(call: KernelCall, args: list, device_index: int) -> None:
-    key = ("torch-compiled", device_index, tuple(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor)))
-    compiled = call.cache.get(key)
-    if compiled is not None and _no_hooks():
-        stream = torch._C._cuda_getCurrentRawStream(device_index)
-        compiled.run(call.grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                     *args, *call.constexprs.values())
+def _launch_cuda(call: KernelCall, prep: _Prepared, index: int, arrays: dict, outs: list) -> None:
+    """Launch on CUDA device ``index``. Once Triton has compiled the kernel for 16-byte-aligned
+    pointers (the specialization every tensor from torch's allocator gets), later launches with
+    aligned pointers call its C launcher directly (``_DirectLaunch``); anything else (unaligned
+    pointers, another current device, launch hooks such as a profiler's) takes Triton's own path."""
+    direct = prep.direct.get(index)
+    if direct and index == torch._C._cuda_getDevice() and _no_hooks():
+        in_ptrs = [arrays[name].data_ptr() if present else None for name, present in prep.inputs]
+        if not any(p & 15 for p in in_ptrs if p):  # outputs come from torch's allocator: aligned
+            out_ptrs = [outs[i].data_ptr() if i is not None else None for i in prep.out_slots]
+            direct(torch._C._cuda_getCurrentRawStream(index), in_ptrs, out_ptrs)
+            return
+    args = prep.args(call, arrays, outs)
+    if index != torch._C._cuda_getDevice():
+        with torch.cuda.device(index):
+            compiled = call.kernel[call.grid](*args, **call.constexprs, num_warps=call.num_warps,
+                                              num_stages=call.num_stages, enable_fp_fusion=call.fp_fusion)
         return
     compiled = call.kernel[call.grid](*args, **call.constexprs, num_warps=call.num_warps, num_stages=call.num_stages,
                                       enable_fp_fusion=call.fp_fusion)
-    if _FAST_OK and compiled is not None:
-        call.cache[key] = compiled
+    if (direct is None and _FAST_OK and compiled is not None
+            and not any(a.data_ptr() & 15 for a in args if isinstance(a, torch.Tensor))):
+        prep.direct[index] = _DirectLaunch.of(call, compiled)
+
+
+class _DirectLaunch:
+    """A compiled kernel's C launch function with everything but the stream and the pointers bound:
+    the call Triton 3.6's ``CompiledKernel.run`` makes (``JITFunction.run``), given pointers as
+    integers (the launcher then neither calls ``data_ptr()`` nor asks the driver about each one)."""
+
+    __slots__ = ("c_launch", "grid", "function", "coop", "pdl", "packed", "scalars", "constexprs")
+
+    @classmethod
+    def of(cls, call: KernelCall, compiled):
+        """The direct launch of ``compiled``, or False where Triton's launcher does more than launch
+        (a kernel that needs scratch memory): then every launch takes Triton's own path."""
+        launcher = compiled.run
+        if getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1):
+            return False
+        self = cls()
+        self.c_launch, self.grid, self.function = launcher.launch, call.grid[0], compiled.function
+        self.coop, self.pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
+        self.packed, self.scalars, self.constexprs = compiled.packed_metadata, call.scalars, tuple(call.constexprs.values())
+        return self
+
+    def __call__(self, stream: int, in_ptrs: list, out_ptrs: list) -> None:
+        self.c_launch(self.grid, 1, 1, stream, self.function, self.coop, self.pdl, None, None, self.packed, None, None,
+                      None, *in_ptrs, *self.scalars, *out_ptrs, *self.constexprs)
 
 
 def _no_hooks() -> bool:

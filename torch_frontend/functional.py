@@ -3,7 +3,9 @@ their validation.
 
 A call is checked (shapes, dtypes, devices, options; ``normkit.checks``, ``Op.options``) before
 anything is launched, then runs through the autograd Function (``_autograd``). A repeated eager
-call of the same signature skips the checks and the planning (``_fastpath``). The other modules of
+call of the same signature skips the checks and the planning (``_fastpath``). Under torch.compile a
+norm with frozen parameters runs as torch operations that Inductor fuses with its neighbours
+(``_composite``); one with trained parameters runs normkit's kernels. The other modules of
 the frontend, one job each: ``_rows`` (row views and the general path over any leading shape),
 ``_ops`` (the torch.library ops for torch.compile and tensor subclasses), ``_backend`` (the driver's
 Torch backend), ``_dtensor`` (DTensor placements), ``modules`` and ``patch``.
@@ -17,7 +19,7 @@ import torch
 
 from normkit import checks
 from normkit.ops import FUSED_ADD_RMS_NORM, LAYER_NORM, RMS_NORM, Op, Options
-from torch_frontend import _fastpath
+from torch_frontend import _composite, _fastpath
 from torch_frontend._autograd import NormFunction
 from torch_frontend._backend import dtype_name
 from torch_frontend._ops import subclassed
@@ -97,6 +99,8 @@ def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode):
         bound = _fastpath.bind(op, opts, store_stats, x, residual, weight, bias)
         if bound is not None:
             _fastpath.remember(key, bound)
+    elif _composite.applies(x, residual, weight, bias):  # compiling a frozen norm: Inductor generates it
+        bound = _composite.Composite(op, opts, store_stats)
     return NormFunction.apply(op, opts, store_stats, bound, x, residual, weight, bias)
 
 

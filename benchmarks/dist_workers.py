@@ -1,4 +1,4 @@
-"""The logic of the distributed tests, shared with ``scripts/multi_gpu.py`` (which runs it compiled on GPUs).
+"""The distributed cases, run by the tests (CPU) and by ``scripts/multi_gpu.py`` (compiled, on GPUs).
 
 Torch (``torch_cases``): on every rank of an initialized process group of 2 ranks, each op on
 DTensors (sequence parallel ``Shard(1)``, batch ``Shard(0)``, uneven shards, replicated rows) with
@@ -7,16 +7,16 @@ collectives with ``CommDebugMode`` per phase (forward, backward, reducing the gr
 placement errors; a ``SequenceParallel`` module; DDP and FSDP2 on a small model with frozen norms.
 
 JAX (``jax_cases``): in one process with 2 devices, each op under ``jit`` on inputs sharded over a
-mesh, against the unsharded run, reading the compiled HLO: all-gathers and the arrays each
-all-reduce reduces.
+mesh, against the unsharded run, reading the compiled HLO (``benchmarks.hlo.collectives``):
+all-gathers and the arrays each all-reduce reduces.
 
 Every case is a JSON-able dict; ``torch_failures`` / ``jax_failures`` list what is wrong with one
 (empty when it passes), so that the tests and the GPU script judge results the same way.
 
 Command line (each in its own process; the tests run these with a timeout)::
 
-    python -m tests.dist_workers torch --out results.json     # spawns 2 gloo ranks on CPU
-    python -m tests.dist_workers jax --out results.json       # 2 host-platform CPU devices
+    python -m benchmarks.dist_workers torch --out results.json     # spawns 2 gloo ranks on CPU
+    python -m benchmarks.dist_workers jax --out results.json       # 2 host-platform CPU devices
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.hlo import collectives  # noqa: E402
 from normkit.ops import OPS  # noqa: E402
 from normkit.testing import assert_close  # noqa: E402
 
@@ -501,44 +502,6 @@ JAX_CASES = [
 ]
 
 
-def hlo_collectives(hlo: str, param_shape: tuple) -> dict:
-    """Collectives in compiled HLO text: all-gathers / all-to-alls, and per all-reduce the shapes it
-    reduces (async ``-start`` forms included); ``param_reductions`` counts arrays of ``param_shape``.
-
-    ``all_reduce_elements`` is the number of elements each all-reduce delivers: XLA's GPU combiner may
-    merge several psums into one concatenated buffer (dW and dB as one ``f32[2N]``), and an async
-    ``all-reduce-start`` may be typed ``(operands, results)``, whose second half is what it delivers.
-    ``all_reduce_lines`` keeps the instructions themselves (shortened), to read what XLA did.
-    """
-    import math
-    import re
-
-    dims = ",".join(str(d) for d in param_shape)
-    reduces, elements, lines = [], [], []
-    for m in re.finditer(r"=\s*(\(.*?\)|\S+)\s+all-reduce(-start)?\(", hlo):
-        arrays = re.findall(r"[a-z]+\d*\[[\d,]*\]", m.group(1))
-        reduces.append(arrays)
-        sizes = [math.prod(int(d) for d in a[a.index("[") + 1:-1].split(",") if d) for a in arrays]
-        operands = hlo[m.end():hlo.find(")", m.end())]
-        n_operands = len(re.findall(r"[a-z]+\d*\[[\d,]*\]", operands)) or operands.count("%")
-        if len(sizes) == 2 * n_operands:
-            sizes = sizes[n_operands:]  # an async start typed (operands, results): what it delivers
-        elements.append(sum(sizes))
-        start = hlo.rfind("\n", 0, m.start()) + 1
-        lines.append(hlo[start:hlo.find("\n", m.end())].strip()[:300])
-    flat = [s for r in reduces for s in r]
-    return {
-        "all_gather": len(re.findall(r"\sall-gather(?:-start)?\(", hlo)),
-        "all_to_all": len(re.findall(r"\sall-to-all\(", hlo)),
-        "collective_permute": len(re.findall(r"\scollective-permute(?:-start)?\(", hlo)),
-        "all_reduce_ops": len(reduces),
-        "all_reduce_arrays": flat,
-        "all_reduce_elements": elements,
-        "all_reduce_lines": lines,
-        "param_reductions": sum(1 for s in flat if s.endswith(f"[{dims}]")),
-    }
-
-
 def _jax_op(op_name: str, implementation=None):
     import jax_frontend as jf
 
@@ -621,7 +584,7 @@ def jax_case(name: str, op_name: str, mesh_def, spec, trained: tuple, use_set_me
     return {"kind": "sharded", "name": name, "op": op_name, "implementation": implementation,
             "mesh": [list(mesh_def[0]), list(mesh_def[1])],
             "spec": [s for s in spec], "trained": list(trained), "params": list(op.params), "errors": errs,
-            "N": D, "forward_hlo": hlo_collectives(fwd_hlo, (D,)), "backward_hlo": hlo_collectives(hlo, (D,))}
+            "N": D, "forward_hlo": collectives(fwd_hlo, (D,)), "backward_hlo": collectives(hlo, (D,))}
 
 
 def jax_user_shard_map(shape=TINY, devices=None) -> list[dict]:
@@ -656,7 +619,7 @@ def jax_user_shard_map(shape=TINY, devices=None) -> list[dict]:
                                    reduced_over=int(np.prod(shape[:-1])))
         out.append({"kind": "user_shard_map", "name": f"user_shard_map_{'trained' if trained else 'frozen'}",
                     "trained": ["x", "weight"] if trained else ["x"], "errors": errs,
-                    "backward_hlo": hlo_collectives(f.lower(xs, ws).compile().as_text(), (shape[-1],))})
+                    "backward_hlo": collectives(f.lower(xs, ws).compile().as_text(), (shape[-1],))})
     return out
 
 
@@ -688,7 +651,7 @@ def jax_replicated(shape=TINY, devices=None) -> list[dict]:
             for mode, fn in (("eager", grads), ("jit", jax.jit(grads))):
                 got = [np.asarray(g) for g in fn(*args)]
                 case["diff"][mode] = max(float(np.abs(g - r).max()) for g, r in zip(got, ref))
-            case["hlo"] = hlo_collectives(jax.jit(grads).lower(*args).compile().as_text(), (shape[-1],))
+            case["hlo"] = collectives(jax.jit(grads).lower(*args).compile().as_text(), (shape[-1],))
         out.append(case)
     return out
 

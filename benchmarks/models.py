@@ -1,0 +1,139 @@
+"""The Llama + LoRA model of the benchmarks, scripts and notebooks, built once here.
+
+``llama_lora`` builds a random-init ``transformers`` Llama (nothing downloaded) on the device and in
+the dtype asked for, wraps it in a PEFT LoRA adapter (default r=16, alpha 32, dropout 0, on
+q_proj/k_proj/v_proj/o_proj: every base weight and every norm weight frozen), and gives it the norms
+asked for (``swap_norms``):
+
+- ``hf``: transformers' ``LlamaRMSNorm``, unchanged;
+- ``normkit``: ``torch_frontend.patch_model(model)``;
+- ``normkit_fused``: ``patch_model(model, fuse_residual_add=True)``: also each decoder layer's residual
+  add before ``post_attention_layernorm`` fused into that norm;
+- ``liger``: every ``LlamaRMSNorm`` replaced by ``liger_kernel.transformers.LigerRMSNorm`` carrying the
+  HF module's eps and weight ``Parameter``, configured as Liger's own Llama patch configures it (offset
+  0, casting "llama", in_place=True). Not ``apply_liger_kernel_to_llama``: it also rebinds
+  ``transformers.models.llama.modeling_llama.LlamaRMSNorm`` process-wide (changing every other model of
+  the process) and, given ``model=``, expects an unwrapped Llama, not a PEFT model. Only the norm is
+  swapped; no other Liger kernel (RoPE, SwiGLU, loss) is applied.
+
+The norm weights are drawn from U(0.5, 1.5) instead of HF's ones, so that a norm that dropped its
+weight shows in the loss.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import warnings
+
+import torch
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+NORMS = ("hf", "normkit", "normkit_fused", "liger")
+
+
+class Unavailable(Exception):
+    """A norm variant that cannot run here; the message is the reason."""
+
+
+def llama_lora(*, layers: int, hidden: int, heads: int, vocab: int, intermediate: int | None = None,
+               kv_heads: int | None = None, max_positions: int = 2048, dtype: torch.dtype = torch.float32,
+               device="cpu", seed: int = 0, norms: str = "hf", r: int = 16, alpha: int | None = None,
+               targets=LORA_TARGETS, init_lora_weights: bool = True, attn_implementation: str | None = None):
+    """``(model, info)``: the LoRA-wrapped Llama with ``norms``, and ``swap_norms``' account of them.
+
+    ``intermediate`` defaults to Llama's 11008 / 4096 of ``hidden`` (64-aligned), ``kv_heads`` to
+    ``heads``, ``alpha`` to ``2 * r``. ``init_lora_weights=False`` draws B at random too (PEFT's default
+    starts it at zero), so that every LoRA gradient is non-zero from the first step."""
+    import peft
+    import transformers
+
+    if intermediate is None:
+        intermediate = max(64, round(hidden * 11008 / 4096 / 64) * 64)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads or heads, max_position_embeddings=max_positions,
+        use_cache=False, **({"attn_implementation": attn_implementation} if attn_implementation else {}))
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):  # built where it runs, in its dtype: no fp32 CPU copy first
+            model = transformers.LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        for _, module in norm_modules(model):
+            module.weight.uniform_(0.5, 1.5)
+    lora = peft.LoraConfig(r=r, lora_alpha=2 * r if alpha is None else alpha, lora_dropout=0.0,
+                           target_modules=list(targets), init_lora_weights=init_lora_weights, task_type="CAUSAL_LM")
+    with warnings.catch_warnings():
+        # peft 0.21 reads transformers' deprecated is_gradient_checkpointing; harmless here.
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        model = peft.get_peft_model(model, lora)
+    model.train()
+    return model, swap_norms(model, norms)
+
+
+def norm_modules(model) -> list:
+    """``(name, module)`` of every RMSNorm of ``model``, whichever implementation."""
+    return [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
+
+
+def swap_norms(model, norms: str) -> dict:
+    """Give ``model`` (a Llama, LoRA-wrapped or not) the norms of ``norms`` in place; returns how
+    (``how``, and for normkit the patch report and its counts). Raises ``Unavailable`` with the reason
+    when the variant cannot run here."""
+    if norms == "hf":
+        return {"how": "transformers' LlamaRMSNorm, unchanged"}
+    if norms in ("normkit", "normkit_fused"):
+        return _patch_normkit(model, fuse_residual_add=norms == "normkit_fused")
+    if norms == "liger":
+        return _swap_liger(model)
+    raise ValueError(f"unknown norms {norms!r}; expected one of {NORMS}")
+
+
+def _patch_normkit(model, fuse_residual_add: bool) -> dict:
+    import torch_frontend
+
+    llama_norms = sum(type(m).__name__ == "LlamaRMSNorm" for _, m in norm_modules(model))
+    layers = sum(type(m).__name__ == "LlamaDecoderLayer" for m in model.modules())
+    report = torch_frontend.patch_model(model, fuse_residual_add=fuse_residual_add)
+    if len(report.patched) != llama_norms or len(report.fused) != (layers if fuse_residual_add else 0):
+        raise RuntimeError(f"patch_model swapped {len(report.patched)} of {llama_norms} LlamaRMSNorm modules and "
+                           f"fused {len(report.fused)} of {layers} decoder layers:\n{report}")
+    how = "torch_frontend.patch_model(model" + (", fuse_residual_add=True)" if fuse_residual_add else ")")
+    return {"how": how, "patch_report": str(report), "patched": len(report.patched),
+            "skipped": len(report.skipped), "fused": len(report.fused)}
+
+
+def _swap_liger(model) -> dict:
+    try:
+        from liger_kernel.transformers import LigerRMSNorm
+    except Exception as e:  # noqa: BLE001 (whatever the import raises, the row says why)
+        raise Unavailable(f"liger_kernel.transformers does not import ({type(e).__name__}: {e})") from None
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        raise Unavailable(f"Liger's Triton kernels need a GPU; this model is on {device.type}")
+    signature = inspect.signature(LigerRMSNorm.__init__)
+    wanted = {"offset": 0.0, "casting_mode": "llama", "in_place": True, "row_mode": None}
+    kwargs = {k: v for k, v in wanted.items() if k in signature.parameters}
+    swapped = 0
+    for name, old in norm_modules(model):
+        if type(old).__name__ != "LlamaRMSNorm":
+            continue
+        new = LigerRMSNorm(old.weight.shape[0], eps=float(old.variance_epsilon), **kwargs)
+        new.weight = old.weight  # the very Parameter: dtype, device, requires_grad=False all kept
+        new.train(old.training)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+        swapped += 1
+    if not swapped:
+        raise Unavailable("no LlamaRMSNorm found to replace")
+    try:
+        version = importlib.metadata.version("liger-kernel")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return {"how": f"module swap: {swapped} x LlamaRMSNorm -> liger_kernel.transformers.LigerRMSNorm("
+                   f"hidden, eps=<the module's>, {', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) carrying "
+                   "the HF module's weight Parameter (not apply_liger_kernel_to_llama: see benchmarks/models.py)",
+            "liger_version": version, "LigerRMSNorm_signature": str(signature)}
