@@ -164,7 +164,7 @@ def repeats_default_casting(case: Case) -> bool:
             and case.trained != frozenset(case.inputs))
 
 
-def quick_cases(shapes, *, each_frozen_set: bool = True) -> list[Case]:
+def quick_cases(shapes, *, each_frozen_set: bool = True, full_and_frozen_at=None) -> list[Case]:
     """The part of ``parity_cases(shapes)`` (less ``repeats_default_casting``) that the default test
     run takes; the rest is the slow tier. It still meets every variant and every shape:
 
@@ -174,9 +174,9 @@ def quick_cases(shapes, *, each_frozen_set: bool = True) -> list[Case]:
       ``each_frozen_set``, each frozen set that maps to it (x, residual or both trained give the same
       COMPUTE_DX: the frontend routes one gradient to them). Without it, one frozen set per kernel
       variant: for an implementation behind a frontend whose routing another run already covers;
-    - every shape with every op and dtype, twice, in the default casting with every parameter: the
-      full backward (dX, and dW/dB through the fp32 partials and their reduction) and the frozen one
-      (only the row inputs trained: no partials).
+    - every shape (of ``full_and_frozen_at``, default ``shapes``) with every op and dtype, twice, in
+      the default casting with every parameter: the full backward (dX, and dW/dB through the fp32
+      partials and their reduction) and the frozen one (only the row inputs trained: no partials).
 
     What the slow tier adds is each variant at the other shapes: the shapes decide block sizes, masks,
     program counts and strides, which the second part covers for every op and dtype."""
@@ -189,7 +189,7 @@ def quick_cases(shapes, *, each_frozen_set: bool = True) -> list[Case]:
     placed = []
     for shift, (_, group) in enumerate(itertools.groupby(chosen, key=lambda v: (v.dtype, v.op))):
         placed += [dataclasses.replace(v, shape=shapes[(i + shift) % len(shapes)]) for i, v in enumerate(group)]
-    for shape in shapes:
+    for shape in shapes if full_and_frozen_at is None else full_and_frozen_at:
         for v in variants():
             if (v.casting, v.offset) == (DEFAULT_CASTING_MODE, 0.0) and v.params == v.spec.params and (
                     v.trained in (frozenset(v.inputs), frozenset(v.spec.row_inputs))):

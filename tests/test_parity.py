@@ -4,7 +4,8 @@ frozen set and shape; the launch record must show exactly the requested backward
 Torch and the JAX frontend's default implementation run every case; the JAX frontend's other
 implementations (Pallas, XLA) run every combination on fewer shapes: D = 1, several row tiles and
 programs (the dW/dB partials), and an odd D above 4096; at the large GPU-only shapes, in the default
-casting without offset. The body is the same for all of them.
+casting without offset (their default run also meets the other shapes). The body is the same for
+all of them.
 
 The default run takes ``quick_cases`` (tests/harness.py): every variant once, at a rotating shape,
 and every shape with every op and dtype, frozen and not; that still meets every kernel flag
@@ -33,7 +34,9 @@ FEWER_SHAPES = [s for s in SHAPES if s.name in ("d1", "many_rows", "d4097") or s
 # the offset run at the small shapes, where they cost nothing).
 OTHER_CASES = [c for c in parity_cases(FEWER_SHAPES) if not repeats_default_casting(c)
                and (c.shape.tags != frozenset({"gpu"}) or (c.casting, c.offset) == ("llama", 0.0))]
-OTHER_QUICK = set(quick_cases(FEWER_SHAPES, each_frozen_set=False))  # frozen sets: through "jax"
+# Their default run: one frozen set per kernel variant (the frontend's routing of the others runs
+# through "jax"), rotating over every shape; the full and frozen backward at the fewer shapes.
+OTHER_QUICK = set(quick_cases(SHAPES, each_frozen_set=False, full_and_frozen_at=FEWER_SHAPES))
 OTHER_IMPLEMENTATIONS = [name for name in sorted(FRONTENDS) if name not in ("torch", "jax")]
 
 
@@ -63,7 +66,7 @@ def check_case(frontend, case):
 
 
 MAIN_FRONTENDS = [n for n in ("torch", "jax") if n in FRONTENDS]  # every case
-_OTHER = set(OTHER_CASES)
+_OTHER = set(OTHER_CASES) | OTHER_QUICK
 
 
 def _param(case, name):
