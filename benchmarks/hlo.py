@@ -47,6 +47,16 @@ def _reduced(type_text: str, operand_text: str, is_start: bool) -> list[tuple[st
     return results
 
 
+def _gathered(type_text: str, operand_text: str, is_start: bool) -> list[tuple[str, tuple[int, ...]]]:
+    """The arrays one all-gather delivers: its result (an async start typed ``(operands, results)``:
+    the second half)."""
+    results = _arrays(type_text)
+    n_operands = len(_arrays(operand_text)) or operand_text.count("%")
+    if is_start and n_operands and len(results) >= 2 * n_operands:
+        return results[n_operands:2 * n_operands]
+    return results
+
+
 def collectives(hlo_text: str, param_shape: tuple[int, ...] | None = None) -> dict:
     """Counts of each collective in ``hlo_text`` (async ``-start`` forms once, ``-done`` never), and
     per all-reduce what it reduces:
@@ -57,16 +67,21 @@ def collectives(hlo_text: str, param_shape: tuple[int, ...] | None = None) -> di
     - ``all_reduce_elements``: per all-reduce, the elements it reduces (summed over a merged tuple);
     - ``all_reduce_bytes``: the bytes all the all-reduces reduce;
     - ``all_reduce_lines``: the instructions themselves, shortened, to read what XLA did;
+    - ``all_gather_arrays``: every array an all-gather delivers, e.g. ``"f32[16]"`` for a gathered
+      weight of 16 elements (an activation gathered shows up as an activation-sized array);
     - with ``param_shape``, ``param_reductions``: the reduced arrays of that shape.
     """
     counts = dict.fromkeys(COLLECTIVES, 0)
-    arrays, elements, nbytes, lines = [], [], 0, []
+    arrays, elements, nbytes, lines, gathered = [], [], 0, [], []
     for m in _INSTRUCTION.finditer(hlo_text):
         opcode = m["opcode"]
         base = opcode.removesuffix("-start")
         if base not in counts:
             continue  # other instructions, and every -done
         counts[base] += 1
+        if base == "all-gather":
+            gathered += [f"{dtype}[{','.join(map(str, dims))}]"
+                         for dtype, dims in _gathered(m["type"], m["operands"], opcode != base)]
         if base != "all-reduce":
             continue
         reduced = _reduced(m["type"], m["operands"], opcode != base)
@@ -79,7 +94,8 @@ def collectives(hlo_text: str, param_shape: tuple[int, ...] | None = None) -> di
     out = {"all_reduce_ops": counts["all-reduce"], "all_gather": counts["all-gather"],
            "reduce_scatter": counts["reduce-scatter"], "all_to_all": counts["all-to-all"],
            "collective_permute": counts["collective-permute"], "all_reduce_arrays": arrays,
-           "all_reduce_elements": elements, "all_reduce_bytes": nbytes, "all_reduce_lines": lines}
+           "all_reduce_elements": elements, "all_reduce_bytes": nbytes, "all_reduce_lines": lines,
+           "all_gather_arrays": gathered}
     if param_shape is not None:
         suffix = f"[{','.join(map(str, param_shape))}]"
         out["param_reductions"] = sum(a.endswith(suffix) for a in arrays)

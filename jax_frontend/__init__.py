@@ -43,6 +43,14 @@ derivatives of a gradient) is not supported: the kernels have a VJP but no JVP r
 ``TypeError``: JAX's "can't apply forward-mode autodiff (jvp) to a custom_vjp function", or
 normkit's "forward-mode differentiation is not supported" when it reaches a kernel.
 
+Meshes
+------
+Under ``jit`` on inputs sharded over a mesh, each device runs the kernels on its own rows: on Auto
+mesh axes through a sharding rule that XLA's partitioner calls (``custom_partitioning``), on
+Explicit axes through ``shard_map`` inside the op, and inside your own ``shard_map`` on the local
+rows. Outputs stay sharded like x; dW/dB are reduced over the mesh axes the rows are split on, and
+only when trained. docs/MULTI_GPU.md has the details and the limits.
+
 Backends
 --------
 On a GPU backend the kernels are compiled through ``jax_triton.triton_call`` (jax-triton 0.3.1 for

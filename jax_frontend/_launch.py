@@ -11,15 +11,20 @@ once by ``kernel_args``:
   from the plan.
 
 On GPU these go to ``jax_triton.triton_call``. On CPU ``interpreter_triton_call`` takes the same
-call and runs it from ``jax.pure_callback`` through ``normkit._interpreter.interpreted``, on zero-copy
+call and runs it from a host callback through ``normkit._interpreter.interpreted``, on zero-copy
 torch views of the host buffers. The CPU path is therefore also a test of the GPU path's argument
 assembly; only jax-triton itself is left for the GPU machine.
+
+The host callback is ``jax.pure_callback``, except in the per-device computations that XLA's
+partitioner builds from ``jax.experimental.custom_partitioning`` (``routed_host_callbacks``).
 
 Neither jax_triton nor torch is imported until a launch on its path needs it: the GPU path never
 imports torch and the CPU path never imports jax_triton.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 
@@ -96,7 +101,7 @@ def _restore_env(name: str, saved: str | None) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _import_jax_triton():
+def import_jax_triton():
     """``import jax_triton``, undoing its import-time ``os.environ["TRITON_CACHE_DIR"] = ""``.
 
     jax-triton 0.3.1 clears TRITON_CACHE_DIR when imported (even when the import then fails, as it
@@ -126,7 +131,7 @@ def _import_jax_triton():
 
 def gpu_triton_call():
     """``jax_triton.triton_call`` (tests replace this to run the GPU path's arguments on CPU)."""
-    return _import_jax_triton().triton_call
+    return import_jax_triton().triton_call
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,12 +172,62 @@ def _host_launch(runner, grid, template, out_shape, poison, options, metaparams,
     return outs
 
 
+# Host callbacks inside custom_partitioning's per-device computations. custom_partitioning lowers
+# the per-device computation during compilation, in a module context of its own, so a pure_callback
+# there registers its Python function in a list that the executable never receives: the host
+# callbacks are handed to the compiler before partitioning starts (the open jax PR #23620 describes
+# this; its test stays skipped). At run time the callback's index then points past the executable's
+# list and the process crashes (jax 0.10.2; custom_partitioning.py and callback.py are unchanged in
+# this respect in jax 0.11). So the enclosing module registers one dispatcher while it is lowered
+# (``host_dispatcher_index``), and while a per-device computation is lowered
+# (``routed_host_callbacks``) each launch calls jaxlib's Python-callback FFI target
+# ("xla_ffi_python_cpu_callback", the one ``jax.pure_callback`` lowers to on CPU) with the
+# dispatcher's index and a key into ``_ROUTED``.
+
+_ROUTE: contextvars.ContextVar = contextvars.ContextVar("normkit_host_callback_index", default=None)
+_ROUTED: list = []  # key -> host launch; one entry per launch lowered this way, kept for the process
+
+
+def _dispatch(key, *host_arrays):
+    return tuple(_ROUTED[int(key)](*host_arrays))
+
+
+def host_dispatcher_index(module_context) -> int:
+    """The index of the launch dispatcher among a module's host callbacks (registered on first use)."""
+    for index, callback in enumerate(module_context.host_callbacks):
+        if callback is _dispatch:
+            return index
+    module_context.add_host_callback(_dispatch)
+    return len(module_context.host_callbacks) - 1
+
+
+@contextlib.contextmanager
+def routed_host_callbacks(index: int | None):
+    """Interpreted launches lowered inside go through the dispatcher at ``index`` (None: pure_callback)."""
+    token = _ROUTE.set(index)
+    try:
+        yield
+    finally:
+        _ROUTE.reset(token)
+
+
+def _host_call(host, out_shape: list, arrays: list):
+    index = _ROUTE.get()
+    if index is None:
+        # vmap never reaches the callback (normkit's primitives fold batch axes into rows first);
+        # "sequential" is the safe answer should it ever be batched directly.
+        return jax.pure_callback(host, out_shape, *arrays, vmap_method="sequential")
+    _ROUTED.append(host)
+    key = jnp.asarray(len(_ROUTED) - 1, jnp.int32)
+    return list(jax.ffi.ffi_call("xla_ffi_python_cpu_callback", out_shape)(key, *arrays, index=np.uint64(index)))
+
+
 def interpreter_triton_call(*args, kernel, out_shape, grid, num_warps, num_stages, enable_fp_fusion=True, name="",
                             **metaparams):
     """``jax_triton.triton_call``'s calling convention, run by Triton's interpreter on the host.
 
-    Arrays go through ``jax.pure_callback`` (so this works eagerly and under jit); scalars and
-    constexprs are baked into the callback. Under ``normkit.testing.poisoned_outputs()`` every output
+    Arrays go through a host callback (so this works eagerly and under jit); scalars and constexprs are
+    baked into the callback. Under ``normkit.testing.poisoned_outputs()`` every output
     buffer starts as NaN. ``enable_fp_fusion`` has no meaning in the interpreter (numpy does not
     contract), as for the Torch frontend's interpreted launches.
     """
@@ -181,9 +236,7 @@ def interpreter_triton_call(*args, kernel, out_shape, grid, num_warps, num_stage
     arrays = [a for a in args if not _is_scalar(a)]
     host = functools.partial(_host_launch, _interpreter.interpreted(kernel), tuple(grid), template, tuple(out_shape),
                              driver.POISON_OUTPUTS, dict(num_warps=num_warps, num_stages=num_stages), dict(metaparams))
-    # vmap never reaches the callback (normkit's primitives fold batch axes into rows first);
-    # "sequential" is the safe answer should it ever be batched directly.
-    return jax.pure_callback(host, list(out_shape), *arrays, vmap_method="sequential")
+    return _host_call(host, list(out_shape), arrays)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,8 +265,9 @@ class JaxBackend:
         return jnp.zeros(shape, JNP_DTYPES[dtype])
 
     def launch(self, call: KernelCall, arrays: dict, rows_shape: tuple | None = None) -> dict:
-        """Launch ``call`` (``rows_shape`` is not used: the frontend reshapes after the custom_vjp); under ``normkit.testing.poisoned_outputs()`` the interpreter path's outputs
-        start as NaN (jax-triton allocates its outputs inside XLA and 0.3.1 can only zero them)."""
+        """Launch ``call`` (``rows_shape`` is not used: each pass flattens and restores its rows itself,
+        ``jax_frontend._rows.Pass``); under ``normkit.testing.poisoned_outputs()`` the interpreter path's
+        outputs start as NaN (jax-triton allocates its outputs inside XLA and 0.3.1 can only zero them)."""
         interpret = self.platform == "cpu" or _interpreter.is_interpreted(call.kernel)
         triton_call = interpreter_triton_call if interpret else gpu_triton_call()
         args, out_shape = kernel_args(call, arrays)

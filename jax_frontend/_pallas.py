@@ -1,12 +1,12 @@
 """The Pallas implementation: ``pallas_call`` glue around ``normkit.kernels.norm_pallas``.
 
-Two entry points with the interface every implementation provides (see ``jax_frontend._xla``):
-``forward`` and ``backward`` over 2-D rows, returning dicts keyed like ``Op.fwd_buffers`` and
-``Op.bwd_buffers``. Launches:
+The two entry points of ``jax_frontend._implementation.Implementation``: ``forward`` and
+``backward`` over 2-D rows, returning dicts keyed like ``Op.fwd_buffers`` and ``Op.bwd_buffers``.
+Launch shapes (rows per tile, warps, grid) come from ``normkit.launch.pallas_blocks`` and
+``reduce_blocks``, the one place they are chosen and measured. Launches:
 
 - forward: one ``[BLOCK_M, BLOCK_N]`` row block per program, except LayerNorm on rows of >= 8192
-  elements (>= 4096 in fp32): a persistent grid (``persistent_grid``; measured in
-  ``normkit.launch.pallas_blocks``);
+  elements (>= 4096 in fp32): a persistent grid (``normkit.launch.pallas_persistent``);
 - backward without dW/dB (frozen weight and bias): one row block per program (LayerNorm's 8192-wide
   rows: a persistent grid), no partial buffer, no reduction;
 - backward with dW/dB: a persistent grid of about 1-2 programs per SM, each accumulating one fp32
@@ -44,8 +44,8 @@ shared memory with TMA, which needs 16-byte-aligned row strides (N % 8 == 0 in b
 at most 256 elements a dimension (mosaic/gpu/launch_context.py), so odd N needs a padded copy and
 long rows a [M, N / 256, 256] view, and it has no lowering for the masked loads used here, (3) its
 row reductions need explicit register layouts (``plgpu.load(..., layout=...)``, warpgroup
-tiling). It is a different kernel body, not a different lowering of this one; see the report that
-came with this module for what a port would take. Selecting it raises ``NotImplementedError``.
+tiling). It is a different kernel body, not a different lowering of this one. Selecting it raises
+``NotImplementedError``.
 
 Row indices are int32 (M < 2**31); the lowering itself switches element offsets to 64 bits for
 arrays over 4 GiB.
@@ -60,39 +60,24 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from normkit.kernels import norm_pallas
+from jax_frontend import _launch
+from jax_frontend._implementation import FORWARD_MODE_ERROR
 from normkit import record
-from normkit.launch import _next_pow2, pallas_blocks, reduce_blocks
+from normkit.kernels import norm_pallas
+from normkit.launch import pallas_blocks, reduce_blocks
 from normkit.ops import MAX_N, Grads, Op, Options
 
 LOWERINGS = ("triton", "mosaic_gpu")
 GPU_LOWERING = os.environ.get("NORMKIT_PALLAS_LOWERING", "triton")  # read when a call is traced
 NUM_SMS: int | None = None  # sizes the persistent grids (and the [G, N] partials); None: ask the device
-PERSISTENT_LAYER_NORM = True  # LayerNorm's long rows as a persistent grid, where persistent_grid says
-
-
-# ---------------------------------------------------------------------------------------------
-# The launch shapes come from normkit.launch (pallas_blocks), the project's one place for them.
-
-
-def persistent_grid(op: Op, N: int, elem_bytes: int = 2, backward: bool = False) -> bool:
-    """Whether a pass without dW/dB runs a persistent grid: only LayerNorm's (two reductions per row),
-    where measured faster (``normkit.launch.pallas_blocks``): its forward on rows of >= 8192 elements
-    (>= 4096 in fp32), its dx-only backward on rows of 8192 (next power of two). Never when
-    ``PERSISTENT_LAYER_NORM`` is turned off."""
-    if not PERSISTENT_LAYER_NORM or op.is_rms:
-        return False
-    if backward:
-        return _next_pow2(N) == 8192
-    return _next_pow2(N) >= (4096 if elem_bytes >= 4 else 8192)
+PERSISTENT_LAYER_NORM = True  # LayerNorm's long rows as a persistent grid, where normkit.launch.pallas_persistent says
 
 
 def blocks(op: Op, M: int, N: int, dtype, *, backward: bool = False, reduces: bool = False):
-    """The launch shape of one pass (``normkit.launch.pallas_blocks``), as ``forward`` and
-    ``backward`` launch it (``scripts/tune_pallas.py`` starts its sweep from it)."""
-    elem_bytes = jnp.dtype(dtype).itemsize
-    return pallas_blocks(M, N, reduces=reduces, persistent=not reduces and persistent_grid(op, N, elem_bytes, backward),
-                         backward=backward, elem_bytes=elem_bytes, num_sms=num_sms())
+    """The launch shape of one pass (``normkit.launch.pallas_blocks``) on the default backend, as
+    ``forward`` and ``backward`` launch it (``scripts/tune_pallas.py`` starts its sweep from it)."""
+    return pallas_blocks(op, M, N, elem_bytes=jnp.dtype(dtype).itemsize, num_sms=num_sms(), backward=backward,
+                         reduces=reduces, persistent=None if PERSISTENT_LAYER_NORM else False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,8 +89,6 @@ def num_sms() -> int:
     number the Triton implementation plans with (INTERPRETER_NUM_SMS on CPU)."""
     if NUM_SMS is not None:
         return NUM_SMS
-    from jax_frontend import _launch
-
     return _launch.num_sms("cpu" if jax.default_backend() == "cpu" else "cuda")
 
 
@@ -136,8 +119,6 @@ def _run(launch, args):
 
     @run.defjvp
     def _(primals, tangents):
-        from jax_frontend._primitives import FORWARD_MODE_ERROR
-
         raise TypeError(FORWARD_MODE_ERROR)
 
     return run(*args)
@@ -230,11 +211,11 @@ def forward(op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bo
 
 
 def backward(op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: Grads,
-             b_dtype: str | None, w_dtype: str | None = None) -> dict:
+             b_dtype: str | None) -> dict:
     """DX (with + dres for the fused op), DW, DB as ``grads`` asks; keys exactly those of ``op.bwd_buffers``.
-    dW takes ``w_dtype`` (default: the weight's dtype), dB ``b_dtype``."""
+    dW takes the weight's dtype, dB ``b_dtype``."""
     M, N = x.shape
-    w_dtype = w_dtype or (jnp.dtype(weight.dtype).name if weight is not None else None)
+    w_dtype = jnp.dtype(weight.dtype).name if weight is not None else None
     assert 1 <= N <= MAX_N, N
     buffers = op.bwd_buffers(M, N, jnp.dtype(x.dtype).name, grads, w_dtype, b_dtype)
     if not buffers:
@@ -291,7 +272,7 @@ def backward(op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: G
 def _reduce_call(G: int, N: int, buffers: dict):
     """``red(interpret, dw_part, db_part) -> {"DW": ..., "DB": ...}``: the fixed-order column sums."""
     has_dw, has_db = "DW" in buffers, "DB" in buffers
-    block_g, block_n = reduce_blocks(G, N)
+    block_g, block_n, num_warps = reduce_blocks(G, N)
     kernel = functools.partial(norm_pallas.partial_sum_kernel, G=G, N=N, HAS_DW=has_dw, HAS_DB=has_db,
                                BLOCK_G=block_g, BLOCK_N=block_n)
     in_names = ["dw_part_ref"] * has_dw + ["db_part_ref"] * has_db
@@ -300,7 +281,6 @@ def _reduce_call(G: int, N: int, buffers: dict):
     body = _with_names(kernel, in_names, [ref_of[n] for n in out_names],
                        ("dw_part_ref", "db_part_ref", "dw_ref", "db_ref"))
     col_block = pl.BlockSpec((block_n,), lambda j: (j,))
-    num_warps = 4 if block_g * block_n >= 1024 else 1
     _record(kernel, -(-N // block_n), num_warps)
 
     def red(interpret, dw_part, db_part):

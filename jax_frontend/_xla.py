@@ -1,7 +1,7 @@
 """The XLA implementation: the norms in plain ``jax.numpy``, no custom kernel.
 
-Same two entry points and dict results as ``jax_frontend._pallas`` (keys of ``Op.fwd_buffers`` /
-``Op.bwd_buffers``), same math and rounding points as ``normkit.kernels.norm`` for each casting
+The two entry points of ``jax_frontend._implementation.Implementation`` (dict results keyed like
+``Op.fwd_buffers`` / ``Op.bwd_buffers``), same math and rounding points as ``normkit.kernels.norm`` for each casting
 mode, and the same frozen semantics: a gradient that is not asked for is not computed (no dW/dB
 column sum is even traced for a frozen weight/bias).
 
@@ -91,11 +91,11 @@ def forward(op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bo
 
 
 def backward(op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: Grads,
-             b_dtype: str | None, w_dtype: str | None = None) -> dict:
+             b_dtype: str | None) -> dict:
     """DX (with + dres for the fused op), DW, DB as ``grads`` asks; keys exactly those of ``op.bwd_buffers``.
-    dW takes ``w_dtype`` (default: the weight's dtype), dB ``b_dtype``."""
+    dW takes the weight's dtype, dB ``b_dtype``."""
     M, N = x.shape
-    w_dtype = w_dtype or (jnp.dtype(weight.dtype).name if weight is not None else None)
+    w_dtype = jnp.dtype(weight.dtype).name if weight is not None else None
     dt = x.dtype
     _record("xla_norm_bwd", IS_RMS=op.is_rms, HAS_W=weight is not None, HAS_DRES=dres is not None,
             CASTING=int(opts.casting), COMPUTE_DX=grads.dx, COMPUTE_DW=grads.dw, COMPUTE_DB=grads.db)

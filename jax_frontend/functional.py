@@ -5,7 +5,12 @@ an input that is under ``jax.lax.stop_gradient`` (see ``freeze``), outside the d
 arguments, or closed over is unperturbed, so its COMPUTE_* flag is off: its work, its fp32 partial
 buffer and its reduction launch disappear, and its cotangent is a symbolic zero. The choice is made
 when the forward rule is traced and stays static (Python bools carried in the residuals' tree
-structure). Inputs are flattened to 2-D rows before the custom_vjp boundary and reshaped after it.
+structure).
+
+Arrays keep the caller's shape ``(..., N)`` across the custom_vjp boundary; each pass flattens its
+rows to 2-D inside (``_rows.Pass``), on each device's rows where the inputs are sharded. Flattening
+before the boundary would merge a sharded sequence axis with an unsharded batch axis, which no
+sharding of the merged axis expresses: XLA would gather the activation to do it.
 """
 from __future__ import annotations
 
@@ -18,9 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from jax_frontend import _launch
-from jax_frontend import _primitives as triton_impl
-from jax_frontend import _sharding  # issue 12: sharded inputs (shard_map inside the op)
+from jax_frontend import _custom_partitioning, _launch, _shard_map, _triton
+from jax_frontend._implementation import Implementation
 from normkit import checks
 from normkit.ops import FUSED_ADD_RMS_NORM, LAYER_NORM, RMS_NORM, Grads, Op, Options
 
@@ -32,9 +36,9 @@ __all__ = ["rms_norm", "layer_norm", "fused_add_rms_norm", "IMPLEMENTATIONS", "r
 IMPLEMENTATIONS = ("triton", "pallas", "xla")
 
 
-def _implementation_module(name: str):
+def _implementation_module(name: str) -> Implementation:
     if name == "triton":  # normkit.kernels.norm through jax-triton (GPU) or Triton's interpreter (CPU)
-        return triton_impl
+        return _triton
     if name == "pallas":  # normkit.kernels.norm_pallas through pallas_call
         from jax_frontend import _pallas
 
@@ -53,7 +57,7 @@ def _unavailable(name: str, platform: str) -> str | None:
         return "on CPU it runs the Triton kernels in Triton's interpreter, which needs torch (pip install torch)"
     if name == "triton" and platform == "gpu":
         try:
-            _launch._import_jax_triton()
+            _launch.import_jax_triton()
         except ImportError as err:
             return str(err)
     return None
@@ -71,7 +75,7 @@ def resolve_implementation(implementation: str | None = None, like=None) -> str:
     """
     platform = jax.default_backend()
     if implementation is None:
-        skip = {"pallas"} if platform == "cpu" and like is not None and _sharding._varying(like) else set()
+        skip = {"pallas"} if platform == "cpu" and like is not None and _shard_map.varying(like) else set()
         return next(name for name in IMPLEMENTATIONS if name not in skip and _unavailable(name, platform) is None)
     if not isinstance(implementation, str):
         raise TypeError(f"normkit: implementation must be None or a str, one of {IMPLEMENTATIONS}; got "
@@ -92,7 +96,7 @@ class _Config:
 
     op: Op
     opts: Options
-    impl: object = triton_impl  # a module with forward(op, ...) and backward(op, ...)
+    impl: Implementation  # over arrays of the caller's shape: _shard_map.ShardedImpl or _custom_partitioning's
 
 
 @jax.tree_util.register_static
@@ -116,28 +120,16 @@ def _outputs(cfg: _Config, out: dict):
 
 
 def _forward(cfg: _Config, x, residual, weight, bias, *, store_stats: bool) -> dict:
-    """The implementation's forward; no rows: empty results (every implementation gets M >= 1; the
-    sharded one, which takes the caller's shape, splits rows among devices and defers to these)."""
-    if x.ndim == 2 and x.shape[0] == 0:
-        M, N = x.shape
-        return {name: jnp.zeros(shape, dtype) for name, (shape, dtype) in
-                cfg.op.fwd_buffers(M, N, _launch.dtype_name(x.dtype), store_stats).items()}
     return cfg.impl.forward(cfg.op, x, residual, weight, bias, opts=cfg.opts, store_stats=store_stats)
 
 
 def _backward(cfg: _Config, x, weight, dy, dres, mean, rstd, *, grads: Grads, b_dtype) -> dict:
-    """The implementation's backward; no rows: dX empty and dW/dB sums of nothing (zeros)."""
-    if x.ndim == 2 and x.shape[0] == 0:
-        M, N = x.shape
-        w_dtype = _launch.dtype_name(weight.dtype) if weight is not None else None
-        return {name: jnp.zeros(shape, dtype) for name, (shape, dtype) in
-                cfg.op.bwd_buffers(M, N, _launch.dtype_name(x.dtype), grads, w_dtype, b_dtype).items()}
     return cfg.impl.backward(cfg.op, x, weight, dy, dres, mean, rstd, opts=cfg.opts, grads=grads, b_dtype=b_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _norm(cfg: _Config, x, residual, weight, bias):
-    """Rows in, rows out. No backward will run here, so no statistics are stored."""
+    """Arrays of the caller's shape in and out. No backward will run here, so no statistics are stored."""
     return _outputs(cfg, _forward(cfg, x, residual, weight, bias, store_stats=False))
 
 
@@ -205,19 +197,16 @@ def _call(op: Op, x, residual=None, weight=None, bias=None, *, eps, offset=0.0, 
     checks.check(op, x_shape=tuple(x.shape), x_dtype=_launch.dtype_name(x.dtype), residual=spec(residual),
                  weight=spec(weight), bias=spec(bias))
     opts = op.options(eps=eps, offset=offset, casting_mode=casting_mode)
-    impl = _implementation_module(resolve_implementation(implementation, x))
-    # Distributed (issue 12, jax_frontend/_sharding.py): inside a caller's shard_map, inputs varying alike;
-    # x sharded over Explicit mesh axes runs per device through shard_map, on arrays of the caller's
-    # shape; unsupported shardings raise here.
-    x, residual, weight, bias = _sharding.match_varying(x, residual, weight, bias)
-    sharded = _sharding.sharded_impl(op, impl, x, residual, weight, bias)
-    if sharded is not None:
-        return _norm(_Config(op, opts, sharded), x, residual, weight, bias)
-    rows = lambda a: None if a is None else a.reshape(-1, a.shape[-1])  # noqa: E731
-    out = _norm(_Config(op, opts, impl), rows(x), rows(residual), weight, bias)
-    if op.has_residual:
-        return out[0].reshape(x.shape), out[1].reshape(x.shape)
-    return out.reshape(x.shape)
+    base = _implementation_module(resolve_implementation(implementation, x))
+    # Distributed (jax_frontend/_shard_map.py, _custom_partitioning.py): inside a caller's shard_map,
+    # inputs varying alike; a parameter sharded over Explicit mesh axes gathered; x sharded over
+    # Explicit mesh axes runs per device through shard_map (unsupported shardings raise here);
+    # anything else through a primitive that XLA's partitioner splits by rows.
+    x, residual, weight, bias = _shard_map.match_varying(x, residual, weight, bias)
+    weight, bias = _shard_map.whole_params(weight, bias)
+    impl = (_shard_map.sharded_impl(op, base, x, residual, weight, bias)
+            or _custom_partitioning.PartitionedImpl(base))
+    return _norm(_Config(op, opts, impl), x, residual, weight, bias)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None = None, eps: float = 1e-6, *, offset: float = 0.0,

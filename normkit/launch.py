@@ -242,10 +242,11 @@ def plan_backward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_d
     return bwd, _plan_reduce(N, grid, w_dtype if grads.dw else None, b_dtype if grads.db else None)
 
 
-def reduce_blocks(G: int, N: int) -> tuple[int, int]:
-    """(BLOCK_G, BLOCK_N) of the partial-sum reduction (Triton and Pallas): 64 columns per program, 32
-    partial rows a step."""
-    return min(_next_pow2(G), 32), min(_next_pow2(N), 64)
+def reduce_blocks(G: int, N: int) -> tuple[int, int, int]:
+    """(BLOCK_G, BLOCK_N, num_warps) of the partial-sum reduction (Triton and Pallas): 64 columns per
+    program, 32 partial rows a step; 4 warps from 1024 elements a step, else 1."""
+    block_g, block_n = min(_next_pow2(G), 32), min(_next_pow2(N), 64)
+    return block_g, block_n, 4 if block_g * block_n >= 1024 else 1
 
 
 def _plan_reduce(N: int, G: int, w_dtype: str | None, b_dtype: str | None) -> KernelCall | None:
@@ -253,7 +254,7 @@ def _plan_reduce(N: int, G: int, w_dtype: str | None, b_dtype: str | None) -> Ke
     has_dw, has_db = w_dtype is not None, b_dtype is not None
     if not (has_dw or has_db):
         return None
-    block_g, block_n = reduce_blocks(G, N)
+    block_g, block_n, num_warps = reduce_blocks(G, N)
     out_specs = {}
     if has_dw:
         out_specs["DW"] = ((N,), w_dtype)
@@ -263,7 +264,7 @@ def _plan_reduce(N: int, G: int, w_dtype: str | None, b_dtype: str | None) -> Ke
     return KernelCall(
         kernel=partial_sum_kernel,
         grid=(-(-N // block_n),),
-        num_warps=4 if block_g * block_n >= 1024 else 1,
+        num_warps=num_warps,
         num_stages=1,
         inputs=RED_INPUTS,
         present_inputs=frozenset(present),
@@ -294,16 +295,28 @@ class PallasBlocks:
     num_stages: int = 1  # Triton loop pipelining: no measured effect on these loops (the kernels prefetch)
 
 
-@functools.lru_cache(maxsize=4096)
-def pallas_blocks(M: int, N: int, *, reduces: bool = False, persistent: bool = False, backward: bool = False,
-                  elem_bytes: int = 2, num_sms: int = 132) -> PallasBlocks:
-    """Launch shape of a Pallas row-wise pass over M x N (jax_frontend._pallas).
+def pallas_persistent(op: Op, N: int, *, elem_bytes: int, backward: bool) -> bool:
+    """Whether a Pallas pass without dW/dB walks several tiles per program (a persistent grid): only
+    LayerNorm's (two dependent reductions per row), where measured faster: its forward on rows of
+    >= 8192 elements (>= 4096 in fp32), its dx-only backward on rows of 8192 (next power of two)."""
+    if op.is_rms:
+        return False
+    if backward:
+        return _next_pow2(N) == 8192
+    return _next_pow2(N) >= (4096 if elem_bytes >= 4 else 8192)
 
-    ``reduces``: a backward with dW/dB partials; ``persistent``: a pass whose programs walk several
-    tiles although nothing is reduced (``jax_frontend._pallas.persistent_grid`` says where: LayerNorm's
-    long rows), the forward or (``backward``) the dx-only backward; ``elem_bytes``: the rows' element
-    size. Measured on an H200 at 8192 x 8192, 16384 x 8192 and 32768 x 4096 (starting
-    from ``normkit.launch``'s choices for the Triton kernels; ``scripts/tune_pallas.py``):
+
+@functools.lru_cache(maxsize=4096)
+def pallas_blocks(op: Op, M: int, N: int, *, elem_bytes: int, num_sms: int, backward: bool = False,
+                  reduces: bool = False, persistent: bool | None = None) -> PallasBlocks:
+    """Launch shape of one Pallas row-wise pass of ``op`` over M x N (jax_frontend._pallas).
+
+    ``backward``: the backward pass; ``reduces``: a backward with dW/dB partials; ``elem_bytes``: the
+    rows' element size; ``num_sms``: the device's SM count (``INTERPRETER_NUM_SMS`` in interpret
+    mode). ``persistent`` (a pass without dW/dB whose programs walk several tiles) defaults to
+    ``pallas_persistent``; False keeps one tile per program. Measured on an H200 at 8192 x 8192,
+    16384 x 8192 and 32768 x 4096, starting from ``normkit.launch``'s choices for the Triton
+    kernels (``scripts/tune_pallas.py``):
     - a tile is BLOCK_M rows x BLOCK_N (next power of two >= N) columns, ~4096 elements, with
       about 8-16 elements per thread (4 warps per 4096, 8 per 8192, up to 32);
     - forward and dx-only backward: one tile per program, except on LayerNorm's long rows;
@@ -312,27 +325,33 @@ def pallas_blocks(M: int, N: int, *, reduces: bool = False, persistent: bool = F
       warps there (129 -> 120 us; 4096-element ones lose with 16). More programs per SM only add
       partials: one program's registers already fill an SM;
     - persistent forward in bf16/fp16: 2 programs per SM for tiles of >= 8192 elements, else 4, with
-      half the warps of a one-tile program (at least 4). LayerNorm bf16 8192 x 8192 (session 5,
-      against an XLA copy at 4.06 TB/s): 86.3 us (77% of copy) with 4 warps and 2 programs per SM,
-      against 110.7 us (60%) with one row per program and 8 warps, and 95.0 us with 16 warps;
+      half the warps of a one-tile program (at least 4). LayerNorm bf16 8192 x 8192 (commit 899f799,
+      2026-11-30, against an XLA copy at 4.06 TB/s): 86.3 us (77% of copy) with 4 warps and 2
+      programs per SM, against 110.7 us (60%) with one row per program and 8 warps, and 95.0 us with
+      16 warps;
     - persistent forward in fp32, rows of >= 8192: tiles of >= 16384 elements, 16 warps (32 on wider
-      rows), 1 program per SM. LayerNorm fp32 8192 x 8192 (session 7): 151.6 us (87% of copy) against
-      170.2 us (78%) with the bf16 choice, whose 4 warps assemble to 255 registers and spill in fp32;
+      rows), 1 program per SM. LayerNorm fp32 8192 x 8192 (commit 1fdb683, 2026-11-30): 151.6 us
+      (87% of copy) against 170.2 us (78%) with the bf16 choice, whose 4 warps assemble to 255
+      registers and spill in fp32;
     - persistent forward in fp32, narrower rows: twice the one-tile warps, 2 programs per SM.
-      LayerNorm fp32 32768 x 4096 (session 7): 300.4 us (89% of a 3.99 TB/s copy) against 363.3 us
-      with one row per program at 4 warps;
+      LayerNorm fp32 32768 x 4096 (commit 1fdb683): 300.4 us (89% of a 3.99 TB/s copy) against
+      363.3 us with one row per program at 4 warps;
     - persistent dx-only backward (rows of 8192 only): 1 program per SM, 32 warps. LayerNorm bf16
-      (session 7): 123.4 against 127.2 us at 8192 x 8192, 231.2 against 236.4 us at 16384 x 8192 (one
-      row per program). Wider rows keep one row per program: there a prefetched fp32 tile spills.
+      (commit 1fdb683): 123.4 against 127.2 us at 8192 x 8192, 231.2 against 236.4 us at 16384 x
+      8192 (one row per program). Wider rows keep one row per program: there a prefetched fp32 tile
+      spills.
 
-    Device time with these choices at M x N >= 64M, bf16 and fp32 (session 7, against an XLA copy
-    traced at 4.26 TB/s; ``benchmarks/results/device_time/h200_device_time.md``): forward 88-92% of
-    copy (RMSNorm, fused add) and 84-89% (LayerNorm); dx-only backward 87-93%; full backward, wall,
-    1.43-1.55x (RMSNorm), 1.69-2.26x (LayerNorm) and 1.2-1.59x (fused add) faster than
-    ``jax_frontend._xla``'s.
+    Device time with these choices at M x N >= 64M, bf16 and fp32 (commit 1fdb683, against an XLA
+    copy traced at 4.26 TB/s; ``benchmarks/results/device_time/h200_device_time.md``): forward
+    88-92% of copy (RMSNorm, fused add) and 84-89% (LayerNorm); dx-only backward 87-93%; full
+    backward, wall, 1.43-1.55x (RMSNorm), 1.69-2.26x (LayerNorm) and 1.2-1.59x (fused add) faster
+    than ``jax_frontend._xla``'s.
     """
+    if persistent is None:
+        persistent = pallas_persistent(op, N, elem_bytes=elem_bytes, backward=backward)
+    persistent = persistent and not reduces
     block_m, block_n, num_warps = tile_config(M, N)  # the Triton kernels' tiles
-    wide_fp32_forward = persistent and not reduces and not backward and elem_bytes >= 4 and block_n >= 8192
+    wide_fp32_forward = persistent and not backward and elem_bytes >= 4 and block_n >= 8192
     if wide_fp32_forward:
         block_m = max(block_m, 16384 // block_n)
         num_warps = 16 if block_n <= 8192 else 32  # 16 on 16384-wide rows: 128 registers and spills

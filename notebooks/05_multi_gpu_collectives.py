@@ -42,7 +42,7 @@
 #    normkit vs Hugging Face norms, frozen vs trained; and the JAX sharded RMSNorm timed with the
 #    weight trained vs frozen.
 #
-# The usage pattern (`jax.make_mesh` with an Explicit axis, `jax.set_mesh`, `NamedSharding`,
+# The usage pattern (`jax.make_mesh` with Auto or Explicit axes, `jax.set_mesh`, `NamedSharding`,
 # `jax_frontend.freeze`) is the one of `docs/MULTI_GPU.md`. The live part runs once per kind of mesh
 # axis in `MESH_KINDS` (below), and each kind gets its own rows in the figure.
 
@@ -77,11 +77,11 @@ except ImportError:  # _nbutil asks torch whether CUDA is there; without torch, 
 devices = jax.devices() if len(jax.devices()) >= 2 else jax.devices("cpu")[:2]
 devices = devices[:2]
 assert len(devices) == 2, f"need 2 devices, found {jax.devices()} (XLA_FLAGS={os.environ.get('XLA_FLAGS')!r})"
-# The kinds of mesh axis the live part compares: one mesh each, same devices, same axis name.
-# Auto axes (the default of jax.sharding.Mesh, Flax partitioning rules and most training scripts) join
-# here once jax_frontend shards its ops under them: add  "Auto": AxisType.Auto,  and the live table and
-# the figure gain an "Auto mesh" row per case, checked by the same assertions.
-MESH_KINDS = {"Explicit": AxisType.Explicit}
+# The kinds of mesh axis the live part compares: one mesh each, same devices, same axis name. Auto
+# axes are the default of jax.sharding.Mesh, Flax partitioning rules and most training scripts: there
+# normkit's ops tell XLA's partitioner how to shard them (custom_partitioning with a Shardy rule);
+# Explicit axes carry the sharding in the type and normkit runs the op through shard_map.
+MESH_KINDS = {"Auto": AxisType.Auto, "Explicit": AxisType.Explicit}
 MESHES = {kind: jax.make_mesh((2,), ("sp",), axis_types=(axis_type,), devices=devices)
           for kind, axis_type in MESH_KINDS.items()}
 

@@ -601,11 +601,11 @@ def _strict_triton_call(calls):
                                   if c.dtype == "bfloat16" and c.casting in ("llama",) and c.offset == 0.0
                                   or c.op == "layer_norm" and c.dtype == "float16"], ids=str)
 def test_gpu_path_arguments(case, monkeypatch):
-    from jax_frontend import _launch, _primitives
+    from jax_frontend import _launch, _triton
 
     calls = []
     monkeypatch.setattr(_launch, "gpu_triton_call", lambda: _strict_triton_call(calls))
-    monkeypatch.setattr(_primitives, "_platform_of", lambda arrays: "cuda")
+    monkeypatch.setattr(_triton, "_platform_of", lambda arrays: "cuda")
     monkeypatch.setattr(_launch, "num_sms", lambda platform: 132)  # the H200's plan: more programs
     inp = make_inputs(case, np.random.default_rng(zlib.crc32(str(case).encode())))
     res = JaxFrontend(jit=False).call(case, inp)  # eager: the platform comes from _platform_of
@@ -718,11 +718,11 @@ assert os.environ.get("TRITON_CACHE_DIR") == before
 
 FAKE_GPU = """
 import sys, jax, jax.numpy as jnp
-from jax_frontend import _launch, _primitives
+from jax_frontend import _launch, _triton
 def triton_call(*args, out_shape, **kwargs):  # stands in for jax_triton: outputs of the right shape
     return [jnp.zeros(s.shape, s.dtype) for s in out_shape]
 _launch.gpu_triton_call = lambda: triton_call
-_primitives._platform_of = lambda arrays: "cuda"
+_triton._platform_of = lambda arrays: "cuda"
 _launch.num_sms = lambda platform: 132
 """
 

@@ -153,8 +153,7 @@ def run_cases(impl, cases: list[Case], arrays: list[dict], stats_free: bool = Fa
             for grads, with_ds in case.backwards:
                 res["bwd"].append(impl.backward(
                     op, saved, a.get("weight"), a["dy"], a["ds"] if with_ds else None, fwd.get("MEAN"), fwd["RSTD"],
-                    opts=case.opts, grads=grads, w_dtype=case.w_dtype or case.dtype if case.cfg.has_w else None,
-                    b_dtype=case.w_dtype or case.dtype if case.cfg.has_b else None))
+                    opts=case.opts, grads=grads, b_dtype=case.w_dtype or case.dtype if case.cfg.has_b else None))
             results.append(res)
         return results
 
@@ -267,11 +266,9 @@ def test_row_lengths(impl, monkeypatch):
     cases.append(Case("layer_norm", Config(Casting.FP32, 0.0, True, True), (20, 5000), "bfloat16"))
     cases.append(Case("layer_norm", Config(Casting.FP32, 0.0, True, True), (20, 3000), "float32"))  # fp32: persistent from 4096
     if impl is _pallas:
-        assert _pallas.persistent_grid(OPS["layer_norm"], 5000)
         for backward in (False, True):
-            for elem_bytes in (2, 4):
-                assert launch.pallas_blocks(20, 5000, persistent=True, backward=backward, elem_bytes=elem_bytes,
-                                            num_sms=4).tiles_per_program > 1
+            for dtype in ("bfloat16", "float32"):
+                assert _pallas.blocks(OPS["layer_norm"], 20, 5000, dtype, backward=backward).tiles_per_program > 1
     _run_and_check(impl, cases)
 
 
@@ -301,7 +298,7 @@ def test_dw_deterministic(impl, op_name, monkeypatch):
         traces.append(1)
         fwd = impl.forward(op, a["x"], a.get("residual"), a["weight"], a.get("bias"), opts=opts, store_stats=True)
         return impl.backward(op, fwd["S"] if op.has_residual else a["x"], a["weight"], a["dy"], a.get("ds"),
-                             fwd.get("MEAN"), fwd["RSTD"], opts=opts, grads=grads, w_dtype="bfloat16",
+                             fwd.get("MEAN"), fwd["RSTD"], opts=opts, grads=grads,
                              b_dtype="bfloat16" if cfg.has_b else None)
 
     jitted = _jit(program)
@@ -313,7 +310,7 @@ def test_dw_deterministic(impl, op_name, monkeypatch):
     for name in first:
         assert np.array_equal(first[name], rerun[name]) and np.array_equal(first[name], again[name]), name
     if impl is _pallas:  # the case does walk several tiles per program over several partial rows
-        cfg_b = launch.pallas_blocks(M, N, reduces=True, num_sms=_pallas.num_sms())
+        cfg_b = _pallas.blocks(op, M, N, "bfloat16", backward=True, reduces=True)
         assert cfg_b.num_programs > 1 and cfg_b.tiles_per_program > 1, cfg_b
 
 
@@ -321,7 +318,7 @@ def test_many_partials(monkeypatch):
     """More partial rows than one reduction step takes (G > BLOCK_G = 32), as on a GPU's SM count."""
     monkeypatch.setattr(_pallas, "NUM_SMS", 40)
     shape = (200, 1000)  # tiles of 4 x 1024: 50 tiles, 50 programs of one tile each
-    cfg = launch.pallas_blocks(*shape, reduces=True, num_sms=40)
+    cfg = _pallas.blocks(OPS["rms_norm"], *shape, "float32", backward=True, reduces=True)
     assert cfg.num_programs > launch.reduce_blocks(cfg.num_programs, shape[1])[0], cfg
     _run_and_check(_pallas, [Case("rms_norm", Config(Casting.FP32, 0.0, True, False), shape, "float32"),
                              Case("layer_norm", Config(Casting.FP32, 0.0, True, True), shape, "float32")])
@@ -360,9 +357,9 @@ def test_frozen_params_cost_nothing(impl, op_name):
     for grads in grads_subsets(True, has_b):
         jaxpr = jax.make_jaxpr(lambda x, w, dy, m, r, grads=grads: impl.backward(
             op, x, w, dy, dy if op.has_residual else None, None if op.is_rms else m, r, opts=opts, grads=grads,
-            w_dtype="bfloat16", b_dtype="bfloat16" if has_b else None))(x, w, x, stats, stats)
+            b_dtype="bfloat16" if has_b else None))(x, w, x, stats, stats)
         if impl is _pallas:
-            G = launch.pallas_blocks(M, N, reduces=True, num_sms=_pallas.num_sms()).num_programs
+            G = _pallas.blocks(op, M, N, "bfloat16", backward=True, reduces=True).num_programs
             for branch in _branches(jaxpr):
                 calls = [e for e in _walk(branch) if e.primitive.name == "pallas_call"]
                 assert len(calls) == (2 if grads.reduces else 1), (grads, len(calls))

@@ -1,4 +1,5 @@
-"""Two JAX primitives over 2-D rows: the forward launch and the backward launch (+ dW/dB reduction).
+"""The Triton implementation: ``normkit.kernels.norm`` as two JAX primitives over 2-D rows, the
+forward launch and the backward launch (+ dW/dB reduction), each run by ``normkit.driver``.
 
 Why primitives rather than calling ``triton_call`` directly: jax-triton's ``triton_call`` refuses
 vmap, and a ``pure_callback`` would run once per batch element. Each primitive carries its static
@@ -10,8 +11,9 @@ variant (``FwdSpec``/``BwdSpec``) and has
   instead (``lax.map``): when the weight or bias is itself batched, and when the backward reduces
   dW/dB, because vmap semantics ask for one dW per batch element, and a folded launch would sum
   them;
-- a lowering per platform ("cpu": the interpreter behind ``pure_callback``; "cuda"/"rocm":
-  jax-triton), and an eager implementation that picks the platform of its input arrays.
+- a lowering per platform ("cpu": the interpreter behind a host callback; "cuda"/"rocm":
+  jax-triton, ``jax_frontend._launch``), and an eager implementation that picks the platform of its
+  input arrays.
 
 The primitives are only ever called inside ``jax_frontend.functional``'s custom_vjp rules, so they
 need no differentiation rules of their own; differentiating them (forward mode, or a second
@@ -28,6 +30,7 @@ import jax.numpy as jnp
 from jax.interpreters import ad, batching, mlir
 
 from jax_frontend import _launch
+from jax_frontend._implementation import FORWARD_MODE_ERROR
 from normkit import driver
 from normkit.ops import Grads, Op, Options
 
@@ -155,12 +158,6 @@ for _platform in ("cpu", "cuda", "rocm"):
 # ---------------------------------------------------------------------------------------------
 # Differentiation: none (the custom_vjp above them is the gradient).
 
-FORWARD_MODE_ERROR = (
-    "normkit: forward-mode differentiation is not supported: the norm kernels have a custom VJP "
-    "(reverse mode) but no JVP rule, so jax.jvp, jax.jacfwd, jax.linearize, jax.hessian and derivatives "
-    "of the gradient do not work. Use jax.grad, jax.value_and_grad, jax.vjp or jax.jacrev.")
-
-
 def _no_jvp(primals, tangents, **params):
     raise TypeError(FORWARD_MODE_ERROR)
 
@@ -230,7 +227,7 @@ batching.primitive_batchers[norm_bwd_p] = _bwd_batch
 
 
 # ---------------------------------------------------------------------------------------------
-# Entry points, in the interface every JAX implementation shares (see jax_frontend.functional).
+# Entry points: jax_frontend._implementation.Implementation.
 
 
 def forward(op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bool) -> dict:
@@ -240,11 +237,9 @@ def forward(op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bo
     return dict(zip(spec.outputs, norm_fwd_p.bind(*args, spec=spec)))
 
 
-def backward(op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: Grads, b_dtype: str | None,
-             w_dtype: str | None = None) -> dict:
+def backward(op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: Grads, b_dtype: str | None) -> dict:
     """The backward's results by name (op.bwd_buffers): DX, DW, DB as ``grads`` asks (dW in the weight's
-    dtype; ``w_dtype`` is accepted for the shared interface and must be that dtype)."""
-    assert w_dtype is None or weight is None or w_dtype == _launch.dtype_name(weight.dtype), w_dtype
+    dtype, dB in ``b_dtype``)."""
     spec = BwdSpec(op=op, opts=opts, grads=grads, has_w=weight is not None, has_dres=dres is not None,
                    b_dtype=b_dtype if grads.db else None)
     args = [x] + [weight] * spec.has_w + [dy] + [dres] * spec.has_dres + [mean] * op.saves_mean + [rstd]

@@ -1,0 +1,213 @@
+"""Inputs whose sharding XLA's partitioner chooses (Auto mesh axes, or no mesh): a sharding rule for it.
+
+``PartitionedImpl`` runs each pass of an op (``_rows.Pass``) as one primitive, ``normkit_rows``,
+over arrays of the caller's shape ``(..., N)``; every call takes it except those ``_shard_map``
+takes (rows split over Explicit mesh axes). Under ``jit`` on one device it lowers to the
+implementation's kernels as they are. When the computation is partitioned over several devices
+(inputs placed with a ``NamedSharding`` on a mesh whose axes are Auto: ``jax.sharding.Mesh``'s
+default, Flax and most training code; host arrays placed by ``jit(in_shardings=...)``; replicated
+arrays on any mesh), it lowers through ``jax.experimental.custom_partitioning``:
+
+- the Shardy sharding rule (``sharding_rule``) says what the op is to the partitioner's
+  propagation: row buffers ``"... n"``, statistics ``"..."``, weight, bias, dW and dB ``"n"``, with
+  ``n`` never sharded (``need_replication_factors``). Shardy is the default partitioner in jax 0.10
+  and 0.11; ``infer_sharding_from_operands`` answers the same for the older GSPMD propagation;
+- ``partition`` keeps x's sharding of the leading dimensions for every row buffer and statistic,
+  asks for the weight and bias whole (a weight sharded along N, FSDP-style, is all-gathered: a
+  vector of N, never the activation), and returns the per-device computation: the same primitive
+  on the device's rows, then ``psum`` of dW/dB over exactly the mesh axes the rows are split on.
+  A frozen parameter's gradient is not computed, so nothing is reduced;
+- an x sharded along its normalized (last) dimension raises ``ValueError`` from ``partition``
+  (XLA reports it as a ``JaxRuntimeError`` at compile time, with normkit's message).
+
+Why ``custom_partitioning``: with Auto axes the sharding is chosen after tracing and is not in any
+type, so the op cannot state its partition itself (as ``_shard_map`` does for Explicit axes); only
+a rule that the partitioner calls can keep it per device. It is bound in the primitive's lowering,
+not when tracing, so ``vmap``, ``scan`` and ``jax.checkpoint`` see an ordinary primitive.
+
+On CPU the Triton implementation's kernels run in Triton's interpreter from a host callback. One
+lowered inside the per-device computation would not survive compilation (see
+``_launch.routed_host_callbacks``), so on CPU the enclosing module registers one dispatcher while it
+is lowered and the per-device launches call it.
+
+``vmap`` folds its batch axis into the leading dimensions (one partitioned launch), except where
+folding would change the result: a batched weight or bias, and a backward that reduces dW/dB (vmap
+wants one per batch element). Those run the implementation's own ``vmap`` rule, unpartitioned.
+Outside ``jit``, a call on arrays spread over several devices compiles the primitive alone, so it
+runs per device too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.extend as jex
+import jax.numpy as jnp
+from jax._src import dispatch  # prim_requires_devices_during_lowering, apply_primitive: below
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.interpreters import ad, batching, mlir
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_frontend import _launch, _rows
+from jax_frontend._implementation import FORWARD_MODE_ERROR, Implementation
+from jax_frontend._rows import COLUMN, LAYOUT, ROW, STAT, Pass
+from normkit.ops import Grads, Op, Options
+
+rows_p = jex.core.Primitive("normkit_rows")
+rows_p.multiple_results = True
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionedImpl:
+    """``_implementation.Implementation`` over arrays of the caller's shape; ``base`` runs on rows."""
+
+    base: Implementation
+
+    def forward(self, op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bool) -> dict:
+        names, arrays = Pass.present(_rows.FWD_INPUTS, (x, residual, weight, bias))
+        return _bind(Pass(self.base, op, opts, names, store_stats=store_stats), arrays)
+
+    def backward(self, op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: Grads,
+                 b_dtype: str | None) -> dict:
+        names, arrays = Pass.present(_rows.BWD_INPUTS, (x, weight, dy, dres, mean, rstd))
+        return _bind(Pass(self.base, op, opts, names, grads=grads, b_dtype=b_dtype), arrays)
+
+
+def _bind(pass_: Pass, arrays) -> dict:
+    return dict(zip(pass_.outputs, rows_p.bind(*arrays, pass_=pass_, route=None)))
+
+
+# ---------------------------------------------------------------------------------------------
+# The primitive: shapes, eager calls, differentiation, vmap.
+
+
+def _abstract(*avals, pass_: Pass, route):
+    a = dict(zip(pass_.inputs, avals))
+    x = a["x"]
+    w_dtype = _launch.dtype_name(a["weight"].dtype) if "weight" in a else None
+    specs = pass_.out_specs(tuple(x.shape[:-1]), x.shape[-1], _launch.dtype_name(x.dtype), w_dtype)
+    out = []
+    for name, (shape, dtype) in zip(pass_.outputs, specs):
+        aval = x.update(shape=shape, dtype=jnp.dtype(dtype), weak_type=False)  # x's mesh and varying axes
+        if LAYOUT[name] == COLUMN:
+            aval = aval.update(sharding=aval.sharding.update(spec=P(None)))
+        out.append(aval)
+    return out
+
+
+def _no_jvp(primals, tangents, **params):
+    raise TypeError(FORWARD_MODE_ERROR)
+
+
+def _batch(args, dims, *, pass_: Pass, route):
+    columns_batched = any(d is not None for n, d in zip(pass_.inputs, dims) if LAYOUT[n] == COLUMN)
+    if columns_batched or pass_.reduces:  # the implementation's own vmap rule, one result per batch element
+        outs = jax.vmap(pass_.run, in_axes=tuple(dims))(*args)
+        return list(outs), [0] * len(outs)
+    (size,) = {a.shape[d] for a, d in zip(args, dims) if d is not None}
+    folded = []
+    for name, a, d in zip(pass_.inputs, args, dims):
+        if LAYOUT[name] != COLUMN:  # one more leading dimension: more rows
+            a = jnp.broadcast_to(a, (size,) + a.shape) if d is None else jnp.moveaxis(a, d, 0)
+        folded.append(a)
+    outs = rows_p.bind(*folded, pass_=pass_, route=route)
+    return outs, [0] * len(outs)
+
+
+def _eager(*args, pass_: Pass, route):
+    """Outside jit: on arrays spread over several devices, compiled alone (so partitioned per device
+    like under jit); otherwise run as traced code, op by op."""
+    if any(len(a.sharding.device_set) > 1 for a in args if isinstance(a, jax.Array)):
+        return dispatch.apply_primitive(rows_p, *args, pass_=pass_, route=route)
+    return pass_.run(*args)
+
+
+rows_p.def_abstract_eval(_abstract)
+rows_p.def_impl(_eager)
+ad.primitive_jvps[rows_p] = _no_jvp
+batching.primitive_batchers[rows_p] = _batch
+
+
+# ---------------------------------------------------------------------------------------------
+# Lowering: as is on one device, through custom_partitioning when the partitioner splits it.
+
+
+def _partitioned(ctx) -> bool:
+    """Whether XLA's partitioner splits this computation over several devices. A jit's module has a
+    device assignment (``prim_requires_devices_during_lowering`` below); a shard_map body, already per
+    device, has none."""
+    devices = getattr(ctx.module_context.axis_context, "device_assignment", None)
+    return devices is not None and len(devices) > 1
+
+
+def _lower(ctx, *args, pass_: Pass, route):
+    if route is None and _partitioned(ctx):
+        return _lower_partitioned(ctx, *args, pass_=pass_)
+    with _launch.routed_host_callbacks(route):
+        return mlir.lower_fun(pass_.run, multiple_results=True)(ctx, *args)
+
+
+def _lower_partitioned(ctx, *args, pass_: Pass):
+    # On CPU the dispatcher is registered whatever the implementation (one host callback per module;
+    # only the Triton implementation's interpreted launches call it).
+    cpu = tuple(ctx.module_context.platforms) == ("cpu",)
+    route = _launch.host_dispatcher_index(ctx.module_context) if cpu else None
+
+    def per_device(*arrays):  # custom_partitioning resolves positional arguments: no functools.partial
+        return rows_p.bind(*arrays, pass_=pass_, route=route)
+
+    fn = custom_partitioning(per_device)
+    fn.def_partition(partition=functools.partial(_partition, pass_, route),
+                     infer_sharding_from_operands=functools.partial(_infer, pass_),
+                     sharding_rule=sharding_rule(pass_), need_replication_factors=("n",))
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+mlir.register_lowering(rows_p, _lower)
+# custom_partitioning needs the device assignment when it is lowered, which jit provides only to
+# computations holding a primitive in this set (jax.nn.dot_product_attention's cuDNN path registers
+# its wrappers the same way).
+dispatch.prim_requires_devices_during_lowering.add(rows_p)
+
+
+# ---------------------------------------------------------------------------------------------
+# The rule.
+
+
+def sharding_rule(pass_: Pass) -> str:
+    """The Shardy rule of a pass, e.g. ``"... n, n -> ... n, ..."`` (RMSNorm's forward with statistics)."""
+    term = {ROW: "... n", STAT: "...", COLUMN: "n"}
+    return (", ".join(term[LAYOUT[n]] for n in pass_.inputs) + " -> "
+            + ", ".join(term[LAYOUT[n]] for n in pass_.outputs))
+
+
+def _shardings(mesh, x) -> tuple[dict, tuple]:
+    """({layout: NamedSharding}, the mesh axes x's rows are split over) for x (a ShapeDtypeStruct
+    carrying the sharding the partitioner proposes)."""
+    if not isinstance(x.sharding, NamedSharding):
+        raise ValueError(f"normkit: x of shape {tuple(x.shape)} is placed by {x.sharding}, which names no mesh axes; "
+                         "place the inputs with a jax.sharding.NamedSharding")
+    spec = _rows.spec_entries(x.sharding, len(x.shape))
+    _rows.check_rows_whole(tuple(x.shape), spec, "constrain x (jax.lax.with_sharding_constraint) to a sharding of "
+                                                  "its leading (batch or sequence) dimensions")
+    lead = spec[:-1]
+    row_axes = tuple(axis for entry in lead for axis in _rows.mesh_axes(entry))
+    return {ROW: NamedSharding(mesh, P(*lead, None)), STAT: NamedSharding(mesh, P(*lead)),
+            COLUMN: NamedSharding(mesh, P())}, row_axes
+
+
+def _partition(pass_: Pass, route, mesh, arg_shapes, result_shape):
+    shardings, row_axes = _shardings(mesh, arg_shapes[0])
+
+    def per_device(*arrays):
+        return pass_.reduce_columns(rows_p.bind(*arrays, pass_=pass_, route=route), row_axes)
+
+    return (mesh, per_device, [shardings[LAYOUT[n]] for n in pass_.outputs],
+            tuple(shardings[LAYOUT[n]] for n in pass_.inputs))
+
+
+def _infer(pass_: Pass, mesh, arg_shapes, result_shape):
+    shardings, _ = _shardings(mesh, arg_shapes[0])
+    return [shardings[LAYOUT[n]] for n in pass_.outputs]
