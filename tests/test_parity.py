@@ -8,10 +8,11 @@ casting without offset (their default run also meets the other shapes). The body
 all of them.
 
 The default run takes ``quick_cases`` (tests/harness.py): every variant once, at a rotating shape,
-and every shape with every op and dtype, frozen and not; that still meets every kernel flag
-combination, every frozen set and every shape, through every frontend. The other cases are marked
-``slow`` (run after the default run by .ci/run, and by scripts/gpu-check.sh). fp32 cases that only
-repeat the default casting (``repeats_default_casting``) are left out.
+and every shape with every op and dtype, frozen and not. That still meets every kernel flag
+combination, every frozen set and every shape through Torch and the JAX frontend, and every kernel
+flag combination and every shape through the Pallas and XLA implementations. The other cases are
+marked ``slow`` (run after the default run by .ci/run, and by scripts/gpu-check.sh). fp32 cases
+that only repeat the default casting (``repeats_default_casting``) are left out.
 """
 import os
 import zlib
