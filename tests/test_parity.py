@@ -82,3 +82,20 @@ PARAMS = [_param(case, name)
 @pytest.mark.parametrize("case,name", PARAMS)
 def test_parity(case, name):
     check_case(FRONTENDS[name](), case)
+
+
+def test_default_run_meets_every_variant_and_shape():
+    """What the module docstring claims of the default run, checked on the case lists: every
+    combination but the shape (Torch and JAX), every kernel flag combination (Pallas and XLA), and
+    every shape with every op and dtype, trained and frozen, that the whole suite runs."""
+    def kernel(c):
+        return c.op, c.dtype, c.casting, c.offset, c.params, c.spec.grads(c.trained)
+
+    def frozen_sets(c):
+        return kernel(c) + (c.trained,)
+
+    for quick, every, key in ((QUICK, CASES, frozen_sets), (OTHER_QUICK, OTHER_CASES, kernel)):
+        assert {key(c) for c in every} == {key(c) for c in quick}
+        assert {(c.shape, c.op, c.dtype, c.spec.grads(c.trained)) for c in every
+                if c.params == c.spec.params and c.trained in (frozenset(c.inputs), frozenset(c.spec.row_inputs))
+                } <= {(c.shape, c.op, c.dtype, c.spec.grads(c.trained)) for c in quick}
