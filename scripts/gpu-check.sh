@@ -54,10 +54,12 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   # the time limit still names them; the JUnit XML is written at the end.
   # $OUT/failures.outcomes.txt gets every test's outcome and duration as it ends. worksteal (xdist >= 3.2)
   # hands out contiguous blocks, so a parity case's frontends share its inputs (tests/test_parity.py).
+  # -m "slow or not slow": both tiers (a plain run leaves the slow one out: pyproject.toml); a -m in
+  # the arguments overrides it.
   dist=$(python3 -c "import xdist; print('worksteal' if tuple(map(int, xdist.__version__.split('.')[:2])) >= (3, 2) else 'load')")
   NORMKIT_FAILURE_LOG="$OUT/failures.txt" NORMKIT_TEST_SHAPES=gpu NORMKIT_TEST_GPUS=$gpus timeout ${TEST_TIMEOUT:-540} \
     python3 -m pytest -q -n ${TEST_WORKERS:-$(nproc)} --dist $dist -p no:cacheprovider -p no:benchmark --durations=15 \
-    --junitxml="$OUT/tests.xml" --ignore=tests/test_notebooks.py tests "$@" 2>&1 | tee "$OUT/tests.log" | tail -40
+    --junitxml="$OUT/tests.xml" --ignore=tests/test_notebooks.py -m "slow or not slow" tests "$@" 2>&1 | tee "$OUT/tests.log" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$what" = timing ]; then

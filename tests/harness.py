@@ -10,7 +10,7 @@ import itertools
 
 import numpy as np
 
-from normkit.ops import OPS, Op
+from normkit.ops import DEFAULT_CASTING_MODE, OPS, Op
 from normkit.shapes import Shape
 from normkit.testing import assert_close, coarser, random_inputs
 
@@ -135,19 +135,66 @@ def trainable_subsets(case_inputs: tuple[str, ...]):
 
 def parity_cases(shapes) -> list[Case]:
     """Every combination of op, dtype, casting mode and offset, weight/bias presence, frozen set and shape."""
+    return [dataclasses.replace(v, shape=shape) for shape in shapes for v in variants()]
+
+
+def variants() -> list[Case]:
+    """Every combination of op, dtype, casting mode and offset, weight/bias presence and frozen set
+    (shape: None), grouped by (dtype, op)."""
     cases = []
-    for shape in shapes:
-        for dtype in ("float32", "bfloat16", "float16"):
-            for op in OPS.values():
-                options = (itertools.product(("llama", "gemma", "none"), (0.0, 1.0)) if op.has_offset
-                           else [("llama", 0.0)])
-                for casting, offset in options:
-                    for params in _param_sets(op.params, offset):
-                        base = Case(op.name, shape, dtype, has_w="weight" in params, has_b="bias" in params,
-                                    casting=casting, offset=offset, eps=op.default_eps)
-                        for tr in trainable_subsets(base.inputs):
-                            cases.append(dataclasses.replace(base, trainable=tr))
+    for dtype in ("float32", "bfloat16", "float16"):
+        for op in OPS.values():
+            options = (itertools.product(("llama", "gemma", "none"), (0.0, 1.0)) if op.has_offset
+                       else [("llama", 0.0)])
+            for casting, offset in options:
+                for params in _param_sets(op.params, offset):
+                    base = Case(op.name, None, dtype, has_w="weight" in params, has_b="bias" in params,
+                                casting=casting, offset=offset, eps=op.default_eps)
+                    for tr in trainable_subsets(base.inputs):
+                        cases.append(dataclasses.replace(base, trainable=tr))
     return cases
+
+
+def repeats_default_casting(case: Case) -> bool:
+    """An fp32 case in a casting mode other than the default, with something frozen. In fp32 every
+    rounding to x's dtype is exact, so the casting modes compute the same values; each mode's kernel
+    variant still runs (everything trained, every parameter set and offset), its frozen sets run in
+    the default mode, and the bf16/fp16 cases run every mode with every frozen set."""
+    return (case.dtype == "float32" and case.casting != DEFAULT_CASTING_MODE
+            and case.trained != frozenset(case.inputs))
+
+
+def quick_cases(shapes, *, each_frozen_set: bool = True, full_and_frozen_at=None) -> list[Case]:
+    """The part of ``parity_cases(shapes)`` (less ``repeats_default_casting``) that the default test
+    run takes; the rest is the slow tier. It still meets every variant and every shape:
+
+    - every variant once, at a shape that rotates through ``shapes`` (within each op and dtype, from
+      a different start), so every shape meets many. A variant is a kernel variant (op, dtype,
+      casting mode, offset, parameter set, and the gradient flags COMPUTE_DX/DW/DB) and, with
+      ``each_frozen_set``, each frozen set that maps to it (x, residual or both trained give the same
+      COMPUTE_DX: the frontend routes one gradient to them). Without it, one frozen set per kernel
+      variant: for an implementation behind a frontend whose routing another run already covers;
+    - every shape (of ``full_and_frozen_at``, default ``shapes``) with every op and dtype, twice, in
+      the default casting with every parameter: the full backward (dX, and dW/dB through the fp32
+      partials and their reduction) and the frozen one (only the row inputs trained: no partials).
+
+    What the slow tier adds is each variant at the other shapes: the shapes decide block sizes, masks,
+    program counts and strides, which the second part covers for every op and dtype."""
+    chosen, seen = [], set()
+    for v in variants():
+        key = v if each_frozen_set else (v.op, v.dtype, v.casting, v.offset, v.params, v.spec.grads(v.trained))
+        if not repeats_default_casting(v) and key not in seen:
+            seen.add(key)
+            chosen.append(v)
+    placed = []
+    for shift, (_, group) in enumerate(itertools.groupby(chosen, key=lambda v: (v.dtype, v.op))):
+        placed += [dataclasses.replace(v, shape=shapes[(i + shift) % len(shapes)]) for i, v in enumerate(group)]
+    for shape in shapes if full_and_frozen_at is None else full_and_frozen_at:
+        for v in variants():
+            if (v.casting, v.offset) == (DEFAULT_CASTING_MODE, 0.0) and v.params == v.spec.params and (
+                    v.trained in (frozenset(v.inputs), frozenset(v.spec.row_inputs))):
+                placed.append(dataclasses.replace(v, shape=shape))
+    return list(dict.fromkeys(placed))
 
 
 def _param_sets(params: tuple[str, ...], offset: float):

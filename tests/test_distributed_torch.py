@@ -109,6 +109,7 @@ def test_registration_is_lazy():
     assert proc.stdout.split() == ["False", "False"], proc.stdout
 
 
+@pytest.mark.slow  # a script's smoke test: the distributed behaviour is tested above and in test_distributed_jax.py
 def test_multi_gpu_dry_run(tmp_path):
     """scripts/multi_gpu.py --dry-run: both parts on CPU, tiny; every case passes and the benchmark's
     collectives show what freezing the norms saves."""

@@ -1,4 +1,6 @@
 """Launch plans: invariants of the one launch heuristic (``normkit.launch``)."""
+import itertools
+
 import pytest
 
 from normkit import launch
@@ -41,3 +43,30 @@ def test_frozen_backward_plans_allocate_no_partials(op):
     bwd, reduce = launch.plan_backward(spec, 8192, 4096, "bfloat16", "bfloat16", None, False, opts,
                                        Grads(dx=True, dw=True), layout, 132)
     assert reduce is not None and "DW_PART" in bwd.out_specs
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_grids_cover_the_rows_with_few_partials(op):
+    """Plans of every pass, from one row to many and short rows to the longest, on a few SMs or many:
+    the forward and a backward without dW/dB run one program per tile (LayerNorm's forward: at most
+    4 per SM, each walking several tiles); a backward with dW/dB runs at most 2 programs per SM, one
+    fp32 partial row each, and the reduction covers every column of those partials."""
+    spec = OPS[op]
+    opts = spec.options(eps=spec.default_eps)
+    for num_sms, M, N in itertools.product((4, 132), (1, 17, 300, 100_000), (1, 96, 4096, 65536)):
+        fwd = launch.plan_forward(spec, M, N, "bfloat16", "bfloat16", None, opts, True, (N, 1, N, 1, 1, 1), num_sms)
+        tiles = -(-M // fwd.constexprs["BLOCK_M"])
+        assert 1 <= fwd.grid[0] <= tiles and (fwd.grid == (tiles,) or not spec.is_rms and fwd.grid[0] <= 4 * num_sms), (
+            M, N, num_sms, fwd.grid)
+        for grads in (Grads(dx=True, dw=False), Grads(dx=False, dw=True), Grads(dx=True, dw=True)):
+            bwd, red = launch.plan_backward(spec, M, N, "bfloat16", "bfloat16", None, spec.has_residual, opts, grads,
+                                            (N, 1, N, 1, N, 1, 1), num_sms)
+            assert bwd.constexprs["BLOCK_M"] == fwd.constexprs["BLOCK_M"]
+            G = bwd.grid[0]
+            what = (M, N, num_sms, grads, G)
+            if not grads.reduces:
+                assert bwd.grid == (tiles,) and red is None, what
+                continue
+            assert 1 <= G <= min(tiles, 2 * num_sms) and bwd.out_specs["DW_PART"] == ((G, N), "float32"), what
+            block_n = red.constexprs["BLOCK_N"]
+            assert red.scalars == (G,) and red.grid[0] * block_n >= N > (red.grid[0] - 1) * block_n, what

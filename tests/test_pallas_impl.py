@@ -237,8 +237,15 @@ def _run_and_check(impl, cases: list[Case], stats_free: bool = False):
 # Tests.
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("op_name", sorted(OPS))
+# The default run takes one dtype per op, each a different one (a 16-bit one where the casting modes
+# differ); the other dtypes are in the slow tier (pytest -m slow). Every variant of both
+# implementations, in every dtype, also runs through the JAX frontend in test_parity.py's default run.
+QUICK_DTYPE = {"fused_add_rms_norm": "bfloat16", "rms_norm": "float16", "layer_norm": "float32"}
+
+
+@pytest.mark.parametrize("op_name,dtype", [
+    pytest.param(op_name, dtype, marks=() if dtype == QUICK_DTYPE[op_name] else pytest.mark.slow)
+    for op_name in sorted(OPS) for dtype in DTYPES])
 def test_parity(impl, op_name, dtype):
     """Every casting x offset x parameter set x gradient subset of one op and dtype."""
     op = OPS[op_name]
@@ -285,16 +292,23 @@ def test_dw_deterministic(impl, op_name, monkeypatch):
     grads = Grads(True, True, cfg.has_b)
     opts = Options(op.default_eps)
 
+    traces = []
+
     def program(a):
+        traces.append(1)
         fwd = impl.forward(op, a["x"], a.get("residual"), a["weight"], a.get("bias"), opts=opts, store_stats=True)
         return impl.backward(op, fwd["S"] if op.has_residual else a["x"], a["weight"], a["dy"], a.get("ds"),
                              fwd.get("MEAN"), fwd["RSTD"], opts=opts, grads=grads,
                              b_dtype="bfloat16" if cfg.has_b else None)
 
-    first = jax.device_get(_jit(program)(a))
+    jitted = _jit(program)
+    first = jax.device_get(jitted(a))
+    rerun = jax.device_get(jitted(a))  # the same executable again
+    jax.clear_caches()  # else jax.jit reuses the trace and the executable of the same function
     again = jax.device_get(_jit(program)(a))  # a second trace and compile
+    assert len(traces) == 2, f"traced {len(traces)} times, expected 2"
     for name in first:
-        assert np.array_equal(first[name], again[name]), name
+        assert np.array_equal(first[name], rerun[name]) and np.array_equal(first[name], again[name]), name
     if impl is _pallas:  # the case does walk several tiles per program over several partial rows
         cfg_b = _pallas.blocks(op, M, N, "bfloat16", backward=True, reduces=True)
         assert cfg_b.num_programs > 1 and cfg_b.tiles_per_program > 1, cfg_b
@@ -373,33 +387,36 @@ def test_vmap_forward():
             assert np.array_equal(batched[name][i], one[name]), name
 
 
-def test_block_config():
-    """The launch heuristic: one tile per program unless dW/dB are reduced or LayerNorm's long rows run persistent."""
-    rms, ln = OPS["rms_norm"], OPS["layer_norm"]
-    blocks = functools.partial(launch.pallas_blocks, num_sms=132)
-    c = blocks(rms, 8192, 8192, elem_bytes=2)
-    assert (c.block_m, c.block_n, c.num_warps, c.num_programs, c.tiles_per_program) == (1, 8192, 8, 8192, 1)
-    c = blocks(rms, 8192, 8192, elem_bytes=2, backward=True, reduces=True)
-    assert (c.num_warps, c.num_programs, c.tiles_per_program) == (16, 132, 63)
-    c = blocks(ln, 32768, 4096, elem_bytes=2, backward=True, reduces=True)
-    assert (c.block_m, c.block_n, c.num_warps, c.num_programs, c.tiles_per_program) == (1, 4096, 4, 264, 125)
-    c = blocks(ln, 8192, 8192, elem_bytes=2)  # persistent
-    assert (c.num_warps, c.num_programs, c.tiles_per_program) == (4, 264, 32)  # half the one-tile warps
-    c = blocks(ln, 8192, 8192, elem_bytes=2, persistent=False)
-    assert (c.num_warps, c.num_programs, c.tiles_per_program) == (8, 8192, 1)
-    c = blocks(ln, 8192, 8192, elem_bytes=4)  # fp32: 16384-element tiles
-    assert (c.block_m, c.num_warps, c.num_programs, c.tiles_per_program) == (2, 16, 132, 32)
-    c = blocks(ln, 16384, 8192, elem_bytes=2, backward=True)  # dx-only backward
-    assert (c.block_m, c.num_warps, c.num_programs, c.tiles_per_program) == (1, 32, 132, 125)
-    c = launch.pallas_blocks(rms, 5, 3, elem_bytes=2, num_sms=4)
-    assert (c.block_m, c.block_n, c.num_programs) == (8, 4, 1)
-    # persistent: LayerNorm's forward and dx-only backward on rows of >= 8192 elements only
-    persistent = functools.partial(launch.pallas_persistent, ln)
-    assert persistent(8192, elem_bytes=2, backward=False) and persistent(5000, elem_bytes=2, backward=False)
-    assert not persistent(4096, elem_bytes=2, backward=False) and persistent(4096, elem_bytes=4, backward=False)
-    assert not persistent(2048, elem_bytes=4, backward=False)
-    assert persistent(8192, elem_bytes=2, backward=True) and not persistent(16384, elem_bytes=2, backward=True)
-    assert not launch.pallas_persistent(rms, 8192, elem_bytes=2, backward=False)
-    c = blocks(ln, 32768, 4096, elem_bytes=4)  # fp32, 4096 wide
-    assert (c.block_m, c.num_warps, c.num_programs, c.tiles_per_program) == (1, 8, 264, 125)
-    assert launch.reduce_blocks(132, 8192) == (32, 64, 4)
+def test_block_invariants(monkeypatch):
+    """The launch heuristic's invariants (not its tuned numbers), for every op, pass and row dtype,
+    from one row to many, short rows to the longest, a few SMs or many:
+    - a tile covers whole rows (BLOCK_N is the power of two >= N) and fits one program: at most 16384
+      elements (or one row), at most 128 per thread (of 255 registers), BLOCK_M a power of two;
+    - the programs cover every tile and each has work (tiles_per_program = ceil(tiles / programs));
+    - dW/dB partials (one per program) are at most 2 per SM;
+    - without dW/dB, one tile per program, except LayerNorm's persistent grids (at most 4 programs per SM)."""
+    seen = set()
+    for num_sms in (4, 132):
+        monkeypatch.setattr(_pallas, "NUM_SMS", num_sms)
+        for op, dtype, M, N, (backward, reduces) in itertools.product(
+                OPS.values(), ("bfloat16", "float32"), (1, 5, 300, 8192, 32768), (1, 3, 96, 4096, 5000, 8192, 65536),
+                ((False, False), (True, False), (True, True))):
+            c = _pallas.blocks(op, M, N, dtype, backward=backward, reduces=reduces)
+            what = (op.name, dtype, M, N, backward, reduces, num_sms, c)
+            assert N <= c.block_n < 2 * N and c.block_n & (c.block_n - 1) == 0, what
+            assert c.block_m >= 1 and c.block_m & (c.block_m - 1) == 0, what
+            assert c.block_m * c.block_n <= max(16384, c.block_n), what
+            assert 1 <= c.num_warps <= 32 and c.block_m * c.block_n <= 128 * 32 * c.num_warps, what
+            tiles = -(-M // c.block_m)
+            assert 1 <= c.num_programs <= tiles and c.tiles_per_program == -(-tiles // c.num_programs), what
+            if reduces:
+                assert c.num_programs <= 2 * num_sms, what
+                seen.add("partials" if c.tiles_per_program > 1 else "one tile")
+            elif c.tiles_per_program > 1:
+                assert not op.is_rms and c.num_programs <= 4 * num_sms, what
+                seen.add("persistent backward" if backward else "persistent forward")
+            else:
+                assert c.num_programs == tiles, what
+                seen.add("one tile")
+    # every branch of the heuristic was met above
+    assert seen == {"one tile", "partials", "persistent forward", "persistent backward"}, seen

@@ -4,7 +4,15 @@ frozen set and shape; the launch record must show exactly the requested backward
 Torch and the JAX frontend's default implementation run every case; the JAX frontend's other
 implementations (Pallas, XLA) run every combination on fewer shapes: D = 1, several row tiles and
 programs (the dW/dB partials), and an odd D above 4096; at the large GPU-only shapes, in the default
-casting without offset. The body is the same for all of them.
+casting without offset (their default run also meets the other shapes). The body is the same for
+all of them.
+
+The default run takes ``quick_cases`` (tests/harness.py): every variant once, at a rotating shape,
+and every shape with every op and dtype, frozen and not. That still meets every kernel flag
+combination, every frozen set and every shape through Torch and the JAX frontend, and every kernel
+flag combination and every shape through the Pallas and XLA implementations. The other cases are
+marked ``slow`` (run after the default run by .ci/run, and by scripts/gpu-check.sh). fp32 cases
+that only repeat the default casting (``repeats_default_casting``) are left out.
 """
 import os
 import zlib
@@ -14,17 +22,22 @@ import pytest
 
 from normkit.shapes import shapes
 from tests.frontends import FRONTENDS
-from tests.harness import check_against_reference, check_launch_flags, make_inputs, parity_cases, reference
+from tests.harness import (check_against_reference, check_launch_flags, make_inputs, parity_cases, quick_cases,
+                           reference, repeats_default_casting)
 
 SIZE_TAG = os.environ.get("NORMKIT_TEST_SHAPES", "ci")  # "gpu" on the GPU machine: larger shapes too
 SHAPES = shapes("ci", "gpu") if SIZE_TAG == "gpu" else shapes("ci")  # each shape once
-CASES = parity_cases(SHAPES)
+CASES = [c for c in parity_cases(SHAPES) if not repeats_default_casting(c)]
+QUICK = set(quick_cases(SHAPES))
 FEWER_SHAPES = [s for s in SHAPES if s.name in ("d1", "many_rows", "d4097") or s.tags == frozenset({"gpu"})]
 # The other implementations at the large GPU-only shapes (tiling, many programs, wide rows): every op,
 # dtype, parameter set and frozen set, in the default casting without offset (the casting modes and
 # the offset run at the small shapes, where they cost nothing).
-OTHER_CASES = [c for c in parity_cases(FEWER_SHAPES)
-               if c.shape.tags != frozenset({"gpu"}) or (c.casting, c.offset) == ("llama", 0.0)]
+OTHER_CASES = [c for c in parity_cases(FEWER_SHAPES) if not repeats_default_casting(c)
+               and (c.shape.tags != frozenset({"gpu"}) or (c.casting, c.offset) == ("llama", 0.0))]
+# Their default run: one frozen set per kernel variant (the frontend's routing of the others runs
+# through "jax"), rotating over every shape; the full and frozen backward at the fewer shapes.
+OTHER_QUICK = set(quick_cases(SHAPES, each_frozen_set=False, full_and_frozen_at=FEWER_SHAPES))
 OTHER_IMPLEMENTATIONS = [name for name in sorted(FRONTENDS) if name not in ("torch", "jax")]
 
 
@@ -54,11 +67,35 @@ def check_case(frontend, case):
 
 
 MAIN_FRONTENDS = [n for n in ("torch", "jax") if n in FRONTENDS]  # every case
-_OTHER = set(OTHER_CASES)
-PARAMS = [pytest.param(case, name, id=f"{case}-{name}")
+_OTHER = set(OTHER_CASES) | OTHER_QUICK
+
+
+def _param(case, name):
+    quick = case in QUICK if name in MAIN_FRONTENDS else case in OTHER_QUICK
+    return pytest.param(case, name, id=f"{case}-{name}", marks=() if quick else pytest.mark.slow)
+
+
+PARAMS = [_param(case, name)
           for case in CASES for name in MAIN_FRONTENDS + (OTHER_IMPLEMENTATIONS if case in _OTHER else [])]
 
 
 @pytest.mark.parametrize("case,name", PARAMS)
 def test_parity(case, name):
     check_case(FRONTENDS[name](), case)
+
+
+def test_default_run_meets_every_variant_and_shape():
+    """What the module docstring claims of the default run, checked on the case lists: every
+    combination but the shape (Torch and JAX), every kernel flag combination (Pallas and XLA), and
+    every shape with every op and dtype, trained and frozen, that the whole suite runs."""
+    def kernel(c):
+        return c.op, c.dtype, c.casting, c.offset, c.params, c.spec.grads(c.trained)
+
+    def frozen_sets(c):
+        return kernel(c) + (c.trained,)
+
+    for quick, every, key in ((QUICK, CASES, frozen_sets), (OTHER_QUICK, OTHER_CASES, kernel)):
+        assert {key(c) for c in every} == {key(c) for c in quick}
+        assert {(c.shape, c.op, c.dtype, c.spec.grads(c.trained)) for c in every
+                if c.params == c.spec.params and c.trained in (frozenset(c.inputs), frozenset(c.spec.row_inputs))
+                } <= {(c.shape, c.op, c.dtype, c.spec.grads(c.trained)) for c in quick}

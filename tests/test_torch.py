@@ -1,5 +1,6 @@
 """Torch-frontend specifics: modules and state dicts, frozen semantics, determinism, cross-checks
-against torch.nn.functional and HF-style RMSNorms, NaN/Inf, empty inputs, copies and torch.compile."""
+against torch.nn.functional and transformers' Llama and Gemma RMSNorms, NaN/Inf, empty inputs,
+copies and torch.compile."""
 import copy
 
 import numpy as np
@@ -162,38 +163,18 @@ def test_weight_gradients_are_bitwise_reproducible(op):
 # --- cross-checks --------------------------------------------------------------------------------
 
 
-class HFLlamaRMSNorm(torch.nn.Module):
-    """HF LlamaRMSNorm's forward, written out."""
-
-    def __init__(self, weight, eps):
-        super().__init__()
-        self.weight, self.variance_epsilon = weight, eps
-
-    def forward(self, h):
-        dtype = h.dtype
-        h = h.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * h.to(dtype)
-
-
-class HFGemmaRMSNorm(torch.nn.Module):
-    """HF GemmaRMSNorm's forward, written out: all in fp32 with (1 + w)."""
-
-    def __init__(self, weight, eps):
-        super().__init__()
-        self.weight, self.eps = weight, eps
-
-    def forward(self, x):
-        out = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).type_as(x)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, BF16, torch.float16])
 def test_matches_hf_llama_and_gemma_rmsnorm(dtype):
     x = randn(11, 130, dtype=dtype, seed=26, scale=2.0)
     w = randn(130, dtype=dtype, seed=27)
     name = {torch.float32: "float32", BF16: "bfloat16", torch.float16: "float16"}[dtype]
-    for hf, kw in ((HFLlamaRMSNorm(w, 1e-6), {}), (HFGemmaRMSNorm(w, 1e-6), dict(offset=1.0, casting_mode="gemma"))):
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # y = x_hat * (1 + w), all in fp32
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    for cls, kw in ((LlamaRMSNorm, {}), (GemmaRMSNorm, dict(offset=1.0, casting_mode="gemma"))):
+        hf = cls(130, eps=1e-6).to(DEVICE, dtype)
+        with torch.no_grad():
+            hf.weight.copy_(w)  # the same weight: Gemma's module adds the 1 itself
         xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
         ya = tf.rms_norm(xa, w, 1e-6, **kw)
         yb = hf(xb)
