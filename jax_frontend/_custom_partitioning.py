@@ -88,12 +88,15 @@ def _abstract(*avals, pass_: Pass, route):
     x = a["x"]
     w_dtype = _launch.dtype_name(a["weight"].dtype) if "weight" in a else None
     specs = pass_.out_specs(tuple(x.shape[:-1]), x.shape[-1], _launch.dtype_name(x.dtype), w_dtype)
+    # Each output keeps x's mesh and varying axes; its spec is x's over the dimensions it has (rows:
+    # all of x's; per-row statistics: the leading ones), or replicated for a per-column result. Set in
+    # the same update as the shape: JAX 0.11 checks that a sharding's spec matches the shape's rank.
+    x_spec = tuple(x.sharding.spec) + (None,) * (x.ndim - len(tuple(x.sharding.spec)))
     out = []
     for name, (shape, dtype) in zip(pass_.outputs, specs):
-        aval = x.update(shape=shape, dtype=jnp.dtype(dtype), weak_type=False)  # x's mesh and varying axes
-        if LAYOUT[name] == COLUMN:
-            aval = aval.update(sharding=aval.sharding.update(spec=P(None)))
-        out.append(aval)
+        spec = P(None) if LAYOUT[name] == COLUMN else P(*x_spec[:len(shape)])
+        out.append(x.update(shape=shape, dtype=jnp.dtype(dtype), weak_type=False,
+                            sharding=x.sharding.update(spec=spec)))
     return out
 
 
