@@ -12,7 +12,7 @@ the RMSNorm forward 91 µs instead of 71 µs at 8192×8192 bf16.
 A third launcher, Inductor (a compiled model's ``torch.library.triton_op``), types a Python float
 argument as fp64: the kernels pin eps and offset to fp32, so the row math stays fp32 there too.
 
-The Pallas kernels (``jax_frontend`` with ``implementation="pallas"``) are lowered for CUDA here too:
+The Pallas kernels (``jax_frontend._pallas``'s forward and backward passes) are lowered for CUDA here too:
 Pallas's Triton lowering makes Triton IR, which Triton compiles to the same PTX as XLA would on the GPU.
 """
 from __future__ import annotations
@@ -200,16 +200,24 @@ def pallas_training_step(op_name: str) -> dict:
     import jax
     import jax.numpy as jnp
 
-    import jax_frontend as jf
+    from jax_frontend import _pallas
+    from normkit.ops import Grads
 
     op = OPS[op_name]
+    opts = op.options(eps=op.default_eps)
     rows, col = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16), jax.ShapeDtypeStruct((256,), jnp.bfloat16)
     args = [rows if name in op.row_inputs else col for name in op.inputs]
-    k = len(op.row_inputs)
 
     def step(*args):
-        y, vjp = jax.vjp(lambda *r: getattr(jf, op_name)(*r, *args[k:], implementation="pallas"), *args[:k])
-        return vjp(y)
+        # The implementation's own passes (what each device runs), not the frontend's partitioned
+        # primitive: JAX 0.11 lowers no primitive that needs devices under an abstract mesh.
+        a = dict(zip(op.inputs, args))
+        fwd = _pallas.forward(op, a["x"], a.get("residual"), a.get("weight"), a.get("bias"), opts=opts,
+                              store_stats=True)
+        saved = fwd["S"] if op.has_residual else a["x"]
+        dres = fwd["S"] if op.has_residual else None  # residual_out's gradient, as in a training step
+        return _pallas.backward(op, saved, a.get("weight"), fwd["Y"], dres, fwd.get("MEAN"), fwd["RSTD"], opts=opts,
+                                grads=Grads(dx=True, dw=False), b_dtype=None)
 
     return pallas_ptx(step, *args)
 

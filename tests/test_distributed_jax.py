@@ -47,6 +47,9 @@ def cases(tmp_path_factory) -> dict:
 
 
 def _check(cases: dict, name: str) -> dict:
+    if name not in cases:  # a group of cases that crashed before naming its cases: show why
+        crashes = "\n\n".join(f"{c['name']}:\n{c['crash']}" for c in cases.values() if "crash" in c)
+        pytest.fail(f"no case {name!r} was produced; crashed groups:\n{crashes or '(none)'}")
     case = cases[name]
     failures = dist_workers.jax_failures(case)
     assert not failures, "\n".join(failures)
