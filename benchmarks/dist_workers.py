@@ -712,7 +712,7 @@ def jax_eager_auto(shape=TINY, devices=None) -> list[dict]:
     mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,), devices=devices)
     row = NamedSharding(mesh, P(None, "data"))
     out = []
-    for implementation in JAX_IMPLEMENTATIONS:
+    for implementation in runnable_implementations():
         def step(x, w, dy, implementation=implementation):
             y, vjp = jax.vjp(lambda x, w: jf.rms_norm(x, w, implementation=implementation), x, w)
             return (y, *vjp(dy))
@@ -732,6 +732,8 @@ def jax_gspmd(shape=TINY, devices=None) -> list[dict]:
     a trained LayerNorm, batch-split, on an Auto mesh."""
     import jax
 
+    if "triton" not in runnable_implementations():
+        return []
     saved = jax.config.jax_use_shardy_partitioner
     jax.config.update("jax_use_shardy_partitioner", False)
     try:
@@ -860,9 +862,27 @@ def _error_case(name: str, fn) -> dict:
     return {"kind": "error", "name": name, "error": err, "launches": len(log)}
 
 
+def runnable_implementations() -> tuple:
+    """The JAX implementations this install can run: on CPU, ``triton`` needs torch (Triton's
+    interpreter); a JAX-only install runs ``pallas`` and ``xla``."""
+    import jax_frontend as jf
+
+    out = []
+    for implementation in JAX_IMPLEMENTATIONS:
+        try:
+            jf.resolve_implementation(implementation)
+        except RuntimeError:
+            continue
+        out.append(implementation)
+    return tuple(out)
+
+
 def jax_cases(shape=TINY, devices=None) -> list[dict]:
     out = []
+    runnable = runnable_implementations()
     for name, *spec in JAX_CASES:
+        if spec[0] not in runnable:
+            continue
         try:
             out.append(jax_case(name, *spec, shape=shape, devices=devices))
         except Exception:  # noqa: BLE001
