@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -13,7 +14,9 @@ DISTRIBUTIONS = ("torch", "triton", "jax", "jaxlib", "numpy", "ml_dtypes", "jax-
 
 def versions() -> dict:
     """Python's version, each installed distribution of ``DISTRIBUTIONS``, normkit's, and the git commit
-    (``git``, short hash) with ``git_dirty`` (tracked files changed since it)."""
+    (``git``, short hash) with ``git_dirty`` (tracked files changed since it). A machine that gets a
+    copy of the working tree without its history is told the commit by ``NORMKIT_GIT_COMMIT`` (the
+    short hash, with ``-dirty`` appended when tracked files had changed)."""
     out = {"python": platform.python_version()}
     for dist in DISTRIBUTIONS:
         try:
@@ -27,6 +30,11 @@ def versions() -> dict:
     except Exception as e:  # noqa: BLE001 (recorded: a results file says what it could not import)
         out["normkit"] = f"import failed: {short_error(e)}"
     out["git"], out["git_dirty"] = None, None
+    given = os.environ.get("NORMKIT_GIT_COMMIT")
+    if given:
+        commit, dirty = given.removesuffix("-dirty"), given.endswith("-dirty")
+        out["git"], out["git_dirty"] = commit, dirty
+        return out
     try:
         git = ["git", "-C", str(REPO)]
         out["git"] = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,

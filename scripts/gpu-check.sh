@@ -20,7 +20,8 @@
 # worker per CPU core by default.
 # It first installs the carried wheels (jax-triton 0.3.1, liger-kernel 0.8.5, tabulate 0.10.0 for the
 # reports' Markdown tables and their tests) without touching the machine's stack. Logs go to $OUT (or
-# ./gpu-check-out). Usage: bash scripts/gpu-check.sh [target] [args...]
+# ./gpu-check-out). Results files take their commit from NORMKIT_GIT_COMMIT when set (a copied tree has
+# no history of its own; benchmarks/env.py). Usage: bash scripts/gpu-check.sh [target] [args...]
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-check-out}
 mkdir -p "$OUT"
