@@ -44,7 +44,7 @@ import functools
 import jax
 import jax.extend as jex
 import jax.numpy as jnp
-from jax._src import dispatch  # prim_requires_devices_during_lowering, apply_primitive: below
+from jax._src import dispatch  # prim_requires_devices_during_lowering: below
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding
@@ -120,11 +120,18 @@ def _batch(args, dims, *, pass_: Pass, route):
 
 
 def _eager(*args, pass_: Pass, route):
-    """Outside jit: on arrays spread over several devices, compiled alone (so partitioned per device
-    like under jit); otherwise run as traced code, op by op."""
+    """Outside jit: on arrays spread over several devices, compiled alone by ``jax.jit`` (so
+    partitioned per device like under jit; ``dispatch.apply_primitive`` on JAX 0.11 leaves
+    custom_partitioning's sharding custom call unpartitioned on CPU); otherwise run as traced code,
+    op by op."""
     if any(len(a.sharding.device_set) > 1 for a in args if isinstance(a, jax.Array)):
-        return dispatch.apply_primitive(rows_p, *args, pass_=pass_, route=route)
+        return _compiled_alone(pass_, route)(*args)
     return pass_.run(*args)
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled_alone(pass_: Pass, route):
+    return jax.jit(lambda *arrays: rows_p.bind(*arrays, pass_=pass_, route=route))
 
 
 rows_p.def_abstract_eval(_abstract)
