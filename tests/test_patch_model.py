@@ -446,10 +446,13 @@ def test_fused_residual_add_matches_the_unfused_model(arch, dtype):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's compile stack warns about its own internals
-def test_fused_residual_add_compiles():
+@pytest.mark.parametrize("route", ["inductor", "kernels"])
+def test_fused_residual_add_compiles(route):
     """torch.compile traces the rewritten forward (its globals are its module's, the fused call a
-    closure variable) and runs the fused kernel inside the compiled graph; outputs and LoRA
-    gradients equal the eager fused model's within the tolerance table."""
+    closure variable). The LoRA model's norms are frozen: with ``compile_frozen_with("kernels")``
+    the fused kernel runs inside the compiled graph, by default the compiler generates the norms and
+    no normkit kernel runs. Outputs and LoRA gradients equal the eager fused model's within the
+    tolerance table."""
     torch._dynamo.reset()
     base = _tiny_causal_lm("LlamaForCausalLM", "LlamaConfig", seed=43)
     eager = _lora(base)
@@ -457,10 +460,17 @@ def test_fused_residual_add_compiles():
     compiled_model = copy.deepcopy(eager)
     compiled = torch.compile(compiled_model, backend="aot_eager", fullgraph=True)
     ids = _tokens(44)
-    with normkit.record_launches() as log:
-        out = compiled(input_ids=ids, labels=ids)
-        out.loss.backward()
-    assert sum(launch.flags["HAS_RESIDUAL"] for launch in log.of("norm_fwd_kernel")) == LAYERS
+    previous = tf.compile_frozen_with(route)
+    try:
+        with normkit.record_launches() as log:
+            out = compiled(input_ids=ids, labels=ids)
+            out.loss.backward()
+    finally:
+        tf.compile_frozen_with(previous)
+    if route == "kernels":
+        assert sum(launch.flags["HAS_RESIDUAL"] for launch in log.of("norm_fwd_kernel")) == LAYERS
+    else:
+        assert log.kernels() == [], log.kernels()
     ref = eager(input_ids=ids, labels=ids)
     ref.loss.backward()
     assert_close(_np(out.logits), _np(ref.logits), "float32", "compiled logits")

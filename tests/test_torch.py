@@ -281,10 +281,77 @@ def test_torch_compile_fullgraph_has_no_graph_breaks():
     y_eager.backward(torch.ones_like(y_eager))
     assert_close(np64(y), np64(y_eager), "float32", "compiled forward")
     assert_close(np64(x.grad), np64(eager_x.grad), "float32", "compiled dx")
-    bwd = log.of("norm_bwd_kernel")
-    assert bwd and bwd[0].flags["COMPUTE_DW"] is False  # the frozen variant ran inside the compiled graph
+    assert log.kernels() == [], log.kernels()  # a frozen norm under compile: Inductor generates it (_composite)
     explanation = torch._dynamo.explain(model)(randn(5, 32, seed=45))
     assert explanation.graph_break_count == 0
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning")
+@pytest.mark.parametrize("route", ["inductor", "kernels"])
+@pytest.mark.parametrize("frozen", [True, False], ids=["frozen", "trained"])
+def test_compile_route_by_frozen_parameters(frozen, route):
+    """Under torch.compile a norm with frozen parameters runs as torch operations that Inductor
+    generates (``compile_frozen_with("inductor")``, the default) or as normkit's kernels
+    (``"kernels"``); one with a trained parameter always runs the kernels. Every op, every route,
+    against float64: y and the gradients of the row inputs (and of the trained parameters)."""
+    previous = tf.compile_frozen_with(route)
+    try:
+        for op, spec in OPS.items():
+            torch._dynamo.reset()
+            D = 48
+            params = {n: randn(D, seed=30 + i).requires_grad_(not frozen) for i, n in enumerate(spec.params)}
+            inputs = {n: randn(3, 4, D, seed=40 + i).requires_grad_(True) for i, n in enumerate(spec.row_inputs)}
+            dy = randn(3, 4, D, seed=49)
+            fn = {"rms_norm": lambda: tf.rms_norm(inputs["x"], params["weight"]),
+                  "layer_norm": lambda: tf.layer_norm(inputs["x"], params["weight"], params["bias"]),
+                  "fused_add_rms_norm": lambda: tf.fused_add_rms_norm(inputs["x"], inputs["residual"],
+                                                                      params["weight"])[0]}[op]
+            with normkit.record_launches() as log:
+                y = torch.compile(fn, fullgraph=True)()
+                wrt = list(inputs.values()) + ([] if frozen else list(params.values()))
+                grads = torch.autograd.grad(y, wrt, dy)
+            kernels = set(log.kernels())
+            if frozen and route == "inductor":
+                assert kernels == set(), (op, kernels)
+            else:
+                assert {"norm_fwd_kernel", "norm_bwd_kernel"} <= kernels, (op, kernels)
+            ref_out, ref_grads = spec.run_reference({k: np64(v) for k, v in {**inputs, **params}.items()},
+                                                    spec.options(eps=spec.default_eps), {"y": np64(dy)})
+            assert_close(np64(y), ref_out["y"], "float32", f"{op}: y")
+            for name, g in zip(list(inputs) + ([] if frozen else list(params)), grads):
+                assert_close(np64(g), ref_grads[name], "float32", f"{op}: d{name}",
+                             reduced_over=12 if name in spec.params else 1)
+    finally:
+        tf.compile_frozen_with(previous)
+        torch._dynamo.reset()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("casting_mode", ["llama", "gemma", "none"])
+def test_compiled_frozen_norm_follows_each_casting_mode(casting_mode):
+    """The torch-operation route rounds where the kernels do, per casting mode and with an offset
+    (bf16 input, fp32 weight): against the float64 reference and against the eager kernels."""
+    torch._dynamo.reset()
+    w = randn(64, dtype=torch.float32, seed=31)
+    x, r = randn(6, 64, dtype=BF16, seed=32), randn(6, 64, dtype=BF16, seed=33)
+    for op in ("rms_norm", "fused_add_rms_norm"):
+        fn = (lambda x, r: tf.rms_norm(x, w, offset=1.0, casting_mode=casting_mode)) if op == "rms_norm" else \
+             (lambda x, r: tf.fused_add_rms_norm(x, r, w, offset=1.0, casting_mode=casting_mode)[0])
+        with normkit.record_launches() as log:
+            got = torch.compile(fn, fullgraph=True)(x, r)
+        assert log.kernels() == []
+        want = fn(x, r)
+        s = np64(x) + np64(r) if op == "fused_add_rms_norm" else np64(x)
+        assert_close(np64(got), ref.rms_norm(s, np64(w) + 1.0), "bfloat16", f"{op} {casting_mode} vs float64")
+        assert_close(np64(got), np64(want), "bfloat16", f"{op} {casting_mode} vs eager")
+    torch._dynamo.reset()
+
+
+def test_compile_frozen_with_refuses_an_unknown_route():
+    with pytest.raises(ValueError, match=r"compile_frozen_with takes one of \('inductor', 'kernels'\); got 'xla'"):
+        tf.compile_frozen_with("xla")
+    assert tf.compile_frozen_with("inductor") == "inductor"
 
 
 @pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
@@ -405,9 +472,10 @@ def test_compile_with_dynamic_shapes_matches_eager():
 
 def _check_dynamic_compile(width: int, row_counts: tuple, seed: int) -> None:
     """rms_norm under torch.compile(dynamic=True), one graph over several row counts: the forward
-    against float64, the backward bitwise equal to the eager one (the same kernel)."""
+    against float64, the backward bitwise equal to the eager one (the same kernel; the weight is
+    trained, so the kernels run under compile)."""
     torch._dynamo.reset()
-    w = randn(width, dtype=BF16, seed=seed)
+    w = randn(width, dtype=BF16, seed=seed).requires_grad_(True)
     compiled = torch.compile(lambda x: tf.rms_norm(x, w), dynamic=True, fullgraph=True)
     for i, rows in enumerate(row_counts):
         x = randn(rows, width, dtype=BF16, seed=seed + 1 + i).requires_grad_(True)
@@ -482,24 +550,33 @@ def test_make_graphed_callables_matches_eager():
 @_CUDA_ONLY
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning")
-def test_compiled_model_launches_normkit_kernels_from_inductor_code():
+@pytest.mark.parametrize("route", ["inductor", "kernels"])
+def test_compiled_model_launches_normkit_kernels_from_inductor_code(route):
     """Under torch.compile on CUDA the kernels are ``triton_op``s: Inductor's generated code launches
-    them itself (no opaque custom-op call back into Python), frozen variant included."""
+    them itself (no opaque custom-op call back into Python). The model's trained fused add + norm
+    runs the kernels; its frozen norm is generated by Inductor, or runs the frozen kernel variant
+    with ``compile_frozen_with("kernels")``."""
     from torch._inductor.utils import run_and_get_code
     torch._dynamo.reset()
-    model = _lora_like_model()
-    compiled = torch.compile(model, fullgraph=True)
-    x, dy = randn(32, 64, seed=94), randn(32, 64, seed=95)
-    want = _grads(copy.deepcopy(model), x, dy)
-    with normkit.record_launches() as log:
-        got, codes = run_and_get_code(lambda: _grads(compiled, x, dy))
+    previous = tf.compile_frozen_with(route)
+    try:
+        model = _lora_like_model()
+        compiled = torch.compile(model, fullgraph=True)
+        x, dy = randn(32, 64, seed=94), randn(32, 64, seed=95)
+        want = _grads(copy.deepcopy(model), x, dy)
+        with normkit.record_launches() as log:
+            got, codes = run_and_get_code(lambda: _grads(compiled, x, dy))
+    finally:
+        tf.compile_frozen_with(previous)
     code = "\n".join(codes)
     for kernel in ("norm_fwd_kernel", "norm_bwd_kernel"):
         assert kernel in code, f"{kernel} is not launched from Inductor's code"
     assert "torch.ops.normkit" not in code, "an opaque normkit op is still called from the compiled graph"
-    assert any(launch.flags["COMPUTE_DW"] is False for launch in log.of("norm_bwd_kernel")), "frozen variant"
+    frozen_variant = [launch.flags["COMPUTE_DW"] is False for launch in log.of("norm_bwd_kernel")]
+    assert any(frozen_variant) == (route == "kernels"), frozen_variant
     for a, b in zip((want[0], want[1], *want[2]), (got[0], got[1], *got[2])):
         assert_close(np64(b), np64(a), "float32", "compiled vs eager")
+    torch._dynamo.reset()
 
 
 @_CUDA_ONLY

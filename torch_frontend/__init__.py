@@ -5,6 +5,7 @@ CUDA tensors run the compiled kernels; CPU tensors run the same kernels in Trito
 ``normkit.driver.forward(torch_frontend.backend, normkit.ops.OPS["rms_norm"], x2d, ...)``.
 """
 from torch_frontend._backend import BACKEND as backend
+from torch_frontend._composite import compile_frozen_with
 from torch_frontend.functional import NormkitCopyWarning, fused_add_rms_norm, layer_norm, rms_norm
 from torch_frontend.modules import FusedAddRMSNorm, LayerNorm, RMSNorm
 from torch_frontend.patch import PatchReport, patch_model, unpatch_model
@@ -13,5 +14,5 @@ __all__ = [
     "rms_norm", "layer_norm", "fused_add_rms_norm",
     "RMSNorm", "LayerNorm", "FusedAddRMSNorm",
     "NormkitCopyWarning", "backend",
-    "patch_model", "unpatch_model", "PatchReport",
+    "patch_model", "unpatch_model", "PatchReport", "compile_frozen_with",
 ]

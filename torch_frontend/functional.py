@@ -3,7 +3,9 @@ their validation.
 
 A call is checked (shapes, dtypes, devices, options; ``normkit.checks``, ``Op.options``) before
 anything is launched, then runs through the autograd Function (``_autograd``). A repeated eager
-call of the same signature skips the checks and the planning (``_fastpath``). The other modules of
+call of the same signature skips the checks and the planning (``_fastpath``). Under torch.compile
+a norm whose parameters are frozen runs as torch operations that Inductor generates and fuses with
+its neighbours (``_composite``); one with a trained parameter runs the kernels. The other modules of
 the frontend, one job each: ``_rows`` (row views and the general path over any leading shape),
 ``_ops`` (the torch.library ops for torch.compile and tensor subclasses), ``_backend`` (the driver's
 Torch backend), ``_dtensor`` (DTensor placements), ``modules`` and ``patch``.
@@ -17,7 +19,7 @@ import torch
 
 from normkit import checks
 from normkit.ops import FUSED_ADD_RMS_NORM, LAYER_NORM, RMS_NORM, Op, Options
-from torch_frontend import _fastpath
+from torch_frontend import _composite, _fastpath
 from torch_frontend._autograd import NormFunction
 from torch_frontend._backend import dtype_name
 from torch_frontend._ops import subclassed
@@ -88,6 +90,8 @@ def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode):
             return NormFunction.apply(op, bound.opts, store_stats, bound, x, residual, weight, bias)
     opts = _check(op, x, residual=residual, weight=weight, bias=bias, eps=eps, offset=offset,
                   casting_mode=casting_mode)
+    if torch.compiler.is_compiling() and _composite.applies(x, residual, weight, bias):
+        return _composite.apply(op, opts, x, residual, weight, bias)  # frozen: Inductor generates it
     if not torch.compiler.is_compiling():  # dynamo cannot trace is_neg (the bit is an eager view matter)
         x, residual, weight, bias = (resolve_neg(t, name) for t, name in
                                      ((x, "x"), (residual, "residual"), (weight, "weight"), (bias, "bias")))
