@@ -5,8 +5,11 @@ over arrays of the caller's shape ``(..., N)``; every call takes it except those
 takes (rows split over Explicit mesh axes). Under ``jit`` on one device it lowers to the
 implementation's kernels as they are. When the computation is partitioned over several devices
 (inputs placed with a ``NamedSharding`` on a mesh whose axes are Auto: ``jax.sharding.Mesh``'s
-default, Flax and most training code; host arrays placed by ``jit(in_shardings=...)``; replicated
-arrays on any mesh), it lowers through ``jax.experimental.custom_partitioning``:
+default, Flax and most training code; host arrays placed by ``jit(in_shardings=...)``), it lowers
+through ``jax.experimental.custom_partitioning``. Where x's type already places it on a mesh with
+Explicit axes (replicated arrays made after ``jax.set_mesh``; a vmapped call whose batch axis is
+split), the placement is known and the pass lowers through ``_shard_map.ShardedImpl`` instead, with
+no rule to consult. The rule:
 
 - the Shardy sharding rule (``sharding_rule``) says what the op is to the partitioner's
   propagation: row buffers ``"... n"``, statistics ``"..."``, weight, bias, dW and dB ``"n"``, with
@@ -50,7 +53,7 @@ from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_frontend import _launch, _rows
+from jax_frontend import _launch, _rows, _shard_map
 from jax_frontend._implementation import FORWARD_MODE_ERROR, Implementation
 from jax_frontend._rows import COLUMN, LAYOUT, ROW, STAT, Pass
 from normkit.ops import Grads, Op, Options
@@ -121,9 +124,7 @@ def _batch(args, dims, *, pass_: Pass, route):
 
 def _eager(*args, pass_: Pass, route):
     """Outside jit: on arrays spread over several devices, compiled alone by ``jax.jit`` (so
-    partitioned per device like under jit; ``dispatch.apply_primitive`` on JAX 0.11 leaves
-    custom_partitioning's sharding custom call unpartitioned on CPU); otherwise run as traced code,
-    op by op."""
+    partitioned per device like under jit); otherwise run as traced code, op by op."""
     if any(len(a.sharding.device_set) > 1 for a in args if isinstance(a, jax.Array)):
         return _compiled_alone(pass_, route)(*args)
     return pass_.run(*args)
@@ -152,8 +153,30 @@ def _partitioned(ctx) -> bool:
     return devices is not None and len(devices) > 1
 
 
+def _typed_split(ctx, pass_: Pass) -> _shard_map.ShardedImpl | None:
+    """Where x's type already places it on a mesh with Explicit axes (replicated arrays made after
+    ``jax.set_mesh``; a vmapped call whose batch axis is split): that placement as a
+    ``_shard_map.ShardedImpl``, which states the per-device computation itself; else None. The
+    partitioner is not asked: JAX 0.11 lowers such types inside custom_partitioning's per-device
+    computation as sharding custom calls that nothing partitions afterwards."""
+    aval = dict(zip(pass_.inputs, ctx.avals_in))["x"]
+    sharding = getattr(aval, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or sharding.mesh.empty or not sharding.mesh.explicit_axes:
+        return None
+    spec = _rows.spec_entries(sharding, aval.ndim)
+    _rows.check_rows_whole(tuple(aval.shape), spec, "shard a leading (batch or sequence) dimension instead, or "
+                                                     "reshard x first (jax.sharding.reshard)")
+    row_axes = tuple(axis for entry in spec[:-1] for axis in _rows.mesh_axes(entry))
+    return _shard_map.ShardedImpl(base=pass_.base, mesh=sharding.mesh, spec=spec, row_axes=row_axes,
+                                  manual_axes=tuple(sharding.mesh.explicit_axes))
+
+
 def _lower(ctx, *args, pass_: Pass, route):
     if route is None and _partitioned(ctx):
+        typed = _typed_split(ctx, pass_)
+        if typed is not None:
+            return mlir.lower_fun(lambda *arrays: list(typed.run(pass_, list(arrays)).values()),
+                                  multiple_results=True)(ctx, *args)
         return _lower_partitioned(ctx, *args, pass_=pass_)
     with _launch.routed_host_callbacks(route):
         return mlir.lower_fun(pass_.run, multiple_results=True)(ctx, *args)

@@ -140,14 +140,15 @@ class ShardedImpl:
 
     def forward(self, op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bool) -> dict:
         names, arrays = Pass.present(_rows.FWD_INPUTS, (x, residual, weight, bias))
-        return self._run(Pass(self.base, op, opts, names, store_stats=store_stats), arrays)
+        return self.run(Pass(self.base, op, opts, names, store_stats=store_stats), arrays)
 
     def backward(self, op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: Grads,
                  b_dtype: str | None) -> dict:
         names, arrays = Pass.present(_rows.BWD_INPUTS, (x, weight, dy, dres, mean, rstd))
-        return self._run(Pass(self.base, op, opts, names, grads=grads, b_dtype=b_dtype), arrays)
+        return self.run(Pass(self.base, op, opts, names, grads=grads, b_dtype=b_dtype), arrays)
 
-    def _run(self, pass_: Pass, arrays: list) -> dict:
+    def run(self, pass_: Pass, arrays: list) -> dict:
+        """``pass_``'s outputs by name, each device running it on its own rows."""
         specs = {ROW: P(*self.spec), STAT: P(*self.spec[:-1]), COLUMN: P()}
 
         def body(*local):
