@@ -157,8 +157,8 @@ def _typed_split(ctx, pass_: Pass) -> _shard_map.ShardedImpl | None:
     """Where x's type already places it on a mesh with Explicit axes (replicated arrays made after
     ``jax.set_mesh``; a vmapped call whose batch axis is split): that placement as a
     ``_shard_map.ShardedImpl``, which states the per-device computation itself; else None. The
-    partitioner is not asked: JAX 0.11 lowers such types inside custom_partitioning's per-device
-    computation as sharding custom calls that nothing partitions afterwards."""
+    partitioner is not asked: on JAX 0.11 a custom_partitioning call over such types failed at run
+    time on a sharding custom call that nothing had partitioned."""
     aval = dict(zip(pass_.inputs, ctx.avals_in))["x"]
     sharding = getattr(aval, "sharding", None)
     if not isinstance(sharding, NamedSharding) or sharding.mesh.empty or not sharding.mesh.explicit_axes:
