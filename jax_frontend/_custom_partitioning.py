@@ -161,14 +161,9 @@ def _typed_split(ctx, pass_: Pass) -> _shard_map.ShardedImpl | None:
     time on a sharding custom call that nothing had partitioned."""
     aval = dict(zip(pass_.inputs, ctx.avals_in))["x"]
     sharding = getattr(aval, "sharding", None)
-    if not isinstance(sharding, NamedSharding) or sharding.mesh.empty or not sharding.mesh.explicit_axes:
+    if not isinstance(sharding, NamedSharding) or not _shard_map.explicit(sharding):
         return None
-    spec = _rows.spec_entries(sharding, aval.ndim)
-    _rows.check_rows_whole(tuple(aval.shape), spec, "shard a leading (batch or sequence) dimension instead, or "
-                                                     "reshard x first (jax.sharding.reshard)")
-    row_axes = tuple(axis for entry in spec[:-1] for axis in _rows.mesh_axes(entry))
-    return _shard_map.ShardedImpl(base=pass_.base, mesh=sharding.mesh, spec=spec, row_axes=row_axes,
-                                  manual_axes=tuple(sharding.mesh.explicit_axes))
+    return _shard_map.placed(pass_.base, sharding, tuple(aval.shape))
 
 
 def _lower(ctx, *args, pass_: Pass, route):

@@ -55,7 +55,8 @@ def _sharding(a) -> NamedSharding | None:
     return sharding if isinstance(sharding, NamedSharding) else None
 
 
-def _explicit(sharding: NamedSharding | None) -> bool:
+def explicit(sharding: NamedSharding | None) -> bool:
+    """Whether ``sharding`` is on a mesh with Explicit axes."""
     return sharding is not None and not sharding.mesh.empty and bool(sharding.mesh.explicit_axes)
 
 
@@ -65,10 +66,23 @@ def whole_params(weight, bias) -> tuple:
     out = []
     for p in (weight, bias):
         sharding = _sharding(p)
-        if _explicit(sharding) and any(_rows.mesh_axes(e) for e in _rows.spec_entries(sharding, p.ndim)):
+        if explicit(sharding) and any(_rows.mesh_axes(e) for e in _rows.spec_entries(sharding, p.ndim)):
             p = jax.sharding.reshard(p, NamedSharding(sharding.mesh, P()))
         out.append(p)
     return tuple(out)
+
+
+def placed(base: Implementation, sharding: NamedSharding, shape: tuple) -> "ShardedImpl":
+    """A ``ShardedImpl`` over ``base`` for an x of ``shape`` placed by ``sharding`` (on a mesh with
+    Explicit axes); its ``row_axes`` are empty where the rows are whole on every device.
+
+    Raises (before any launch) for a normalized dimension that is sharded."""
+    spec = _rows.spec_entries(sharding, len(shape))
+    _rows.check_rows_whole(tuple(shape), spec, "shard a leading (batch or sequence) dimension instead, or "
+                                               "reshard x first (jax.sharding.reshard)")
+    row_axes = tuple(a for e in spec[:-1] for a in _rows.mesh_axes(e))
+    return ShardedImpl(base=base, mesh=sharding.mesh, spec=spec, row_axes=row_axes,
+                       manual_axes=tuple(sharding.mesh.explicit_axes))
 
 
 def sharded_impl(op: Op, base: Implementation, x, residual=None, weight=None, bias=None):
@@ -76,22 +90,16 @@ def sharded_impl(op: Op, base: Implementation, x, residual=None, weight=None, bi
 
     Raises (before any launch) for placements the kernels cannot run on locally."""
     sharding = _sharding(x)
-    if not _explicit(sharding):
+    if not explicit(sharding):
         return None
-    mesh = sharding.mesh
-    spec = _rows.spec_entries(sharding, x.ndim)
-    _rows.check_rows_whole(tuple(x.shape), spec, "shard a leading (batch or sequence) dimension instead, or "
-                                                  "reshard x first (jax.sharding.reshard)")
+    impl = placed(base, sharding, tuple(x.shape))
     if residual is not None:
         r_spec = _rows.spec_entries(_sharding(residual), residual.ndim)
-        if r_spec != spec:
+        if r_spec != impl.spec:
             raise ValueError(
-                f"normkit: residual has sharding {_rows.show(r_spec)} but x has {_rows.show(spec)}; they must be "
-                "sharded alike (jax.sharding.reshard one of them)")
-    row_axes = tuple(a for e in spec[:-1] for a in _rows.mesh_axes(e))
-    if not row_axes:
-        return None
-    return ShardedImpl(base=base, mesh=mesh, spec=spec, row_axes=row_axes, manual_axes=tuple(mesh.explicit_axes))
+                f"normkit: residual has sharding {_rows.show(r_spec)} but x has {_rows.show(impl.spec)}; they must "
+                "be sharded alike (jax.sharding.reshard one of them)")
+    return impl if impl.row_axes else None
 
 
 def varying(a) -> frozenset:
