@@ -14,7 +14,12 @@ Inductor does for ``hf`` under ``torch.compile``); each eager, under ``torch.com
 (default mode) and under ``torch.compile(model, mode="reduce-overhead")`` (CUDA graphs; each step
 begins with ``torch.compiler.cudagraph_mark_step_begin()``). Within a mode every variant is built,
 compiled, checked and warmed up first; then ``--rounds`` rounds of timed steps run interleaved across
-the variants, so that a drift of the machine lands on all of them alike.
+the variants, so that a drift of the machine lands on all of them alike, each round starting one
+variant later than the one before (a variant's place in the round must not decide its time).
+
+A variant may be named again with a suffix, ``hf#2``: an independent copy (its own model copy, its
+own compile, its own row). ``--variants hf,normkit,hf#2`` is the A/A control of a comparison: the
+difference between ``hf`` and ``hf#2`` is what the measurement cannot resolve.
 
 Per row: median / min / max step time over ``--steps`` steps after ``--warmup`` (wall time of each
 step, synchronized before and after: ``benchmarks.timing.Timer.each``), the first step's loss and LoRA gradient norm against the
@@ -125,9 +130,14 @@ def _us(e) -> float:
     return float(e.time_range.elapsed_us())
 
 
+def norms_of(variant: str) -> str:
+    """The norms a variant name runs: ``hf#2`` is a second copy of ``hf``."""
+    return variant.split("#", 1)[0]
+
+
 def norm_by_name(events, variant: str):
     """(fwd_us, bwd_us, {kernel name: [count, us]}) of the variant's own norm kernels, or None."""
-    pattern = NORM_KERNELS.get(variant)
+    pattern = NORM_KERNELS.get(norms_of(variant))
     if pattern is None:
         return None
     fwd = bwd = 0.0
@@ -221,7 +231,7 @@ class Row:
         self.variant, self.mode, self.device = variant, mode, device
         self.t0 = time.perf_counter()
         self.model = copy.deepcopy(base)
-        self.row["prepare"] = swap_norms(self.model, variant)
+        self.row["prepare"] = swap_norms(self.model, norms_of(variant))
         self.norms = norm_modules(self.model)
         self.row["norm_modules"] = dict(Counter(type(m).__name__ for _, m in self.norms))
         self.norm_params = {f"{n}.{pn}": p for n, m in self.norms for pn, p in m.named_parameters(recurse=False)}
@@ -282,7 +292,7 @@ class Row:
         row["round_medians_ms"] = self.rounds_ms
         row["steps"], row["warmup"] = len(self.times_ms), args.warmup
         row["timer"] = ("wall time of each step, synchronized before and after (benchmarks.timing.Timer.each), "
-                        f"{len(self.rounds_ms)} rounds interleaved with the mode's other variants")
+                        f"{len(self.rounds_ms)} rounds interleaved with the mode's other variants, each round's order rotated")
         if profile:
             row.update(profile_step(lambda: self.step(), self.variant, self.mode, self.norms, self.device,
                                     steps=args.profile_steps))
@@ -325,7 +335,9 @@ def run_mode(mode: str, variants: list, base, ids, device, args, ref) -> list:
             rows.append(row)
     per_round = max(1, args.steps // args.rounds)
     for k in range(args.rounds):
-        for r in list(live):
+        shift = k % len(live) if live else 0  # each round starts one variant later than the one before
+        order = live[shift:] + live[:shift]
+        for r in order:
             try:
                 r.time_round(per_round)
             except Exception as e:  # noqa: BLE001
@@ -333,7 +345,8 @@ def run_mode(mode: str, variants: list, base, ids, device, args, ref) -> list:
                 live.remove(r)
                 r.close()
                 rows.append(r.row)
-        log(f"{mode} round {k + 1}/{args.rounds}: " + ", ".join(f"{r.variant} {r.rounds_ms[-1]:.2f} ms" for r in live))
+        log(f"{mode} round {k + 1}/{args.rounds}: " + ", ".join(f"{r.variant} {r.rounds_ms[-1]:.2f} ms" for r in order
+                                                                 if r in live))
     for r in live:
         try:
             rows.append(r.finish(args, profile=not args.no_profile))
@@ -355,7 +368,7 @@ def profile_step(step, variant, mode, norms, device, steps: int = 1) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     # By module needs every norm call to go through its module's forward; normkit_fused calls the
     # post-attention norms from the decoder layer (fused with the add), so it is attributed by name only.
-    scopes = NormScopes([m for _, m in norms]) if mode == "eager" and variant != "normkit_fused" else None
+    scopes = NormScopes([m for _, m in norms]) if mode == "eager" and norms_of(variant) != "normkit_fused" else None
     try:
         with profile(activities=activities) as prof:
             for _ in range(steps):
@@ -603,7 +616,8 @@ def main(argv=None) -> int:
     if args.no_compile:
         modes = [m for m in modes if m == "eager"]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    bad = [v for v in variants if v not in VARIANTS] + [m for m in modes if m not in MODES]
+    bad = [v for v in variants if norms_of(v) not in VARIANTS] + [m for m in modes if m not in MODES]
+    bad += sorted({v for v in variants if variants.count(v) > 1})
     if bad:
         raise SystemExit(f"unknown variant/mode {bad}; variants {VARIANTS}, modes {MODES}")
     out_dir = Path(args.out) if args.out else (
@@ -632,7 +646,7 @@ def main(argv=None) -> int:
     rows, ref, took = [], None, {}
     result = {"schema": SCHEMA, "argv": sys.argv[1:], "config": cfg, "env": env, "rows": rows,
               "attribution": ATTRIBUTION, "budget_s": args.budget_s, "complete": False}
-    ordered = [v for v in VARIANTS if v in variants]
+    ordered = sorted(variants, key=lambda v: (VARIANTS.index(norms_of(v)), v))  # hf first: the reference
     for mode in (m for m in MODES if m in modes):
         elapsed = time.perf_counter() - T_START
         estimate = took.get(mode, ESTIMATE_S[mode]) * len(ordered)
@@ -674,9 +688,9 @@ def main(argv=None) -> int:
     log(f"wrote {out_dir / 'lora_step.json'} and {out_dir / 'lora_step.md'}")
     failed = [r for r in rows if r["status"].startswith("failed") or (r["status"] == "ok" and not r.get("checks_ok"))]
     for r in failed:
-        print(f"{'WARNING (peer)' if r['variant'] == 'liger' else 'FAILED'}: {r['variant']} {r['mode']}: "
+        print(f"{'WARNING (peer)' if norms_of(r['variant']) == 'liger' else 'FAILED'}: {r['variant']} {r['mode']}: "
               f"{r['status'] if r['status'] != 'ok' else '; '.join(r['check_notes'])}", flush=True)
-    return 1 if any(r["variant"] != "liger" for r in failed) else 0
+    return 1 if any(norms_of(r["variant"]) != "liger" for r in failed) else 0
 
 
 if __name__ == "__main__":

@@ -217,6 +217,24 @@ def test_variants_resize_partials_and_the_reduction(tune):
         tune.check_launches([v, red])  # the base plan's reduction sums another number of rows
 
 
+def test_lora_step_runs_an_independent_copy_of_a_variant_as_its_control(tmp_path):
+    import json
+
+    out = run_script("benchmarks/lora_step.py", "--dry-run", "--variants", "normkit,hf,hf#2", "--rounds", "2",
+                     "--steps", "2", "--no-profile", "--out", str(tmp_path))
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "lora_step.json").read_text())["rows"]}
+    assert list(rows) == ["hf", "hf#2", "normkit"], out  # hf first: the reference
+    assert all(r["status"] == "ok" and r["checks_ok"] for r in rows.values()), rows
+    assert rows["hf#2"]["prepare"] == rows["hf"]["prepare"] and rows["hf#2"]["loss_first"] == rows["hf"]["loss_first"]
+    assert len(rows["hf#2"]["round_medians_ms"]) == 2
+    # the second round starts one variant later than the first
+    rounds = re.findall(r"eager round \d/2: (.*)", out)
+    assert [[part.split()[0] for part in line.split(", ")] for line in rounds] == [
+        ["hf", "hf#2", "normkit"], ["hf#2", "normkit", "hf"]], out
+    with pytest.raises(AssertionError, match="unknown variant"):
+        run_script("benchmarks/lora_step.py", "--dry-run", "--variants", "hf,hf", "--out", str(tmp_path))
+
+
 def test_lora_step_dry_run(tmp_path):
     import json
 
