@@ -42,6 +42,13 @@ class Backend(Protocol):
         layout); None allocates the plan's own shapes. A backend may ignore it (JAX reshapes after
         the custom_vjp boundary instead)."""
 
+    def bind(self, call, like, rows_shape: tuple | None = None):
+        """Optional, for a frontend that launches one plan many times (``bind_forward``,
+        ``bind_backward``): ``launch(*arrays)``, what ``launch`` does with everything that does not
+        depend on the arrays done once. ``launch`` takes the arrays in ``call.inputs`` order (an
+        absent input is not read) on ``like``'s device, and returns the outputs in ``call.outputs``
+        order, None where absent."""
+
 
 def _dtype(backend: Backend, a) -> str | None:
     return backend.dtype(a) if a is not None else None
@@ -142,6 +149,31 @@ def launch_backward(backend: Backend, plan: tuple, x, weight, dy, dres, mean, rs
     if reduce is not None:
         out.update(backend.launch(reduce, out))
     return out.get("DX"), out.get("DW"), out.get("DB")
+
+
+def bind_forward(backend: Backend, call, like, rows_shape: tuple | None = None):
+    """``launch(x, residual, weight, bias) -> (Y, S, MEAN, RSTD)``: ``launch_forward`` of a forward plan
+    bound once (``Backend.bind``) for arrays on ``like``'s device, for a frontend that launches the
+    plan again and again (an absent result is None)."""
+    return backend.bind(call, like, rows_shape)  # the kernel's outputs are (Y, S, MEAN, RSTD)
+
+
+def bind_backward(backend: Backend, plan: tuple, like, rows_shape: tuple | None = None):
+    """``launch(x, weight, dy, dres, mean, rstd) -> (DX, DW, DB)``: ``launch_backward`` of a backward
+    plan bound once (``Backend.bind``) for arrays on ``like``'s device (an entry not asked for is
+    None)."""
+    call, reduce = plan
+    launch = backend.bind(call, like, rows_shape)
+    if reduce is None:  # no dW/dB: the kernel's outputs are (DX, None, None)
+        return launch
+    launch_reduce = backend.bind(reduce, like)
+
+    def launch_and_reduce(x, weight, dy, dres, mean, rstd) -> tuple:
+        dx, dw_part, db_part = launch(x, weight, dy, dres, mean, rstd)
+        dw, db = launch_reduce(dw_part, db_part)
+        return dx, dw, db
+
+    return launch_and_reduce
 
 
 # Testing aid (normkit.testing.poisoned_outputs): backends fill every output with NaN before the

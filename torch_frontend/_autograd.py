@@ -16,8 +16,6 @@ gradient) would receive two views of one buffer, and their ``.grad`` would alias
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from normkit import reference
@@ -25,7 +23,6 @@ from normkit.ops import Grads, Op, Options
 from torch_frontend import _ops
 
 GRADS = {(dx, dw, db): Grads(dx, dw, db) for dx in (False, True) for dw in (False, True) for db in (False, True)}
-_NO_CONTEXT = contextlib.nullcontext()
 
 
 class NormFunction(torch.autograd.Function):
@@ -50,23 +47,58 @@ class NormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, ds=None):
         needs = ctx.needs_input_grad  # (op, opts, store_stats, bound, x, residual, weight, bias)
-        grads = GRADS[needs[4] or needs[5], needs[6], needs[7]]
-        x, weight, mean, rstd = ctx.saved_tensors
-        if dy is None and ds is None:
-            return (None,) * 8
-        # Grad mode is on only under create_graph=True.
-        grad_mode = torch.is_grad_enabled()
-        if grad_mode and any(t is not None and t.requires_grad for t in (dy, ds, x, weight)):
-            dx, dw, db = differentiable_backward(ctx.op, ctx.opts, x, weight, dy, ds, grads, ctx.b_dtype)
-        else:
-            with torch.no_grad() if grad_mode else _NO_CONTEXT:
-                if dy is None:  # only residual_out was used: y's gradient is exactly zero
-                    dy = torch.zeros_like(x)
-                if ctx.bound is not None:
-                    dx, dw, db = ctx.bound.backward(x, weight, dy, ds, mean, rstd, grads)
-                else:
-                    dx, dw, db = _ops.backward(ctx.op, x, weight, dy, ds, mean, rstd, ctx.opts, grads, ctx.b_dtype)
+        dx, dw, db = _backward(ctx, ctx.op, ctx.opts, ctx.bound, ctx.b_dtype, (needs[4] or needs[5], needs[6], needs[7]),
+                               dy, ds)
         return (None, None, None, None, dx if needs[4] else None, dx if needs[5] else None, dw, db)
+
+
+class BoundNormFunction(torch.autograd.Function):
+    """``forward(bound, x, residual, weight, bias)``: ``NormFunction`` for a repeated eager call, whose
+    op, options and statistics its ``_fastpath.Bound`` holds (fewer arguments for autograd to handle)."""
+
+    @staticmethod
+    def forward(ctx, bound, x, residual, weight, bias):
+        y, s, mean, rstd = bound.forward(x, residual, weight, bias)
+        ctx.bound = bound
+        if bound.op.has_residual:
+            ctx.set_materialize_grads(False)
+            ctx.save_for_backward(s, weight, mean, rstd)
+            return y, s
+        ctx.save_for_backward(x, weight, mean, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy, ds=None):
+        needs = ctx.needs_input_grad  # (bound, x, residual, weight, bias)
+        bound = ctx.bound
+        dx, dw, db = _backward(ctx, bound.op, bound.opts, bound, bound.bias_dtype, (needs[1] or needs[2], needs[3], needs[4]),
+                               dy, ds)
+        return None, dx if needs[1] else None, dx if needs[2] else None, dw, db
+
+
+def _backward(ctx, op: Op, opts: Options, bound, b_dtype: torch.dtype, flags: tuple, dy, ds) -> tuple:
+    """``(dx, dweight, dbias)`` of the gradients ``flags`` (``(dx, dw, db)``) asks for, from the saved
+    tensors: by the kernels (the bound plans where there are), or, under ``create_graph=True`` with
+    something to differentiate, by ``differentiable_backward``."""
+    x, weight, mean, rstd = ctx.saved_tensors
+    if dy is None and ds is None:
+        return None, None, None
+    # Grad mode is on only under create_graph=True.
+    if torch.is_grad_enabled():
+        if any(t is not None and t.requires_grad for t in (dy, ds, x, weight)):
+            return differentiable_backward(op, opts, x, weight, dy, ds, GRADS[flags], b_dtype)
+        with torch.no_grad():
+            return _kernel_backward(op, opts, bound, b_dtype, flags, x, weight, dy, ds, mean, rstd)
+    return _kernel_backward(op, opts, bound, b_dtype, flags, x, weight, dy, ds, mean, rstd)
+
+
+def _kernel_backward(op: Op, opts: Options, bound, b_dtype: torch.dtype, flags: tuple, x, weight, dy, ds, mean,
+                     rstd) -> tuple:
+    if dy is None:  # only residual_out was used: y's gradient is exactly zero
+        dy = torch.zeros_like(x)
+    if bound is not None:
+        return bound.backward(x, weight, dy, ds, mean, rstd, flags)
+    return _ops.backward(op, x, weight, dy, ds, mean, rstd, opts, GRADS[flags], b_dtype)
 
 
 def differentiable_backward(op: Op, opts: Options, x, weight, dy, ds, grads: Grads, b_dtype: torch.dtype) -> tuple:

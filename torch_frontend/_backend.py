@@ -9,10 +9,11 @@ a launch hook (profilers), or a Triton version this was not written for take the
 from __future__ import annotations
 
 import functools
+import operator
 
 import torch
 
-from normkit import _interpreter, driver
+from normkit import _interpreter, driver, record
 from normkit.launch import INTERPRETER_NUM_SMS, KernelCall
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -67,15 +68,16 @@ class TorchBackend:
     def launch(call: KernelCall, arrays: dict, rows_shape: tuple | None = None) -> dict:
         """``rows_shape``: the caller's ``(..., N)`` shape, in which the row outputs are allocated
         (the same memory layout as the planned ``[M, N]``); see ``normkit.driver.Backend``."""
-        prep, device, outs = _outputs(call, arrays, rows_shape)
-        if device.type != "cuda" or prep.interpreted:
-            _interpreter.interpreted(call.kernel)[call.grid](*prep.args(call, arrays, outs), **call.constexprs,
-                                                            num_warps=call.num_warps, num_stages=call.num_stages)
-            call.record("torch", True)
-        else:
-            _launch_cuda(call, prep, device.index, arrays, outs)  # a CUDA tensor's device always has its index
-            call.record("torch", False)
-        return dict(zip(prep.out_names, outs))
+        prep = _prepared(call)
+        launch = prep.bound(call, arrays[prep.first_input].device, rows_shape)
+        outs = launch(*[arrays[name] if present else None for name, present in prep.inputs])
+        return {name: t for name, t in zip(call.outputs, outs) if t is not None}
+
+    @staticmethod
+    def bind(call: KernelCall, like: torch.Tensor, rows_shape: tuple | None = None) -> "_BoundLaunch":
+        """``call`` bound to ``like``'s device and its outputs' shapes: ``launch(*inputs)`` (the arrays in
+        ``call.inputs`` order) returns the outputs in ``call.outputs`` order; see ``normkit.driver.Backend``."""
+        return _prepared(call).bound(call, like.device, rows_shape)
 
 
 class InductorBackend(TorchBackend):
@@ -102,12 +104,17 @@ class InductorBackend(TorchBackend):
         return dict(zip(prep.out_names, outs))
 
 
-def _outputs(call: KernelCall, arrays: dict, rows_shape: tuple | None = None) -> tuple:
-    """``(prepared plan, device, outputs)``: every output allocated once, in ``call.out_specs`` order
-    (NaN-filled under ``driver.POISON_OUTPUTS``)."""
+def _prepared(call: KernelCall) -> "_Prepared":
     prep = call.cache.get("torch")
     if prep is None:
         prep = call.cache["torch"] = _Prepared(call)
+    return prep
+
+
+def _outputs(call: KernelCall, arrays: dict, rows_shape: tuple | None = None) -> tuple:
+    """``(prepared plan, device, outputs)``: every output allocated once, in ``call.out_specs`` order
+    (NaN-filled under ``driver.POISON_OUTPUTS``)."""
+    prep = _prepared(call)
     device = arrays[prep.first_input].device
     allocs = prep.allocs if rows_shape is None else prep.allocs_in(rows_shape)
     outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in allocs]
@@ -118,17 +125,20 @@ def _outputs(call: KernelCall, arrays: dict, rows_shape: tuple | None = None) ->
 
 
 class _Prepared:
-    """What the Torch backend derives once per plan: allocation specs and argument slots."""
+    """What the Torch backend derives once per plan: allocation specs, argument slots, and the
+    plan's launches bound per device and output shape."""
 
     def __init__(self, call: KernelCall):
         self.first_input = next(name for name in call.inputs if name in call.present_inputs)
         self.inputs = [(name, name in call.present_inputs) for name in call.inputs]
+        self.present = tuple(present for _, present in self.inputs)
         self.out_names = list(call.out_specs)
         self.allocs = [(tuple(shape), TORCH_DTYPES[dtype]) for shape, dtype in call.out_specs.values()]
         self._allocs_in: dict = {}
         self.out_slots = [self.out_names.index(name) if name in call.out_specs else None for name in call.outputs]
         self.interpreted = _interpreter.is_interpreted(call.kernel)  # TRITON_INTERPRET=1 made it interpreted
         self.direct: dict = {}  # device index -> _DirectLaunch of the kernel compiled for aligned pointers
+        self._bound: dict = {}  # (device, rows_shape) -> _BoundLaunch
 
     def args(self, call: KernelCall, arrays: dict, outs: list) -> list:
         """The kernel's positional arguments: inputs (None where absent), scalars, outputs."""
@@ -146,30 +156,88 @@ class _Prepared:
                 (nd_shape(name, rows_shape, shape), dtype) for name, (shape, dtype) in zip(self.out_names, self.allocs)]
         return allocs
 
+    def bound(self, call: KernelCall, device: torch.device, rows_shape: tuple | None) -> "_BoundLaunch":
+        """The plan's launch on ``device`` with its outputs in ``rows_shape``; remembered."""
+        key = (device, rows_shape)
+        launch = self._bound.get(key)
+        if launch is None:
+            launch = self._bound[key] = _BoundLaunch(call, self, device, rows_shape)
+        return launch
 
-def _launch_cuda(call: KernelCall, prep: _Prepared, index: int, arrays: dict, outs: list) -> None:
-    """Launch on CUDA device ``index``. Once Triton has compiled the kernel for 16-byte-aligned
-    pointers (the specialization every tensor from torch's allocator gets), later launches with
-    aligned pointers call its C launcher directly (``_DirectLaunch``); anything else (unaligned
-    pointers, another current device, launch hooks such as a profiler's) takes Triton's own path."""
-    direct = prep.direct.get(index)
-    if direct and index == torch._C._cuda_getDevice() and _no_hooks():
-        in_ptrs = [arrays[name].data_ptr() if present else None for name, present in prep.inputs]
-        if not any(p & 15 for p in in_ptrs if p):  # outputs come from torch's allocator: aligned
-            out_ptrs = [outs[i].data_ptr() if i is not None else None for i in prep.out_slots]
-            direct(torch._C._cuda_getCurrentRawStream(index), in_ptrs, out_ptrs)
-            return
-    args = prep.args(call, arrays, outs)
-    if index != torch._C._cuda_getDevice():
-        with torch.cuda.device(index):
+
+class _BoundLaunch:
+    """One plan bound to a device and to its outputs' shapes, everything a launch does not read from
+    the arrays derived up front: ``launch(*inputs)`` takes the arrays in ``call.inputs`` order
+    (absent inputs are not read), allocates the outputs, launches, and returns the outputs in
+    ``call.outputs`` order (None where absent).
+
+    On CUDA, once Triton has compiled the kernel for 16-byte-aligned pointers (the specialization
+    every tensor from torch's allocator gets), later launches with aligned pointers call its C
+    launcher directly (``_DirectLaunch``); anything else (unaligned pointers, another current
+    device, launch hooks such as a profiler's) takes Triton's own path."""
+
+    __slots__ = ("call", "direct", "index", "compiled", "present", "allocs", "interpreted_kernel")
+
+    def __init__(self, call: KernelCall, prep: _Prepared, device: torch.device, rows_shape: tuple | None):
+        self.call, self.direct, self.present = call, prep.direct, prep.present
+        # a CUDA tensor's device always has its index
+        self.compiled = device.type == "cuda" and not prep.interpreted
+        self.index = device.index
+        self.interpreted_kernel = None if self.compiled else _interpreter.interpreted(call.kernel)
+        allocs = prep.allocs if rows_shape is None else prep.allocs_in(rows_shape)
+        by_name = dict(zip(prep.out_names, allocs))
+        self.allocs = [_allocator(*by_name[name], device) if name in by_name else None for name in call.outputs]
+
+    def __call__(self, *inputs) -> list:
+        outs = [alloc() if alloc is not None else None for alloc in self.allocs]
+        if driver.POISON_OUTPUTS:
+            for t in outs:
+                if t is not None:
+                    t.fill_(float("nan"))
+        if self.compiled:
+            self._launch_cuda(inputs, outs)
+        else:
+            call = self.call
+            args = [a if present else None for a, present in zip(inputs, self.present)]
+            self.interpreted_kernel[call.grid](*args, *call.scalars, *outs, **call.constexprs,
+                                               num_warps=call.num_warps, num_stages=call.num_stages)
+            if record.active():
+                call.record("torch", True)
+        return outs
+
+    def _launch_cuda(self, inputs: tuple, outs: list) -> None:
+        call, index = self.call, self.index
+        direct = self.direct.get(index)
+        if direct and index == torch._C._cuda_getDevice() and _no_hooks():
+            in_ptrs = [a.data_ptr() if present else None for a, present in zip(inputs, self.present)]
+            if not functools.reduce(operator.or_, filter(None, in_ptrs), 0) & 15:  # outputs: torch's allocator, aligned
+                direct(torch._C._cuda_getCurrentRawStream(index), in_ptrs,
+                       [t.data_ptr() if t is not None else None for t in outs])
+                if record.active():
+                    call.record("torch", False)
+                return
+        args = [a if present else None for a, present in zip(inputs, self.present)]
+        args += call.scalars
+        args += outs
+        if index != torch._C._cuda_getDevice():
+            with torch.cuda.device(index):
+                call.kernel[call.grid](*args, **call.constexprs, num_warps=call.num_warps, num_stages=call.num_stages,
+                                       enable_fp_fusion=call.fp_fusion)
+        else:
             compiled = call.kernel[call.grid](*args, **call.constexprs, num_warps=call.num_warps,
                                               num_stages=call.num_stages, enable_fp_fusion=call.fp_fusion)
-        return
-    compiled = call.kernel[call.grid](*args, **call.constexprs, num_warps=call.num_warps, num_stages=call.num_stages,
-                                      enable_fp_fusion=call.fp_fusion)
-    if (direct is None and _FAST_OK and compiled is not None
-            and not any(a.data_ptr() & 15 for a in args if isinstance(a, torch.Tensor))):
-        prep.direct[index] = _DirectLaunch.of(call, compiled)
+            if (direct is None and _FAST_OK and compiled is not None
+                    and not any(a.data_ptr() & 15 for a in args if isinstance(a, torch.Tensor))):
+                self.direct[index] = _DirectLaunch.of(call, compiled)
+        call.record("torch", False)
+
+
+def _allocator(shape: tuple, dtype: torch.dtype, device: torch.device):
+    """``torch.empty`` of ``shape`` bound: called with the sizes as separate arguments, which torch's
+    argument parser takes faster than a tuple."""
+    if not shape:
+        return functools.partial(torch.empty, (), dtype=dtype, device=device)
+    return functools.partial(torch.empty, *shape, dtype=dtype, device=device)
 
 
 class _DirectLaunch:
@@ -198,8 +266,10 @@ class _DirectLaunch:
 
 
 def _no_hooks() -> bool:
-    hooks = (_knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook)
-    return all(h is None or not getattr(h, "calls", True) for h in hooks)
+    runtime = _knobs.runtime
+    enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return ((enter is None or not getattr(enter, "calls", True))
+            and (exit_ is None or not getattr(exit_, "calls", True)))
 
 
 try:  # the direct launch follows Triton 3.6's JITFunction.run; other versions use the ordinary path

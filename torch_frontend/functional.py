@@ -20,7 +20,7 @@ import torch
 from normkit import checks
 from normkit.ops import FUSED_ADD_RMS_NORM, LAYER_NORM, RMS_NORM, Op, Options
 from torch_frontend import _composite, _fastpath
-from torch_frontend._autograd import NormFunction
+from torch_frontend._autograd import BoundNormFunction, NormFunction
 from torch_frontend._backend import dtype_name
 from torch_frontend._ops import subclassed
 from torch_frontend._rows import NormkitCopyWarning, resolve_neg
@@ -69,25 +69,17 @@ def _needs_stats(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _negated(x, residual, weight, bias) -> bool:
-    return x.is_neg() or any(t is not None and t.is_neg() for t in (residual, weight, bias))
-
-
 def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode):
-    """A call through ``NormFunction``: its bound plans when the signature is known (eager), else
-    validated first, and bound for the next call."""
+    """A call through the autograd Function: ``BoundNormFunction`` with its bound plans when the
+    signature is known (eager), else ``NormFunction``, validated first, and bound for the next call."""
     key = None
     if not torch.compiler.is_compiling():
         try:
-            store_stats = _needs_stats(x, residual, weight, bias)
-            key = _fastpath.signature(op, store_stats, eps, offset, casting_mode, x, residual, weight, bias)
-            bound = _fastpath.BOUND.get(key)
-            if _negated(x, residual, weight, bias):
-                key = bound = None
+            key, bound = _fastpath.lookup(op, eps, offset, casting_mode, x, residual, weight, bias)
         except (AttributeError, TypeError):  # not a tensor, or an unhashable option: the checks below name it
             key = bound = None
         if bound is not None:
-            return NormFunction.apply(op, bound.opts, store_stats, bound, x, residual, weight, bias)
+            return BoundNormFunction.apply(bound, x, residual, weight, bias)
     opts = _check(op, x, residual=residual, weight=weight, bias=bias, eps=eps, offset=offset,
                   casting_mode=casting_mode)
     if torch.compiler.is_compiling() and _composite.applies(x, residual, weight, bias):
