@@ -1,4 +1,9 @@
-"""The ``torch.autograd.Function`` of the three ops.
+"""The ``torch.autograd.Function``s of the three ops.
+
+``NormFunction`` takes a call's op, options and (where bound) plans as arguments: the first call of
+a signature, and every call under ``torch.compile`` or on tensor subclasses. A repeated eager call
+goes through its op's ``Bound*`` Function instead, whose one extra argument, the ``_fastpath.Bound``,
+holds the rest: autograd's host time grows with every argument it handles.
 
 Which gradients the backward computes comes from ``ctx.needs_input_grad``: a frozen weight, bias or
 input turns its COMPUTE_* flag off, so its work, its fp32 partial buffer and its reduction launch
@@ -47,40 +52,81 @@ class NormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, ds=None):
         needs = ctx.needs_input_grad  # (op, opts, store_stats, bound, x, residual, weight, bias)
-        dx, dw, db = _backward(ctx, ctx.op, ctx.opts, ctx.bound, ctx.b_dtype, (needs[4] or needs[5], needs[6], needs[7]),
-                               dy, ds)
+        x, weight, mean, rstd = ctx.saved_tensors
+        dx, dw, db = _backward(ctx.op, ctx.opts, ctx.bound, ctx.b_dtype, (needs[4] or needs[5], needs[6], needs[7]),
+                               x, weight, mean, rstd, dy, ds)
         return (None, None, None, None, dx if needs[4] else None, dx if needs[5] else None, dw, db)
 
 
-class BoundNormFunction(torch.autograd.Function):
-    """``forward(bound, x, residual, weight, bias)``: ``NormFunction`` for a repeated eager call, whose
-    op, options and statistics its ``_fastpath.Bound`` holds (fewer arguments for autograd to handle)."""
+class BoundRMSNorm(torch.autograd.Function):
+    """``forward(bound, x, weight)``: ``rms_norm`` by its ``_fastpath.Bound`` plans, for a repeated eager
+    call. One Function per op (this one, ``BoundLayerNorm``, ``BoundFusedAddRMSNorm``) hands autograd
+    only the op's own arguments: each one more costs host time in the forward and the backward."""
 
     @staticmethod
-    def forward(ctx, bound, x, residual, weight, bias):
-        y, s, mean, rstd = bound.forward(x, residual, weight, bias)
+    def forward(ctx, bound, x, weight):
+        y, _, mean, rstd = bound.forward(x, None, weight, None)
         ctx.bound = bound
-        if bound.op.has_residual:
-            ctx.set_materialize_grads(False)
-            ctx.save_for_backward(s, weight, mean, rstd)
-            return y, s
         ctx.save_for_backward(x, weight, mean, rstd)
         return y
 
     @staticmethod
-    def backward(ctx, dy, ds=None):
-        needs = ctx.needs_input_grad  # (bound, x, residual, weight, bias)
-        bound = ctx.bound
-        dx, dw, db = _backward(ctx, bound.op, bound.opts, bound, bound.bias_dtype, (needs[1] or needs[2], needs[3], needs[4]),
-                               dy, ds)
-        return None, dx if needs[1] else None, dx if needs[2] else None, dw, db
+    def backward(ctx, dy):
+        needs = ctx.needs_input_grad  # (bound, x, weight)
+        dx, dw, _ = _bound_backward(ctx, (needs[1], needs[2], False), dy, None)
+        return None, dx, dw
 
 
-def _backward(ctx, op: Op, opts: Options, bound, b_dtype: torch.dtype, flags: tuple, dy, ds) -> tuple:
+class BoundLayerNorm(torch.autograd.Function):
+    """``forward(bound, x, weight, bias)``: ``layer_norm`` by its bound plans (see ``BoundRMSNorm``)."""
+
+    @staticmethod
+    def forward(ctx, bound, x, weight, bias):
+        y, _, mean, rstd = bound.forward(x, None, weight, bias)
+        ctx.bound = bound
+        ctx.save_for_backward(x, weight, mean, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        needs = ctx.needs_input_grad  # (bound, x, weight, bias)
+        return None, *_bound_backward(ctx, (needs[1], needs[2], needs[3]), dy, None)
+
+
+class BoundFusedAddRMSNorm(torch.autograd.Function):
+    """``forward(bound, x, residual, weight)``: ``fused_add_rms_norm`` by its bound plans (see
+    ``BoundRMSNorm``)."""
+
+    @staticmethod
+    def forward(ctx, bound, x, residual, weight):
+        y, s, mean, rstd = bound.forward(x, residual, weight, None)
+        ctx.bound = bound
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(s, weight, mean, rstd)
+        return y, s
+
+    @staticmethod
+    def backward(ctx, dy, ds):
+        needs = ctx.needs_input_grad  # (bound, x, residual, weight)
+        dx, dw, _ = _bound_backward(ctx, (needs[1] or needs[2], needs[3], False), dy, ds)
+        return None, dx if needs[1] else None, dx if needs[2] else None, dw
+
+
+def _bound_backward(ctx, flags: tuple, dy, ds) -> tuple:
+    """``(dx, dweight, dbias)`` of a ``Bound*`` Function: its bound backward plans, except where
+    ``_backward`` has more to do (create_graph=True, or only residual_out's gradient)."""
+    bound = ctx.bound
+    x, weight, mean, rstd = ctx.saved_tensors
+    if dy is not None and not torch.is_grad_enabled():  # the common case: the bound kernels
+        return bound.backward(x, weight, dy, ds, mean, rstd, flags)
+    return _backward(bound.op, bound.opts, bound, bound.bias_dtype, flags, x, weight, mean, rstd, dy, ds)
+
+
+def _backward(op: Op, opts: Options, bound, b_dtype: torch.dtype, flags: tuple, x, weight, mean, rstd, dy,
+              ds) -> tuple:
     """``(dx, dweight, dbias)`` of the gradients ``flags`` (``(dx, dw, db)``) asks for, from the saved
     tensors: by the kernels (the bound plans where there are), or, under ``create_graph=True`` with
     something to differentiate, by ``differentiable_backward``."""
-    x, weight, mean, rstd = ctx.saved_tensors
     if dy is None and ds is None:
         return None, None, None
     # Grad mode is on only under create_graph=True.

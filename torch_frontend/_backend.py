@@ -176,14 +176,13 @@ class _BoundLaunch:
     launcher directly (``_DirectLaunch``); anything else (unaligned pointers, another current
     device, launch hooks such as a profiler's) takes Triton's own path."""
 
-    __slots__ = ("call", "direct", "index", "compiled", "present", "allocs", "interpreted_kernel")
+    __slots__ = ("call", "prep", "index", "compiled", "present", "allocs", "direct")
 
     def __init__(self, call: KernelCall, prep: _Prepared, device: torch.device, rows_shape: tuple | None):
-        self.call, self.direct, self.present = call, prep.direct, prep.present
-        # a CUDA tensor's device always has its index
+        self.call, self.prep, self.present = call, prep, prep.present
         self.compiled = device.type == "cuda" and not prep.interpreted
-        self.index = device.index
-        self.interpreted_kernel = None if self.compiled else _interpreter.interpreted(call.kernel)
+        self.index = device.index  # a CUDA tensor's device always has its index
+        self.direct = None  # the plan's _DirectLaunch on this device, once Triton has compiled it
         allocs = prep.allocs if rows_shape is None else prep.allocs_in(rows_shape)
         by_name = dict(zip(prep.out_names, allocs))
         self.allocs = [_allocator(*by_name[name], device) if name in by_name else None for name in call.outputs]
@@ -194,31 +193,30 @@ class _BoundLaunch:
             for t in outs:
                 if t is not None:
                     t.fill_(float("nan"))
-        if self.compiled:
-            self._launch_cuda(inputs, outs)
-        else:
-            call = self.call
-            args = [a if present else None for a, present in zip(inputs, self.present)]
-            self.interpreted_kernel[call.grid](*args, *call.scalars, *outs, **call.constexprs,
-                                               num_warps=call.num_warps, num_stages=call.num_stages)
-            if record.active():
-                call.record("torch", True)
-        return outs
-
-    def _launch_cuda(self, inputs: tuple, outs: list) -> None:
-        call, index = self.call, self.index
-        direct = self.direct.get(index)
-        if direct and index == torch._C._cuda_getDevice() and _no_hooks():
+        direct = self.direct
+        if direct is not None and self.index == torch._C._cuda_getDevice() and _no_hooks():
             in_ptrs = [a.data_ptr() if present else None for a, present in zip(inputs, self.present)]
             if not functools.reduce(operator.or_, filter(None, in_ptrs), 0) & 15:  # outputs: torch's allocator, aligned
-                direct(torch._C._cuda_getCurrentRawStream(index), in_ptrs,
+                direct(torch._C._cuda_getCurrentRawStream(self.index), in_ptrs,
                        [t.data_ptr() if t is not None else None for t in outs])
                 if record.active():
-                    call.record("torch", False)
-                return
+                    self.call.record("torch", False)
+                return outs
+        self._launch(inputs, outs)
+        return outs
+
+    def _launch(self, inputs: tuple, outs: list) -> None:
+        """The launch through Triton: its interpreter (CPU), or its own launcher (which compiles the
+        kernel on first use; once compiled for aligned pointers, the direct launch is kept)."""
+        call, index = self.call, self.index
         args = [a if present else None for a, present in zip(inputs, self.present)]
         args += call.scalars
         args += outs
+        if not self.compiled:
+            _interpreter.interpreted(call.kernel)[call.grid](*args, **call.constexprs, num_warps=call.num_warps,
+                                                             num_stages=call.num_stages)
+            call.record("torch", True)
+            return
         if index != torch._C._cuda_getDevice():
             with torch.cuda.device(index):
                 call.kernel[call.grid](*args, **call.constexprs, num_warps=call.num_warps, num_stages=call.num_stages,
@@ -226,9 +224,12 @@ class _BoundLaunch:
         else:
             compiled = call.kernel[call.grid](*args, **call.constexprs, num_warps=call.num_warps,
                                               num_stages=call.num_stages, enable_fp_fusion=call.fp_fusion)
+            direct = self.prep.direct.get(index)
             if (direct is None and _FAST_OK and compiled is not None
                     and not any(a.data_ptr() & 15 for a in args if isinstance(a, torch.Tensor))):
-                self.direct[index] = _DirectLaunch.of(call, compiled)
+                direct = self.prep.direct[index] = _DirectLaunch.of(call, compiled)
+            if direct:  # False: a kernel Triton's launcher must launch
+                self.direct = direct
         call.record("torch", False)
 
 
@@ -245,7 +246,7 @@ class _DirectLaunch:
     the call Triton 3.6's ``CompiledKernel.run`` makes (``JITFunction.run``), given pointers as
     integers (the launcher then neither calls ``data_ptr()`` nor asks the driver about each one)."""
 
-    __slots__ = ("c_launch", "grid", "function", "coop", "pdl", "packed", "scalars", "constexprs")
+    __slots__ = ("c_launch", "grid", "bound", "scalars", "constexprs")
 
     @classmethod
     def of(cls, call: KernelCall, compiled):
@@ -255,14 +256,16 @@ class _DirectLaunch:
         if getattr(launcher, "global_scratch_size", 1) or getattr(launcher, "profile_scratch_size", 1):
             return False
         self = cls()
-        self.c_launch, self.grid, self.function = launcher.launch, call.grid[0], compiled.function
-        self.coop, self.pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
-        self.packed, self.scalars, self.constexprs = compiled.packed_metadata, call.scalars, tuple(call.constexprs.values())
+        self.c_launch, self.grid = launcher.launch, call.grid[0]
+        # after the stream: function, cooperative, pdl, global and profile scratch, packed metadata,
+        # launch metadata, enter and exit hooks
+        self.bound = (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
+                      compiled.packed_metadata, None, None, None)
+        self.scalars, self.constexprs = call.scalars, tuple(call.constexprs.values())
         return self
 
     def __call__(self, stream: int, in_ptrs: list, out_ptrs: list) -> None:
-        self.c_launch(self.grid, 1, 1, stream, self.function, self.coop, self.pdl, None, None, self.packed, None, None,
-                      None, *in_ptrs, *self.scalars, *out_ptrs, *self.constexprs)
+        self.c_launch(self.grid, 1, 1, stream, *self.bound, *in_ptrs, *self.scalars, *out_ptrs, *self.constexprs)
 
 
 def _no_hooks() -> bool:

@@ -20,7 +20,7 @@ import torch
 from normkit import checks
 from normkit.ops import FUSED_ADD_RMS_NORM, LAYER_NORM, RMS_NORM, Op, Options
 from torch_frontend import _composite, _fastpath
-from torch_frontend._autograd import BoundNormFunction, NormFunction
+from torch_frontend._autograd import BoundFusedAddRMSNorm, BoundLayerNorm, BoundRMSNorm, NormFunction
 from torch_frontend._backend import dtype_name
 from torch_frontend._ops import subclassed
 from torch_frontend._rows import NormkitCopyWarning, resolve_neg
@@ -70,7 +70,7 @@ def _needs_stats(*tensors) -> bool:
 
 
 def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode):
-    """A call through the autograd Function: ``BoundNormFunction`` with its bound plans when the
+    """A call through an autograd Function: the op's ``Bound*`` Function with its bound plans when the
     signature is known (eager), else ``NormFunction``, validated first, and bound for the next call."""
     key = None
     if not torch.compiler.is_compiling():
@@ -78,8 +78,12 @@ def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode):
             key, bound = _fastpath.lookup(op, eps, offset, casting_mode, x, residual, weight, bias)
         except (AttributeError, TypeError):  # not a tensor, or an unhashable option: the checks below name it
             key = bound = None
-        if bound is not None:
-            return BoundNormFunction.apply(bound, x, residual, weight, bias)
+        if bound is not None:  # the op's own Function: autograd handles only the op's arguments
+            if op.has_residual:
+                return BoundFusedAddRMSNorm.apply(bound, x, residual, weight)
+            if op.is_rms:
+                return BoundRMSNorm.apply(bound, x, weight)
+            return BoundLayerNorm.apply(bound, x, weight, bias)
     opts = _check(op, x, residual=residual, weight=weight, bias=bias, eps=eps, offset=offset,
                   casting_mode=casting_mode)
     if torch.compiler.is_compiling() and _composite.applies(x, residual, weight, bias):
