@@ -79,11 +79,13 @@ def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode):
         except (AttributeError, TypeError):  # not a tensor, or an unhashable option: the checks below name it
             key = bound = None
         if bound is not None:  # the op's own Function: autograd handles only the op's arguments
-            if op.has_residual:
-                return BoundFusedAddRMSNorm.apply(bound, x, residual, weight)
-            if op.is_rms:
+            if op is RMS_NORM:
                 return BoundRMSNorm.apply(bound, x, weight)
-            return BoundLayerNorm.apply(bound, x, weight, bias)
+            if op is LAYER_NORM:
+                return BoundLayerNorm.apply(bound, x, weight, bias)
+            if op is FUSED_ADD_RMS_NORM:
+                return BoundFusedAddRMSNorm.apply(bound, x, residual, weight)
+            return NormFunction.apply(op, bound.opts, bound.store_stats, bound, x, residual, weight, bias)
     opts = _check(op, x, residual=residual, weight=weight, bias=bias, eps=eps, offset=offset,
                   casting_mode=casting_mode)
     if torch.compiler.is_compiling() and _composite.applies(x, residual, weight, bias):
