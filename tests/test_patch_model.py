@@ -482,6 +482,51 @@ def test_fused_residual_add_compiles(route):
     torch._dynamo.reset()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's compile stack warns about its own internals
+@pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning")  # Inductor's advice on fp32 matmuls
+@pytest.mark.filterwarnings("ignore:The CUDA Graph is empty:UserWarning")  # torch 2.11's graph-tree memory pool
+@pytest.mark.parametrize("route", ["inductor", "kernels"])
+def test_peft_lora_model_trains_under_cuda_graphs(route):
+    """A PEFT LoRA Llama with normkit's norms under ``torch.compile(mode="reduce-overhead")``: every
+    graph runs as a CUDA graph (no skip), and three training steps (AdamW over the LoRA parameters)
+    give the eager patched model's losses and LoRA gradients, step by step."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager = _lora(_tiny("llama", seed=71)).cuda()
+    tf.patch_model(eager)
+    compiled_model = copy.deepcopy(eager)
+    models = {"eager": (eager, eager), "compiled": (compiled_model, torch.compile(compiled_model, mode="reduce-overhead"))}
+    ids = _tokens(72).cuda()
+    history = {}
+    previous = tf.compile_frozen_with(route)
+    try:
+        for name, (model, run) in models.items():
+            params = [p for p in model.parameters() if p.requires_grad]
+            opt = torch.optim.AdamW(params, lr=1e-2)
+            history[name] = []
+            for _ in range(3):
+                torch.compiler.cudagraph_mark_step_begin()
+                loss = run(input_ids=ids, labels=ids, use_cache=False).loss
+                loss.backward()
+                history[name].append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                                    if p.requires_grad}))
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    finally:
+        tf.compile_frozen_with(previous)
+    assert counters["inductor"]["cudagraph_skips"] == 0, "Inductor ran a graph without CUDA graphs"
+    for step, ((loss, grads), (want_loss, want)) in enumerate(zip(history["compiled"], history["eager"])):
+        assert_close(loss, want_loss, "float32", f"step {step} loss")
+        assert grads.keys() == want.keys() and grads
+        for n, g in grads.items():
+            assert_close(_np(g), _np(want[n]), "float32", f"step {step} LoRA grad {n}", reduced_over=BATCH * SEQ)
+    assert all(m.weight.grad is None for m in compiled_model.modules() if isinstance(m, tf.RMSNorm))
+    torch._dynamo.reset()
+
+
 def test_fused_residual_add_unpatches_and_survives_deepcopy():
     model = _tiny("llama", seed=51)
     report = tf.patch_model(model, fuse_residual_add=True)
