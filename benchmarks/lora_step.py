@@ -522,6 +522,15 @@ def markdown(result: dict) -> str:
     out.append("Step mem GB: peak CUDA memory allocated during the steps, less what was allocated before the first "
                "(the models); activations, gradients and optimizer state.")
     out.append("")
+    rounds = max((len(r.get("round_medians_ms", [])) for r in result["rows"]), default=0)
+    out.append(f"Timing: {rounds} rounds per mode, interleaved across the mode's variants, each round starting one "
+               "variant later than the one before; median over every timed step.")
+    copies = sorted({r["variant"] for r in result["rows"] if "#" in r["variant"]})
+    if copies:
+        out.append(f"{', '.join(f'`{v}`' for v in copies)}: an independent copy of `{norms_of(copies[0])}` (its own model "
+                   "copy and compile), timed like the others: its distance to the original is what this run "
+                   "cannot resolve.")
+    out.append("")
     described = set()
     for r in result["rows"]:
         how = r.get("prepare", {}).get("how")

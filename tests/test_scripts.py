@@ -227,6 +227,7 @@ def test_lora_step_runs_an_independent_copy_of_a_variant_as_its_control(tmp_path
     assert all(r["status"] == "ok" and r["checks_ok"] for r in rows.values()), rows
     assert rows["hf#2"]["prepare"] == rows["hf"]["prepare"] and rows["hf#2"]["loss_first"] == rows["hf"]["loss_first"]
     assert len(rows["hf#2"]["round_medians_ms"]) == 2
+    assert "`hf#2`: an independent copy of `hf`" in (tmp_path / "lora_step.md").read_text()
     # the second round starts one variant later than the first
     rounds = re.findall(r"eager round \d/2: (.*)", out)
     assert [[part.split()[0] for part in line.split(", ")] for line in rounds] == [
