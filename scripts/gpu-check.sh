@@ -6,6 +6,8 @@
 #              jupytext/nbclient, which that machine lacks: the notebooks target runs them instead);
 #   timing     host time per call through autograd, normkit against its peers (benchmarks/host_time.py
 #              [--shape MxN] [--ops ...] [--rep-ms MS] [--graphs]; kernel timings come from the bench target);
+#   host-parts the pieces of one eager RMSNorm call's host time, each timed alone (benchmarks/host_parts.py
+#              [--shape MxN] [--profile]);
 #   bench      the full benchmark (benchmarks/bench.py); tune: the launch-configuration sweep (scripts/tune.py);
 #   tune-pallas  the Pallas launch-shape sweep (scripts/tune_pallas.py);
 #   device-time  device vs wall time per call of the JAX implementations, from jax.profiler traces
@@ -65,6 +67,10 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = timing ]; then
   python3 benchmarks/host_time.py "$@" 2>&1 | tee "$OUT/timing.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "$what" = host-parts ]; then
+  python3 benchmarks/host_parts.py "$@" 2>&1 | tee "$OUT/host_parts.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$what" = bench ]; then

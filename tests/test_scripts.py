@@ -217,6 +217,16 @@ def test_variants_resize_partials_and_the_reduction(tune):
         tune.check_launches([v, red])  # the base plan's reduction sums another number of rows
 
 
+def test_host_parts_times_every_piece():
+    out = run_script("benchmarks/host_parts.py", "--shape", "8x64", "--dtype", "float32", "--calls", "2",
+                     "--blocks", "1")
+    rows = dict(re.findall(r"^  (\S.*?)\s+(\d+\.\d+)$", out, re.M))
+    assert {"lookup (key + dict)", "bound forward (allocs + launch)", "bound backward dx (key + alloc + launch)",
+            "fwd+grad: floor (allocate only)", "fwd+grad: floor + 4 saved tensors", "fwd+grad: normkit",
+            "fwd+grad: F.rms_norm"} <= rows.keys(), out
+    assert all(float(us) > 0 for us in rows.values()), rows
+
+
 def test_lora_step_runs_an_independent_copy_of_a_variant_as_its_control(tmp_path):
     import json
 
