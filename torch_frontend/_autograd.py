@@ -65,10 +65,7 @@ class BoundRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, bound, x, weight):
-        y, _, mean, rstd = bound.forward(x, None, weight, None)
-        ctx.bound = bound
-        ctx.save_for_backward(x, weight, mean, rstd)
-        return y
+        return _bound_forward(ctx, bound, x, weight, None)
 
     @staticmethod
     def backward(ctx, dy):
@@ -82,10 +79,7 @@ class BoundLayerNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, bound, x, weight, bias):
-        y, _, mean, rstd = bound.forward(x, None, weight, bias)
-        ctx.bound = bound
-        ctx.save_for_backward(x, weight, mean, rstd)
-        return y
+        return _bound_forward(ctx, bound, x, weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
@@ -110,6 +104,15 @@ class BoundFusedAddRMSNorm(torch.autograd.Function):
         needs = ctx.needs_input_grad  # (bound, x, residual, weight)
         dx, dw, _ = _bound_backward(ctx, (needs[1] or needs[2], needs[3], False), dy, ds)
         return None, dx if needs[1] else None, dx if needs[2] else None, dw
+
+
+def _bound_forward(ctx, bound, x, weight, bias):
+    """y of ``BoundRMSNorm`` / ``BoundLayerNorm`` (bias None for RMSNorm), with what the backward reads
+    saved."""
+    y, _, mean, rstd = bound.forward(x, None, weight, bias)
+    ctx.bound = bound
+    ctx.save_for_backward(x, weight, mean, rstd)
+    return y
 
 
 def _bound_backward(ctx, flags: tuple, dy, ds) -> tuple:
