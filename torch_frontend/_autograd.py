@@ -52,7 +52,7 @@ class NormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, ds=None):
         needs = ctx.needs_input_grad  # (op, opts, store_stats, bound, x, residual, weight, bias)
-        x, weight, mean, rstd = ctx.saved_tensors
+        x, weight, mean, rstd = _saved(ctx)
         dx, dw, db = _backward(ctx.op, ctx.opts, ctx.bound, ctx.b_dtype, (needs[4] or needs[5], needs[6], needs[7]),
                                x, weight, mean, rstd, dy, ds)
         return (None, None, None, None, dx if needs[4] else None, dx if needs[5] else None, dw, db)
@@ -106,6 +106,18 @@ class BoundFusedAddRMSNorm(torch.autograd.Function):
         return None, dx if needs[1] else None, dx if needs[2] else None, dw
 
 
+def _saved(ctx) -> tuple:
+    """``(x, weight, mean, rstd)`` as saved, the per-row statistics in fp32, as the kernels read them.
+    A saved-tensor hook may hand them back in another dtype (one that widens or compresses what it
+    stores); a launch bound to the compiled kernel of fp32 statistics would read such a buffer as fp32."""
+    x, weight, mean, rstd = ctx.saved_tensors
+    if rstd.dtype != torch.float32:
+        rstd = rstd.float()
+    if mean is not None and mean.dtype != torch.float32:
+        mean = mean.float()
+    return x, weight, mean, rstd
+
+
 def _bound_forward(ctx, bound, x, weight, bias):
     """y of ``BoundRMSNorm`` / ``BoundLayerNorm`` (bias None for RMSNorm), with what the backward reads
     saved."""
@@ -119,7 +131,7 @@ def _bound_backward(ctx, flags: tuple, dy, ds) -> tuple:
     """``(dx, dweight, dbias)`` of a ``Bound*`` Function: its bound backward plans, except where
     ``_backward`` has more to do (create_graph=True, or only residual_out's gradient)."""
     bound = ctx.bound
-    x, weight, mean, rstd = ctx.saved_tensors
+    x, weight, mean, rstd = _saved(ctx)
     if dy is not None and not torch.is_grad_enabled():  # the common case: the bound kernels
         return bound.backward(x, weight, dy, ds, mean, rstd, flags)
     return _backward(bound.op, bound.opts, bound, bound.bias_dtype, flags, x, weight, mean, rstd, dy, ds)
