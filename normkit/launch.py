@@ -83,8 +83,9 @@ def _next_pow2(n: int) -> int:
 # - 4 warps per 4096-element tile, 8 per 8192, 16 per 16384: about 8-16 elements per thread;
 # - short rows: several rows per tile (4096 // BLOCK_N), so one program still moves a useful amount;
 # - RMSNorm forward and every dx-only backward: one program per tile, no pipelining (93-100% of copy);
-# - LayerNorm forward (two dependent reductions per row): a persistent grid of 2-4 programs per SM
-#   with the next tiles prefetched (LOOP_STAGES=3): 71% -> 84% of copy at 8192x8192;
+# - LayerNorm forward (two dependent reductions per row): 16-bit rows of >= 8192 on a persistent
+#   grid of 2 programs per SM with the next tiles prefetched (LOOP_STAGES=3): 71% -> 84% of copy
+#   at 8192x8192; every other forward one program per tile (forward_tile);
 # - dW/dB backward: one (tile >= 8192) or two programs per SM, each accumulating one fp32 partial row,
 #   with the next tiles prefetched (3-4 stages): 66% -> 85-92% of copy in bf16.
 SMEM_BUDGET = 160 * 1024  # bytes of shared memory the prefetched tiles may take (H100/H200: 228 KB per SM)
@@ -102,6 +103,43 @@ def _tile_config(rows_pow2: int, block_n: int) -> tuple[int, int, int]:
     block_m = max(1, min(16, 4096 // block_n, rows_pow2))
     num_warps = min(32, max(4, block_m * block_n // 1024))
     return block_m, block_n, num_warps
+
+
+# Forward tiles that differ from tile_config's, measured on an H200 (scripts/tune.py, kernel-only
+# medians, 2026-12-01):
+# - LayerNorm rows other than 16-bit rows of >= 8192: one program per tile of 8192 elements with
+#   128 bytes of the row per thread. fp32 32768x4096: 304.7 -> 261 us (83% -> 97% of copy), fp32
+#   8192x8192: 144.1 -> 133.7, bf16 32768x4096: 145.6 -> 142.8, bf16 65536x2048: 145.7 -> 133.7.
+#   The persistent grid only pays where its prefetch hides the second reduction's latency on
+#   long 16-bit rows (bf16 8192x8192: 76.8 us, against 78+ per tile).
+# - RMSNorm: tile_config's tiles are within 2% of the best everywhere but at these points
+#   ((residual, element bytes, BLOCK_N) -> (BLOCK_M, warps)): rows of 2048 one per tile (bf16
+#   65536x2048: 136.3 -> 132.0 us, fused add 267.4 -> 258.0); 16-bit rows of 8192 two per tile
+#   (16384x8192: 135.3 -> 132.0, 8192x8192: 71.9 -> 69.9); fp32 rows of 4096 two per tile with
+#   16 warps (32768x4096: 269.1 -> 262.0).
+_RMS_FWD_TILES = {
+    (False, 2, 2048): (1, 4),
+    (True, 2, 2048): (1, 4),
+    (False, 2, 8192): (2, 8),
+    (False, 4, 4096): (2, 16),
+}
+
+
+def forward_tile(op: Op, M: int, N: int, elem_bytes: int) -> tuple[int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, num_warps, persistent) of the forward over an M x N tensor of
+    ``elem_bytes``-byte elements; ``persistent``: a grid of a few programs per SM that prefetch."""
+    block_m, block_n, num_warps = tile_config(M, N)
+    rows = min(_next_pow2(max(M, 1)), 16)
+    if op.is_rms:
+        tuned = _RMS_FWD_TILES.get((op.has_residual, elem_bytes, block_n))
+        if tuned is not None:
+            block_m, num_warps = min(tuned[0], rows), tuned[1]
+        return block_m, block_n, num_warps, False
+    if elem_bytes < 4 and block_n >= 8192:
+        return block_m, block_n, num_warps, True
+    block_m = max(1, min(16, 8192 // block_n, rows))
+    num_warps = min(32, max(4, block_m * block_n * elem_bytes // 4096))  # 128 bytes per thread
+    return block_m, block_n, num_warps, False
 
 
 def _stages(block_m: int, block_n: int, elem_bytes: int, streams: int, want: int) -> int:
@@ -133,14 +171,14 @@ def plan_forward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_dt
 
     ``layout`` is ``(stride_xm, x_col, stride_rm, r_col, w_stride, b_stride)`` in elements, column
     strides 0 or 1 (``normkit.driver`` reads them from the arrays). ``num_sms``, the device's SM
-    count, sizes the persistent LayerNorm grid.
+    count, sizes the persistent LayerNorm grid (``forward_tile``).
     """
     stride_xm, x_col, stride_rm, r_col, w_stride, b_stride = layout
     has_w, has_b = w_dtype is not None, b_dtype is not None
-    block_m, block_n, num_warps = tile_config(M, N)
+    block_m, block_n, num_warps, persistent = forward_tile(op, M, N, ELEM_BYTES[x_dtype])
     tiles = -(-M // block_m)
     grid, stages = tiles, 1
-    if not op.is_rms:
+    if persistent:
         stages = _stages(block_m, block_n, ELEM_BYTES[x_dtype], 1, 3)
         if stages > 1:
             grid = min(tiles, (4 if block_m * block_n <= 4096 else 2) * num_sms)

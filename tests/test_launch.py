@@ -33,6 +33,23 @@ def test_tiles_cover_the_row_and_stay_within_one_program(N):
 
 
 @pytest.mark.parametrize("op", sorted(OPS))
+@pytest.mark.parametrize("elem_bytes", [2, 4])
+def test_forward_tiles_cover_the_row_with_work_for_every_thread(op, elem_bytes):
+    """The forward's own tiles (``forward_tile``): a power-of-two row block covering the row, at
+    most 16 rows and no more rows than there are, no more than 16384 elements unless one row is
+    longer, and at least one element per thread."""
+    spec = OPS[op]
+    for M, N in itertools.product((1, 3, 16, 17, 1000, 100_000), (1, 96, 1000, 2048, 4096, 8192, 65536)):
+        block_m, block_n, warps, persistent = launch.forward_tile(spec, M, N, elem_bytes)
+        what = (M, N, block_m, block_n, warps)
+        assert block_n >= N and block_n & (block_n - 1) == 0, what
+        assert block_m & (block_m - 1) == 0 and block_m <= 16 and block_m < 2 * M, what
+        assert block_m * block_n <= max(16384, block_n), what
+        assert 4 <= warps <= 32 and (block_m * block_n >= 32 * warps or warps == 4), what
+        assert not persistent or not spec.is_rms, what
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
 def test_frozen_backward_plans_allocate_no_partials(op):
     spec = OPS[op]
     opts = spec.options(eps=spec.default_eps)
@@ -48,20 +65,22 @@ def test_frozen_backward_plans_allocate_no_partials(op):
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_grids_cover_the_rows_with_few_partials(op):
     """Plans of every pass, from one row to many and short rows to the longest, on a few SMs or many:
-    the forward and a backward without dW/dB run one program per tile (LayerNorm's forward: at most
-    4 per SM, each walking several tiles); a backward with dW/dB runs at most 2 programs per SM, one
+    the forward and a backward without dW/dB run one program per tile (LayerNorm's forward on long
+    16-bit rows: at most 4 per SM, each walking several tiles and prefetching); a backward with dW/dB runs at most 2 programs per SM, one
     fp32 partial row each, and the reduction covers every column of those partials."""
     spec = OPS[op]
     opts = spec.options(eps=spec.default_eps)
     for num_sms, M, N in itertools.product((4, 132), (1, 17, 300, 100_000), (1, 96, 4096, 65536)):
-        fwd = launch.plan_forward(spec, M, N, "bfloat16", "bfloat16", None, opts, True, (N, 1, N, 1, 1, 1), num_sms)
-        tiles = -(-M // fwd.constexprs["BLOCK_M"])
-        assert 1 <= fwd.grid[0] <= tiles and (fwd.grid == (tiles,) or not spec.is_rms and fwd.grid[0] <= 4 * num_sms), (
-            M, N, num_sms, fwd.grid)
+        for dtype in ("bfloat16", "float32"):
+            fwd = launch.plan_forward(spec, M, N, dtype, dtype, None, opts, True, (N, 1, N, 1, 1, 1), num_sms)
+            tiles = -(-M // fwd.constexprs["BLOCK_M"])
+            assert 1 <= fwd.grid[0] <= tiles and (
+                fwd.grid == (tiles,) or not spec.is_rms and fwd.grid[0] <= 4 * num_sms), (M, N, num_sms, fwd.grid)
+            assert fwd.grid == (tiles,) or fwd.constexprs["LOOP_STAGES"] > 1  # a persistent grid prefetches
         for grads in (Grads(dx=True, dw=False), Grads(dx=False, dw=True), Grads(dx=True, dw=True)):
             bwd, red = launch.plan_backward(spec, M, N, "bfloat16", "bfloat16", None, spec.has_residual, opts, grads,
                                             (N, 1, N, 1, N, 1, 1), num_sms)
-            assert bwd.constexprs["BLOCK_M"] == fwd.constexprs["BLOCK_M"]
+            tiles = -(-M // bwd.constexprs["BLOCK_M"])
             G = bwd.grid[0]
             what = (M, N, num_sms, grads, G)
             if not grads.reduces:
