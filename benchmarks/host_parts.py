@@ -5,7 +5,8 @@ repeated-call path (``torch_frontend/_fastpath.py``, ``_autograd.BoundRMSNorm``,
 apart, in one process, so the pieces can be read against each other:
 
 - the pieces of the forward: the key lookup, an allocation, the bound forward (allocations + launch),
-  the C launch alone (``_DirectLaunch``, on CUDA), the op's autograd Function, the public call;
+  the C launch alone (``_DirectLaunch``, on CUDA), the op's autograd Function, the public call, and
+  the public call without a gradient to come (inference: no Function);
 - the pieces of the backward: the bound backward (the key of its layouts + allocation + launch), and
   a ladder of ``autograd.Function`` floors that add one of the backward's costs at a time (allocate
   only; also save and unpack the four tensors the op saves; also keep a Python object on ``ctx``),
@@ -122,6 +123,11 @@ def pieces(x, w, dy) -> dict:
         "BoundRMSNorm.apply": lambda: _autograd.BoundRMSNorm.apply(bound, x, w),
         "tf.rms_norm, grad mode": lambda: tf.rms_norm(x, w),
         "F.rms_norm, grad mode": lambda: F.rms_norm(x, (x.shape[-1],), w, 1e-6),
+    })
+    tf.rms_norm(xd, w)  # binds the inference signature (x without grad: no Function, no statistics)
+    out.update({
+        "tf.rms_norm, inference": lambda: tf.rms_norm(xd, w),
+        "F.rms_norm, inference": lambda: F.rms_norm(xd, (x.shape[-1],), w, 1e-6),
     })
     grad = torch.autograd.grad
     out.update({

@@ -1,13 +1,14 @@
 """The Torch frontend under autograd's less common routes: saved-tensor hooks (activation offloading)
-against the cached backward plans, double backward through every route, torch.func, and lazily
-negated views. Every result is compared with float64."""
+against the cached backward plans, double backward through every route, torch.func, inference calls
+(which skip the autograd Function) and lazily negated views. Every result is compared with float64."""
 import numpy as np
 import pytest
 import torch
 
+import normkit
 import torch_frontend as tf
 from normkit.ops import OPS
-from normkit.testing import assert_close
+from normkit.testing import assert_close, poisoned_outputs
 from tests.frontend_torch import DEVICE
 
 D = 32
@@ -194,6 +195,61 @@ def test_torch_func_raises_instead_of_computing():
     x, w = randn(4, D, seed=50), randn(D, seed=51)
     with pytest.raises(RuntimeError, match="autograd.Function with functorch transforms"):
         torch.func.grad(lambda t: tf.rms_norm(t, w).sum())(x)
+
+
+def _inference_inputs(op: str, requires_grad: bool) -> dict:
+    spec = OPS[op]
+    inputs = {name: randn(8, D, seed=70 + i) for i, name in enumerate(spec.row_inputs)}
+    inputs.update({name: randn(D, seed=75 + i) for i, name in enumerate(spec.params)})
+    return {k: v.requires_grad_(requires_grad) for k, v in inputs.items()}
+
+
+@pytest.mark.parametrize("how", ["no_grad", "inference_mode", "nothing_requires_grad"])
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_inference_calls_launch_without_an_autograd_function(op, how, monkeypatch):
+    """A repeated call that no gradient can reach launches its bound forward alone: no autograd Function
+    runs, no statistics are stored, and its outputs (written over NaN-poisoned buffers) are the float64
+    reference's, and bitwise those of the same call through the Function with a gradient to come."""
+    from torch_frontend import _autograd
+
+    spec = OPS[op]
+    inputs = _inference_inputs(op, requires_grad=how != "nothing_requires_grad")
+    trained = {k: v.detach().requires_grad_() for k, v in inputs.items()}
+    with poisoned_outputs():
+        through_function = [t.detach() for t in run(op, trained, spec.inputs)]
+        ctx = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(how, torch.enable_grad)
+        with ctx():
+            run(op, inputs, ())  # the first call binds the signature
+            for name in ("BoundRMSNorm", "BoundLayerNorm", "BoundFusedAddRMSNorm", "NormFunction"):
+                monkeypatch.setattr(getattr(_autograd, name), "apply", None)  # calling it would raise
+            with normkit.record_launches() as log:
+                got = run(op, inputs, ())
+    assert log.kernels() == ["norm_fwd_kernel"] and log[0].flags["STORE_STATS"] is False, log.kernels()
+    want, _ = spec.run_reference({k: np64(v) for k, v in inputs.items()}, spec.options(eps=spec.default_eps),
+                                 {"y": np.ones((8, D))})
+    for name, t, f in zip(spec.outputs, got, through_function):
+        assert t.grad_fn is None and not t.requires_grad, name
+        assert_close(np64(t), want[name], "float32", f"{op} {how}: {name}")
+        assert torch.equal(t, f), f"{op} {how}: {name} differs from the call through the Function"
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.jit.script. is deprecated:DeprecationWarning")  # torch's first make_dual
+def test_transforms_on_a_bound_inference_signature_still_raise():
+    """The inference fast path leaves the transforms it cannot serve to the autograd Function, which
+    raises: vmap and jvp (torch.func) and forward-mode AD, on a signature already bound."""
+    import torch.autograd.forward_ad as fwAD
+
+    x, w = randn(4, D, seed=80), randn(D, seed=81)
+    with torch.no_grad():
+        tf.rms_norm(x, w)
+        tf.rms_norm(x, w)  # bound, and served without the Function
+        with pytest.raises(RuntimeError, match="autograd.Function with functorch transforms"):
+            torch.func.vmap(lambda t: tf.rms_norm(t, w))(x.reshape(2, 2, D))
+        with pytest.raises(RuntimeError, match="autograd.Function with functorch transforms"):
+            torch.func.jvp(lambda t: tf.rms_norm(t, w), (x,), (torch.ones_like(x),))
+    with fwAD.dual_level():
+        with pytest.raises(NotImplementedError, match="jvp"):
+            tf.rms_norm(fwAD.make_dual(x, torch.ones_like(x)), w)
 
 
 # --- negated views --------------------------------------------------------------------------------

@@ -3,7 +3,9 @@ their validation.
 
 A call is checked (shapes, dtypes, devices, options; ``normkit.checks``, ``Op.options``) before
 anything is launched, then runs through the autograd Function (``_autograd``). A repeated eager
-call of the same signature skips the checks and the planning (``_fastpath``). Under torch.compile
+call of the same signature skips the checks and the planning (``_fastpath``), and one that no
+gradient can reach (inference: grad mode off, or no input requiring a gradient) skips the autograd
+Function too. Under torch.compile
 a norm whose parameters are frozen runs as torch operations that Inductor generates and fuses with
 its neighbours (``_composite``); one with a trained parameter runs the kernels. The other modules of
 the frontend, one job each: ``_rows`` (row views and the general path over any leading shape),
@@ -16,6 +18,7 @@ import functools
 from typing import Optional
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from normkit import checks
 from normkit.ops import FUSED_ADD_RMS_NORM, LAYER_NORM, RMS_NORM, Op, Options
@@ -69,6 +72,12 @@ def _needs_stats(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def _no_transforms() -> bool:
+    """No torch.func transform and no forward-mode AD level is active: there the autograd Function
+    must run, since it is what raises (normkit's Functions have no jvp and no vmap rule)."""
+    return not torch._C._are_functorch_transforms_active() and _forward_ad._current_level < 0
+
+
 def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode):
     """A call through an autograd Function: the op's ``Bound*`` Function with its bound plans when the
     signature is known (eager), else ``NormFunction``, validated first, and bound for the next call."""
@@ -78,7 +87,13 @@ def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode):
             key, bound = _fastpath.lookup(op, eps, offset, casting_mode, x, residual, weight, bias)
         except (AttributeError, TypeError):  # not a tensor, or an unhashable option: the checks below name it
             key = bound = None
-        if bound is not None:  # the op's own Function: autograd handles only the op's arguments
+        if bound is not None:
+            if not bound.store_stats and _no_transforms():
+                # no gradient can reach this call (grad mode off, or no input requires one): the bound
+                # forward alone, without an autograd Function (whose apply costs host time)
+                y, s, _, _ = bound.forward(x, residual, weight, bias)
+                return (y, s) if op is FUSED_ADD_RMS_NORM else y
+            # the op's own Function: autograd handles only the op's arguments
             if op is RMS_NORM:
                 return BoundRMSNorm.apply(bound, x, weight)
             if op is LAYER_NORM:
