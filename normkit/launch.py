@@ -95,7 +95,12 @@ def tile_config(M: int, N: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for a row-wise pass over an M x N tensor."""
     # Only the row count up to 16 and the power of two above N decide the tile: cached on those, so
     # a loop over many row counts (variable sequence lengths) adds no entries.
-    return _tile_config(min(_next_pow2(max(M, 1)), 16), _next_pow2(N))
+    return _tile_config(_rows_pow2(M), _next_pow2(N))
+
+
+def _rows_pow2(M: int) -> int:
+    """The row count as the tiles see it: the power of two above M, capped at 16 (a tile's most rows)."""
+    return min(_next_pow2(max(M, 1)), 16)
 
 
 @functools.lru_cache(maxsize=None)
@@ -137,7 +142,7 @@ def forward_tile(op: Op, M: int, N: int, elem_bytes: int) -> tuple[int, int, int
     ``elem_bytes``-byte elements; ``persistent``: a grid of a few programs per SM that prefetch;
     ``CHUNK_N``: 0, or (RMSNorm) the columns per chunk of a row read in two passes."""
     block_m, block_n, num_warps = tile_config(M, N)
-    rows = min(_next_pow2(max(M, 1)), 16)
+    rows = _rows_pow2(M)
     if op.is_rms:
         tuned = _RMS_FWD_TILES.get((op.has_residual, elem_bytes, block_n))
         if tuned is not None:

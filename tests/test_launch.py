@@ -67,8 +67,9 @@ def test_frozen_backward_plans_allocate_no_partials(op):
 def test_grids_cover_the_rows_with_few_partials(op):
     """Plans of every pass, from one row to many and short rows to the longest, on a few SMs or many:
     the forward and a backward without dW/dB run one program per tile (LayerNorm's forward on long
-    16-bit rows: at most 4 per SM, each walking several tiles and prefetching); a backward with dW/dB runs at most 2 programs per SM, one
-    fp32 partial row each, and the reduction covers every column of those partials."""
+    16-bit rows: at most 4 per SM, each walking several tiles and prefetching); a backward with dW/dB
+    runs at most 2 programs per SM, one fp32 partial row each, and the reduction covers every column
+    of those partials."""
     spec = OPS[op]
     opts = spec.options(eps=spec.default_eps)
     for num_sms, M, N in itertools.product((4, 132), (1, 17, 300, 100_000), (1, 96, 4096, 65536)):

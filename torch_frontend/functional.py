@@ -80,7 +80,8 @@ def _no_transforms() -> bool:
 
 def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode):
     """A call through an autograd Function: the op's ``Bound*`` Function with its bound plans when the
-    signature is known (eager), else ``NormFunction``, validated first, and bound for the next call."""
+    signature is known (eager; with no gradient to come, the bound forward alone), else
+    ``NormFunction``, validated first, and bound for the next call."""
     key = None
     if not torch.compiler.is_compiling():
         try:
@@ -92,7 +93,7 @@ def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode):
                 # no gradient can reach this call (grad mode off, or no input requires one): the bound
                 # forward alone, without an autograd Function (whose apply costs host time)
                 y, s, _, _ = bound.forward(x, residual, weight, bias)
-                return (y, s) if op is FUSED_ADD_RMS_NORM else y
+                return (y, s) if op.has_residual else y
             # the op's own Function: autograd handles only the op's arguments
             if op is RMS_NORM:
                 return BoundRMSNorm.apply(bound, x, weight)
