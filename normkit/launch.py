@@ -130,21 +130,31 @@ _RMS_FWD_TILES = {
 }
 
 
-def forward_tile(op: Op, M: int, N: int, elem_bytes: int) -> tuple[int, int, int, bool]:
-    """(BLOCK_M, BLOCK_N, num_warps, persistent) of the forward over an M x N tensor of
-    ``elem_bytes``-byte elements; ``persistent``: a grid of a few programs per SM that prefetch."""
+# RMSNorm rows read in two passes over chunks of CHUNK_N columns (the kernel's second read comes
+# from L2, as in Inductor's looped reductions) instead of held in registers, as (residual, element
+# bytes, BLOCK_N) -> CHUNK_N. None adopted: `scripts/tune.py` sweeps them (benchmarks/NOTES.md,
+# "Forward kernels").
+_RMS_FWD_CHUNKS: dict = {}
+
+
+def forward_tile(op: Op, M: int, N: int, elem_bytes: int) -> tuple[int, int, int, bool, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, persistent, CHUNK_N) of the forward over an M x N tensor of
+    ``elem_bytes``-byte elements; ``persistent``: a grid of a few programs per SM that prefetch;
+    ``CHUNK_N``: 0, or (RMSNorm) the columns per chunk of a row read in two passes."""
     block_m, block_n, num_warps = tile_config(M, N)
     rows = _rows_pow2(M)
     if op.is_rms:
         tuned = _RMS_FWD_TILES.get((op.has_residual, elem_bytes, block_n))
         if tuned is not None:
             block_m, num_warps = min(tuned[0], rows), tuned[1]
-        return block_m, block_n, num_warps, False
+        chunk = _RMS_FWD_CHUNKS.get((op.has_residual, elem_bytes, block_n), 0)
+        assert chunk == 0 or (block_n % chunk == 0 and 16 <= chunk < block_n), chunk
+        return block_m, block_n, num_warps, False, chunk
     if elem_bytes < 4 and block_n >= 8192:
-        return block_m, block_n, num_warps, True
+        return block_m, block_n, num_warps, True, 0
     block_m = max(1, min(16, 8192 // block_n, rows))
     num_warps = min(32, max(4, block_m * block_n * elem_bytes // 4096))  # 128 bytes per thread
-    return block_m, block_n, num_warps, False
+    return block_m, block_n, num_warps, False, 0
 
 
 def _stages(block_m: int, block_n: int, elem_bytes: int, streams: int, want: int) -> int:
@@ -180,7 +190,7 @@ def plan_forward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_dt
     """
     stride_xm, x_col, stride_rm, r_col, w_stride, b_stride = layout
     has_w, has_b = w_dtype is not None, b_dtype is not None
-    block_m, block_n, num_warps, persistent = forward_tile(op, M, N, ELEM_BYTES[x_dtype])
+    block_m, block_n, num_warps, persistent, chunk = forward_tile(op, M, N, ELEM_BYTES[x_dtype])
     tiles = -(-M // block_m)
     grid, stages = tiles, 1
     if persistent:
@@ -216,6 +226,7 @@ def plan_forward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_dt
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             LOOP_STAGES=stages,
+            CHUNK_N=chunk,
         ),
     )
 

@@ -9,7 +9,9 @@ the frontends run). Variants of them change only the launch configuration:
 - the grid: one program per tile, or a persistent grid of 1-4 programs per SM (the full backward
   is always persistent: its program count is the number of fp32 dW/dB partial rows, so its
   ``DW_PART``/``DB_PART`` buffers and the reduction's ``G`` follow the grid);
-- ``LOOP_STAGES``: how many tiles the loop prefetches (only with more tiles than programs).
+- ``LOOP_STAGES``: how many tiles the loop prefetches (only with more tiles than programs);
+- ``CHUNK_N`` (RMSNorm and the fused add, forward): the row read in two passes over chunks of a half
+  or a quarter of the row (the sum of squares, then the normalization from L2) instead of once.
 
 Each variant is a ``dataclasses.replace`` of the plan's ``KernelCall`` with ``cache={}`` (a fresh
 compiled-kernel cache), and its constexprs are checked against the kernel's ``arg_names``, so no
@@ -71,12 +73,17 @@ def check_constexprs(call: KernelCall) -> None:
         raise ValueError(f"{call.name}: arguments {bound} do not bind its parameters {names}")
 
 
-def variant(call: KernelCall, *, block_m: int, num_warps: int, grid: int, stages: int) -> KernelCall:
+def variant(call: KernelCall, *, block_m: int, num_warps: int, grid: int, stages: int, chunk: int = 0) -> KernelCall:
     """``call`` with another launch configuration; fp32 partial buffers get one row per program."""
     out_specs = {name: (((grid, shape[1]), dtype) if name.endswith("_PART") else (shape, dtype))
                  for name, (shape, dtype) in call.out_specs.items()}
+    constexprs = dict(call.constexprs, BLOCK_M=block_m, LOOP_STAGES=stages)
+    if "CHUNK_N" in constexprs:
+        constexprs["CHUNK_N"] = chunk
+    elif chunk:
+        raise ValueError(f"{call.name} has no CHUNK_N")
     new = dataclasses.replace(call, grid=(grid,), num_warps=num_warps, out_specs=out_specs, cache={},
-                              constexprs=dict(call.constexprs, BLOCK_M=block_m, LOOP_STAGES=stages))
+                              constexprs=constexprs)
     check_constexprs(new)
     return new
 
@@ -95,10 +102,12 @@ class Config:
     num_warps: int
     per_sm: int  # 0: one program per tile; k: a persistent grid of k programs per SM
     stages: int
+    chunk: int = 0  # CHUNK_N: 0 reads each row once; else two passes over chunks of this many columns
 
     def __str__(self) -> str:
         grid = "per-tile" if self.per_sm == 0 else f"{self.per_sm}/SM"
-        return f"bm={self.block_m} w={self.num_warps} grid={grid} st={self.stages}"
+        return f"bm={self.block_m} w={self.num_warps} grid={grid} st={self.stages}" + (
+            f" chunk={self.chunk}" if self.chunk else "")
 
 
 def configs(call: KernelCall, mode: str) -> list[Config]:
@@ -117,6 +126,9 @@ def configs(call: KernelCall, mode: str) -> list[Config]:
                 out.append(Config(bm, w, 0, 1))
                 if bm in bms[:2]:
                     out += [Config(bm, w, k, st) for k in (2, 4) for st in (2, 3)]
+                if mode == "fwd" and call.constexprs["IS_RMS"] and bm in bms[:2]:  # two passes over chunks
+                    out += [Config(bm, w, 0, 1, chunk) for chunk in (block_n // 4, block_n // 2)
+                            if chunk >= 16 and bm * chunk >= 32 * w]
     return out
 
 
@@ -126,7 +138,7 @@ def base_config(call: KernelCall, num_sms: int) -> Config:
     tiles = -(-M // bm)
     grid = call.grid[0]
     per_sm = 0 if grid == tiles and call.constexprs["LOOP_STAGES"] == 1 else -(-grid // num_sms)
-    return Config(bm, call.num_warps, per_sm, call.constexprs["LOOP_STAGES"])
+    return Config(bm, call.num_warps, per_sm, call.constexprs["LOOP_STAGES"], call.constexprs.get("CHUNK_N", 0))
 
 
 def build(plan: list, cfg: Config, M: int, num_sms: int) -> list | None:
@@ -137,7 +149,8 @@ def build(plan: list, cfg: Config, M: int, num_sms: int) -> list | None:
     grid = tiles if cfg.per_sm == 0 else min(tiles, cfg.per_sm * num_sms)
     if cfg.stages > 1 and grid >= tiles:  # one tile per program: the same as stages=1
         return None
-    first = variant(call, block_m=cfg.block_m, num_warps=cfg.num_warps, grid=grid, stages=cfg.stages)
+    first = variant(call, block_m=cfg.block_m, num_warps=cfg.num_warps, grid=grid, stages=cfg.stages,
+                    chunk=cfg.chunk)
     launches = [first] + [reduce_variant(red, grid) for red in rest]
     check_launches(launches)
     return launches

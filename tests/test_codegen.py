@@ -106,6 +106,22 @@ def test_contiguous_rows_are_accessed_128_bits_wide_under_either_launcher(what, 
         assert_rows_128_bits_wide(global_accesses(ptx(call, dtypes, integer_hints=hints)), f"{what}, integer hints {hints}")
 
 
+@pytest.mark.parametrize("op", ["rms_norm", "fused_add_rms_norm"])
+def test_rows_read_in_two_passes_are_accessed_128_bits_wide_without_fp64(op):
+    """The forward's two-pass variant (``CHUNK_N``: the sum of squares over chunks, then the rows again
+    to normalize) keeps every row access 128 bits wide under either launcher, and its math fp32
+    under Inductor's fp64 typing of float arguments."""
+    import dataclasses
+
+    call, dtypes = fwd_call(op)
+    call = dataclasses.replace(call, constexprs=dict(call.constexprs, CHUNK_N=N // 4), cache={})
+    for hints in (False, True):
+        assert_rows_128_bits_wide(global_accesses(ptx(call, dtypes, integer_hints=hints)),
+                                  f"{op} two-pass, integer hints {hints}")
+    inductor = ptx(call, dtypes, integer_hints=True, float_type="fp64")
+    assert not _f64_instructions(inductor), dict(_f64_instructions(inductor))
+
+
 def test_an_absent_input_does_not_decide_the_row_addressing():
     """A present strided residual still sends the plan to the run-time strides; an absent one does not."""
     op = OPS["fused_add_rms_norm"]

@@ -40,13 +40,14 @@ def test_forward_tiles_cover_the_row_with_work_for_every_thread(op, elem_bytes):
     longer, and at least one element per thread."""
     spec = OPS[op]
     for M, N in itertools.product((1, 3, 16, 17, 1000, 100_000), (1, 96, 1000, 2048, 4096, 8192, 65536)):
-        block_m, block_n, warps, persistent = launch.forward_tile(spec, M, N, elem_bytes)
+        block_m, block_n, warps, persistent, chunk = launch.forward_tile(spec, M, N, elem_bytes)
         what = (M, N, block_m, block_n, warps)
         assert block_n >= N and block_n & (block_n - 1) == 0, what
         assert block_m & (block_m - 1) == 0 and block_m <= 16 and block_m < 2 * M, what
         assert block_m * block_n <= max(16384, block_n), what
         assert 4 <= warps <= 32 and (block_m * block_n >= 32 * warps or warps == 4), what
         assert not persistent or not spec.is_rms, what
+        assert chunk == 0 or spec.is_rms and not persistent and block_n % chunk == 0 and chunk < block_n, what
 
 
 @pytest.mark.parametrize("op", sorted(OPS))

@@ -20,6 +20,7 @@ x tied to residual) are built per frontend in tests/layouts.py.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import zlib
@@ -32,6 +33,7 @@ from hypothesis import strategies as st
 from normkit.ops import OPS, X_DTYPES
 from normkit.testing import assert_close, coarser, rounded
 from tests import layouts
+from tests.frontends import HAS_TORCH
 from tests.harness import KERNELS
 
 SETTINGS = dict(
@@ -316,3 +318,48 @@ def test_float64_params_match_reference(frontend, tier):
     """A float64 weight / bias, which every frontend and implementation accepts: outputs and gradients
     against the reference."""
     run_property(frontend, tier, 30, specs(param_dtypes=("float64",), need_weight=True))
+
+
+class _HalfRows(dict):
+    """A ``launch._RMS_FWD_CHUNKS`` that plans every RMSNorm row of >= 32 columns in two passes over
+    half-row chunks."""
+
+    def get(self, key, default=None):
+        return key[2] // 2 if key[2] >= 32 else 0
+
+
+@pytest.fixture
+def two_pass_rows(monkeypatch, frontend):
+    """The RMSNorm forwards planned in two passes over chunks (``CHUNK_N``), with every plan and trace
+    cache cleared before and after, so that no other test sees such a plan."""
+    if frontend.name in ("jax-pallas", "jax-xla"):
+        pytest.skip("the Pallas and XLA implementations have no CHUNK_N")
+    from normkit import launch
+
+    def clear():
+        launch.plan_forward.cache_clear()
+        if HAS_TORCH:
+            from torch_frontend import _fastpath
+
+            _fastpath.BOUND.clear()
+        if importlib.util.find_spec("jax") is not None:
+            import jax
+
+            jax.clear_caches()
+
+    clear()
+    monkeypatch.setattr(launch, "_RMS_FWD_CHUNKS", _HalfRows())
+    yield
+    clear()
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_two_pass_rows_match_reference(frontend, tier, two_pass_rows):
+    """RMSNorm and the fused add with rows read in two passes over chunks (the forward's ``CHUNK_N``,
+    forced for every row of >= 32 columns): every row layout, the residual tied to x, parameter
+    layouts, casting modes and offsets."""
+    run_property(frontend, tier, 60, specs(ops=("rms_norm", "fused_add_rms_norm"), row_layouts=layouts.ROW_LAYOUTS,
+                                           param_layouts=layouts.PARAM_LAYOUTS, tie=True), explicit=[
+        Spec("fused_add_rms_norm", (3, 5, 200), "bfloat16", "float32", trained=("residual", "x"), casting="none"),
+        Spec("rms_norm", (7, 64), "float32", "bfloat16", trained=("weight",), offset=1.0, x_layout="strided_rows"),
+    ])

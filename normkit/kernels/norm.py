@@ -10,6 +10,57 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _row_offsets(rows64, cols, N: tl.constexpr, stride_m, COL_STRIDE: tl.constexpr, ROWS_CONTIGUOUS: tl.constexpr):
+    """Element offsets of a [rows, cols] block: of a contiguous [M, N] array, or by run-time row strides."""
+    if ROWS_CONTIGUOUS:
+        return rows64[:, None] * N + cols[None, :]
+    return rows64[:, None] * stride_m + cols[None, :] * COL_STRIDE
+
+
+@triton.jit
+def _load_rows(X, R, S, rows64, cols, mask, stride_xm, stride_rm, N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+               ROWS_CONTIGUOUS: tl.constexpr, X_COL_STRIDE: tl.constexpr, R_COL_STRIDE: tl.constexpr,
+               EVICTION: tl.constexpr):
+    """The block of rows to normalize, in x.dtype: x, or s = x + residual (stored to S) for the fused add."""
+    x_raw = tl.load(X + _row_offsets(rows64, cols, N, stride_xm, X_COL_STRIDE, ROWS_CONTIGUOUS), mask=mask,
+                    other=0.0, eviction_policy=EVICTION)
+    if HAS_RESIDUAL:
+        r_raw = tl.load(R + _row_offsets(rows64, cols, N, stride_rm, R_COL_STRIDE, ROWS_CONTIGUOUS), mask=mask,
+                        other=0.0, eviction_policy=EVICTION)
+        # the sum is rounded to x.dtype, exactly as torch's `x + residual`, and normalized as stored
+        x_raw = (x_raw.to(tl.float32) + r_raw.to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(S + rows64[:, None] * N + cols[None, :], x_raw, mask=mask)
+    return x_raw
+
+
+@triton.jit
+def _load_weight(W, cols, col_mask, offset, X, W_STRIDE: tl.constexpr, CASTING: tl.constexpr):
+    """weight + offset in fp32 (rounded to x.dtype first under CASTING 0, as eager low-precision math)."""
+    w = tl.load(W + cols * W_STRIDE, mask=col_mask, other=0.0).to(tl.float32) + offset
+    if CASTING == 0:
+        w = w.to(X.dtype.element_ty).to(tl.float32)
+    return w
+
+
+@triton.jit
+def _scale_shift(xc, rstd, w, b, X, HAS_W: tl.constexpr, HAS_B: tl.constexpr, CASTING: tl.constexpr):
+    """y in fp32 from the centred rows ``xc`` and their rstd, with the rounding points of CASTING."""
+    if CASTING == 0:
+        # x.dtype throughout: each product is rounded to x.dtype, as eager low-precision math does
+        xn = (xc * rstd[:, None].to(X.dtype.element_ty).to(tl.float32)).to(X.dtype.element_ty).to(tl.float32)
+    elif CASTING == 1:
+        xn = (xc * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+    else:
+        xn = xc * rstd[:, None]
+    y = xn
+    if HAS_W:
+        y = y * w[None, :]
+    if HAS_B:
+        y = y + b[None, :]
+    return y
+
+
 @triton.jit(do_not_specialize=["M"])  # M's value must not change the code: cross-frontend bitwise parity
 def norm_fwd_kernel(
     X,  # input rows [M, N], row stride stride_xm, column stride X_COL_STRIDE
@@ -40,69 +91,80 @@ def norm_fwd_kernel(
     BLOCK_M: tl.constexpr,  # rows per tile
     BLOCK_N: tl.constexpr,  # next power of two >= N
     LOOP_STAGES: tl.constexpr,  # software-pipelining depth of the tile loop (1: none)
+    CHUNK_N: tl.constexpr,  # 0: each row in registers, read once; else RMSNorm (IS_RMS) in two passes
+    # over CHUNK_N-column chunks: the sum of squares, then a second read (from L2) to normalize
 ):
     # Tiles of BLOCK_M rows are dealt round-robin to the programs; LOOP_STAGES > 1 prefetches the
     # next tile's rows while this one is reduced.
     # The float scalars are pinned to fp32: Inductor passes a Python float to a user kernel as fp64,
     # which would silently carry the whole row's math into fp64 (values are fp32-exact: launch._f32).
+    tl.static_assert(CHUNK_N == 0 or (IS_RMS and BLOCK_N % CHUNK_N == 0 and CHUNK_N < BLOCK_N))
     eps = tl.cast(eps, tl.float32)
     offset = tl.cast(offset, tl.float32)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    if HAS_W:
-        w = tl.load(W + cols * W_STRIDE, mask=col_mask, other=0.0).to(tl.float32) + offset
-        if CASTING == 0:
-            w = w.to(X.dtype.element_ty).to(tl.float32)
-    if HAS_B:
-        b = tl.load(B + cols * B_STRIDE, mask=col_mask, other=0.0).to(tl.float32)
+    if CHUNK_N == 0:
+        if HAS_W:
+            w = _load_weight(W, cols, col_mask, offset, X, W_STRIDE, CASTING)
+        else:
+            w = None
+        if HAS_B:
+            b = tl.load(B + cols * B_STRIDE, mask=col_mask, other=0.0).to(tl.float32)
+        else:
+            b = None
     num_tiles = (M + BLOCK_M - 1) // BLOCK_M
     for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), num_stages=LOOP_STAGES):
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < M
-        mask = row_mask[:, None] & col_mask[None, :]
         rows64 = rows.to(tl.int64)
-        off_y = rows64[:, None] * N + cols[None, :]  # outputs are contiguous
-        if ROWS_CONTIGUOUS:
-            off_x = off_y
-            off_r = off_y
+        if CHUNK_N == 0:
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = _load_rows(X, R, S, rows64, cols, mask, stride_xm, stride_rm, N, HAS_RESIDUAL, ROWS_CONTIGUOUS,
+                           X_COL_STRIDE, R_COL_STRIDE, "").to(tl.float32)
+            if IS_RMS:
+                xc = x
+                var = tl.sum(x * x, axis=1) * (1.0 / N)
+            else:
+                mean = tl.sum(x, axis=1) * (1.0 / N)
+                xc = tl.where(mask, x - mean[:, None], 0.0)
+                var = tl.sum(xc * xc, axis=1) * (1.0 / N)
+            rstd = 1.0 / tl.sqrt(var + eps)
+            y = _scale_shift(xc, rstd, w, b, X, HAS_W, HAS_B, CASTING)
+            tl.store(Y + rows64[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)  # contiguous
         else:
-            off_x = rows64[:, None] * stride_xm + cols[None, :] * X_COL_STRIDE
-            off_r = rows64[:, None] * stride_rm + cols[None, :] * R_COL_STRIDE
-
-        x_raw = tl.load(X + off_x, mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            r_raw = tl.load(R + off_r, mask=mask, other=0.0)
-            # the sum is rounded to x.dtype, exactly as torch's `x + residual`, and normalized as stored
-            x_raw = (x_raw.to(tl.float32) + r_raw.to(tl.float32)).to(X.dtype.element_ty)
-            tl.store(S + off_y, x_raw, mask=mask)
-        x = x_raw.to(tl.float32)
-
-        if IS_RMS:
-            xc = x
-            var = tl.sum(x * x, axis=1) * (1.0 / N)
-        else:
-            mean = tl.sum(x, axis=1) * (1.0 / N)
-            xc = tl.where(mask, x - mean[:, None], 0.0)
-            var = tl.sum(xc * xc, axis=1) * (1.0 / N)
-        rstd = 1.0 / tl.sqrt(var + eps)
+            # first pass: the sum of squares, chunk by chunk, each chunk kept in L2 for the second
+            acc = tl.zeros((BLOCK_M, CHUNK_N), dtype=tl.float32)
+            for c0 in tl.static_range(0, BLOCK_N, CHUNK_N):
+                ccols = c0 + tl.arange(0, CHUNK_N)
+                cmask = row_mask[:, None] & (ccols < N)[None, :]
+                x = _load_rows(X, R, S, rows64, ccols, cmask, stride_xm, stride_rm, N, HAS_RESIDUAL,
+                               ROWS_CONTIGUOUS, X_COL_STRIDE, R_COL_STRIDE, "evict_last").to(tl.float32)
+                acc += x * x
+            var = tl.sum(acc, axis=1) * (1.0 / N)
+            rstd = 1.0 / tl.sqrt(var + eps)
+            # second pass: read the rows again (s, as stored, for the fused add) and normalize
+            if HAS_RESIDUAL:
+                tl.debug_barrier()  # s as other threads of the program stored it
+            for c0 in tl.static_range(0, BLOCK_N, CHUNK_N):
+                ccols = c0 + tl.arange(0, CHUNK_N)
+                ccol_mask = ccols < N
+                cmask = row_mask[:, None] & ccol_mask[None, :]
+                if HAS_RESIDUAL:
+                    x = tl.load(S + rows64[:, None] * N + ccols[None, :], mask=cmask, other=0.0,
+                                eviction_policy="evict_first").to(tl.float32)
+                else:
+                    x = tl.load(X + _row_offsets(rows64, ccols, N, stride_xm, X_COL_STRIDE, ROWS_CONTIGUOUS),
+                                mask=cmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                if HAS_W:
+                    w = _load_weight(W, ccols, ccol_mask, offset, X, W_STRIDE, CASTING)
+                else:
+                    w = None
+                y = _scale_shift(x, rstd, w, None, X, HAS_W, False, CASTING)
+                tl.store(Y + rows64[:, None] * N + ccols[None, :], y.to(Y.dtype.element_ty), mask=cmask)
         if STORE_STATS:
             tl.store(RSTD + rows64, rstd, mask=row_mask)
             if not IS_RMS:
                 tl.store(MEAN + rows64, mean, mask=row_mask)
-
-        if CASTING == 0:
-            # x.dtype throughout: each product is rounded to x.dtype, as eager low-precision math does
-            xn = (xc * rstd[:, None].to(X.dtype.element_ty).to(tl.float32)).to(X.dtype.element_ty).to(tl.float32)
-        elif CASTING == 1:
-            xn = (xc * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
-        else:
-            xn = xc * rstd[:, None]
-        y = xn
-        if HAS_W:
-            y = y * w[None, :]
-        if HAS_B:
-            y = y + b[None, :]
-        tl.store(Y + off_y, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
