@@ -83,9 +83,7 @@ def _next_pow2(n: int) -> int:
 # - 4 warps per 4096-element tile, 8 per 8192, 16 per 16384: about 8-16 elements per thread;
 # - short rows: several rows per tile (4096 // BLOCK_N), so one program still moves a useful amount;
 # - RMSNorm forward and every dx-only backward: one program per tile, no pipelining (93-100% of copy);
-# - LayerNorm forward (two dependent reductions per row): 16-bit rows of >= 8192 on a persistent
-#   grid of 2 programs per SM with the next tiles prefetched (LOOP_STAGES=3): 71% -> 84% of copy
-#   at 8192x8192; every other forward one program per tile (forward_tile);
+# - the forwards: one program per tile, straight through (forward_tile);
 # - dW/dB backward: one (tile >= 8192) or two programs per SM, each accumulating one fp32 partial row,
 #   with the next tiles prefetched (3-4 stages): 66% -> 85-92% of copy in bf16.
 SMEM_BUDGET = 160 * 1024  # bytes of shared memory the prefetched tiles may take (H100/H200: 228 KB per SM)
@@ -111,30 +109,34 @@ def _tile_config(rows_pow2: int, block_n: int) -> tuple[int, int, int]:
 
 
 # Forward tiles that differ from tile_config's, measured on an H200 (scripts/tune.py, kernel-only
-# medians, 2026-12-01):
-# - LayerNorm rows other than 16-bit rows of >= 8192: one program per tile of 8192 elements with
-#   128 bytes of the row per thread. fp32 32768x4096: 304.7 -> 261 us (83% -> 97% of copy), fp32
-#   8192x8192: 144.1 -> 133.7, bf16 32768x4096: 145.6 -> 142.8, bf16 65536x2048: 145.7 -> 133.7.
-#   The persistent grid only pays where its prefetch hides the second reduction's latency on
-#   long 16-bit rows (bf16 8192x8192: 76.8 us, against 78+ per tile).
-# - RMSNorm: tile_config's tiles are within 2% of the best everywhere but at these points
-#   ((residual, element bytes, BLOCK_N) -> (BLOCK_M, warps)): rows of 2048 one per tile (bf16
-#   65536x2048: 136.3 -> 132.0 us, fused add 267.4 -> 258.0); 16-bit rows of 8192 two per tile
-#   (16384x8192: 135.3 -> 132.0, 8192x8192: 71.9 -> 69.9); fp32 rows of 4096 two per tile with
-#   16 warps (32768x4096: 269.1 -> 262.0).
+# medians; benchmarks/NOTES.md, "Forward kernels"). The forward runs one program per tile, each
+# straight through (LOOP_STAGES 0): the tile loop alone cost the LayerNorm forward up to a quarter
+# of its time on 16-bit rows (2026-12-02: bf16 16384x8192 181 against 143 us for the same tile).
+# - LayerNorm: tiles of 8192 elements (16384 for 16-bit rows of >= 8192) with 64 bytes of the row
+#   per thread (2026-12-02): bf16 16384x8192 137.1 us, 8192x8192 73.1, 32768x4096 132.6; fp32
+#   8192x8192 132.0, 32768x4096 257.8 (Inductor: 147.8, 77.8, 186.8, 132.8, 253.2). The persistent
+#   grid with prefetch, the best before the loop-free tiles (144.7 and 74.6 at 16-bit rows of
+#   8192), no longer pays anywhere.
+# - RMSNorm: tile_config's tiles are within 2% of the best everywhere but at the points of
+#   _RMS_FWD_TILES, (residual, element bytes, BLOCK_N) -> (BLOCK_M, warps, CHUNK_N); CHUNK_N > 0
+#   reads the row in two passes over chunks of that many columns (the sum of squares with the
+#   chunks kept in L2, then the chunks again from L2 to normalize, as Inductor's looped reductions
+#   do) instead of holding it in registers. One pass: rows of 2048 one per tile (bf16 65536x2048:
+#   136.3 -> 132.0 us, fused add 267.4 -> 258.0). Two passes over half rows (2026-12-02): fp32 rows
+#   of 8192 (8192x8192: 134.4 -> 130.2 us, Inductor 130.7) and 4096 (32768x4096: 260.0 -> 252.4,
+#   Inductor 252.3); bf16 rows of 8192 (16384x8192: 132.8 -> 130.3, Inductor 129.0); the fused add's
+#   bf16 rows of 4096 (32768x4096: 266.0 -> 254.9) and 8192 (16384x8192: 261.5 -> 254.1); bf16 rows
+#   of 4096 (32768x4096: 135.0 -> 130.0).
 _RMS_FWD_TILES = {
-    (False, 2, 2048): (1, 4),
-    (True, 2, 2048): (1, 4),
-    (False, 2, 8192): (2, 8),
-    (False, 4, 4096): (2, 16),
+    (False, 2, 2048): (1, 4, 0),
+    (True, 2, 2048): (1, 4, 0),
+    (False, 2, 8192): (1, 16, 4096),
+    (False, 2, 4096): (1, 8, 2048),
+    (False, 4, 4096): (1, 16, 2048),
+    (False, 4, 8192): (1, 16, 4096),
+    (True, 2, 4096): (2, 8, 2048),
+    (True, 2, 8192): (1, 16, 4096),
 }
-
-
-# RMSNorm rows read in two passes over chunks of CHUNK_N columns (the kernel's second read comes
-# from L2, as in Inductor's looped reductions) instead of held in registers, as (residual, element
-# bytes, BLOCK_N) -> CHUNK_N. None adopted: `scripts/tune.py` sweeps them (benchmarks/NOTES.md,
-# "Forward kernels").
-_RMS_FWD_CHUNKS: dict = {}
 
 
 def forward_tile(op: Op, M: int, N: int, elem_bytes: int) -> tuple[int, int, int, bool, int]:
@@ -144,16 +146,12 @@ def forward_tile(op: Op, M: int, N: int, elem_bytes: int) -> tuple[int, int, int
     block_m, block_n, num_warps = tile_config(M, N)
     rows = _rows_pow2(M)
     if op.is_rms:
-        tuned = _RMS_FWD_TILES.get((op.has_residual, elem_bytes, block_n))
-        if tuned is not None:
-            block_m, num_warps = min(tuned[0], rows), tuned[1]
-        chunk = _RMS_FWD_CHUNKS.get((op.has_residual, elem_bytes, block_n), 0)
+        block_m, num_warps, chunk = _RMS_FWD_TILES.get((op.has_residual, elem_bytes, block_n), (block_m, num_warps, 0))
         assert chunk == 0 or (block_n % chunk == 0 and 16 <= chunk < block_n), chunk
-        return block_m, block_n, num_warps, False, chunk
-    if elem_bytes < 4 and block_n >= 8192:
-        return block_m, block_n, num_warps, True, 0
-    block_m = max(1, min(16, 8192 // block_n, rows))
-    num_warps = min(32, max(4, block_m * block_n * elem_bytes // 4096))  # 128 bytes per thread
+        return min(block_m, rows), block_n, num_warps, False, chunk
+    elements = 16384 if elem_bytes < 4 and block_n >= 8192 else 8192
+    block_m = max(1, min(16, elements // block_n, rows))
+    num_warps = min(32, max(4, block_m * block_n * elem_bytes // 2048))  # 64 bytes per thread
     return block_m, block_n, num_warps, False, 0
 
 
@@ -192,11 +190,11 @@ def plan_forward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_dt
     has_w, has_b = w_dtype is not None, b_dtype is not None
     block_m, block_n, num_warps, persistent, chunk = forward_tile(op, M, N, ELEM_BYTES[x_dtype])
     tiles = -(-M // block_m)
-    grid, stages = tiles, 1
+    grid, stages = tiles, 0  # LOOP_STAGES 0: one program per tile, no loop in the kernel
     if persistent:
-        stages = _stages(block_m, block_n, ELEM_BYTES[x_dtype], 1, 3)
-        if stages > 1:
-            grid = min(tiles, (4 if block_m * block_n <= 4096 else 2) * num_sms)
+        want = _stages(block_m, block_n, ELEM_BYTES[x_dtype], 1, 3)
+        if want > 1:
+            grid, stages = min(tiles, (4 if block_m * block_n <= 4096 else 2) * num_sms), want
     present = {"X"} | ({"R"} if op.has_residual else set()) | ({"W"} if has_w else set()) | (
         {"B"} if has_b else set())
     rows_contiguous = _rows_contiguous(M, N, [(stride_xm, x_col)] + ([(stride_rm, r_col)] if op.has_residual else []))

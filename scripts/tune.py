@@ -9,7 +9,8 @@ the frontends run). Variants of them change only the launch configuration:
 - the grid: one program per tile, or a persistent grid of 1-4 programs per SM (the full backward
   is always persistent: its program count is the number of fp32 dW/dB partial rows, so its
   ``DW_PART``/``DB_PART`` buffers and the reduction's ``G`` follow the grid);
-- ``LOOP_STAGES``: how many tiles the loop prefetches (only with more tiles than programs);
+- ``LOOP_STAGES``: how many tiles the loop prefetches (only with more tiles than programs; the
+  forward's one-program-per-tile grids run without a loop, LOOP_STAGES 0);
 - ``CHUNK_N`` (RMSNorm and the fused add, forward): the row read in two passes over chunks of a half
   or a quarter of the row (the sum of squares, then the normalization from L2) instead of once.
 
@@ -123,11 +124,11 @@ def configs(call: KernelCall, mode: str) -> list[Config]:
             if mode == "bwd_full":  # the partials need a persistent grid
                 out += [Config(bm, w, k, st) for k in (1, 2, 3) for st in (1, 2, 3, 4)]
             else:
-                out.append(Config(bm, w, 0, 1))
+                out.append(Config(bm, w, 0, 0 if mode == "fwd" else 1))  # the forward's tiles run loop-free
                 if bm in bms[:2]:
                     out += [Config(bm, w, k, st) for k in (2, 4) for st in (2, 3)]
                 if mode == "fwd" and call.constexprs["IS_RMS"] and bm in bms[:2]:  # two passes over chunks
-                    out += [Config(bm, w, 0, 1, chunk) for chunk in (block_n // 4, block_n // 2)
+                    out += [Config(bm, w, 0, 0, chunk) for chunk in (block_n // 4, block_n // 2)
                             if chunk >= 16 and bm * chunk >= 32 * w]
     return out
 
@@ -137,7 +138,7 @@ def base_config(call: KernelCall, num_sms: int) -> Config:
     bm = call.constexprs["BLOCK_M"]
     tiles = -(-M // bm)
     grid = call.grid[0]
-    per_sm = 0 if grid == tiles and call.constexprs["LOOP_STAGES"] == 1 else -(-grid // num_sms)
+    per_sm = 0 if grid == tiles and call.constexprs["LOOP_STAGES"] <= 1 else -(-grid // num_sms)
     return Config(bm, call.num_warps, per_sm, call.constexprs["LOOP_STAGES"], call.constexprs.get("CHUNK_N", 0))
 
 

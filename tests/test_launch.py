@@ -48,6 +48,7 @@ def test_forward_tiles_cover_the_row_with_work_for_every_thread(op, elem_bytes):
         assert 4 <= warps <= 32 and (block_m * block_n >= 32 * warps or warps == 4), what
         assert not persistent or not spec.is_rms, what
         assert chunk == 0 or spec.is_rms and not persistent and block_n % chunk == 0 and chunk < block_n, what
+        assert chunk == 0 or block_m * chunk >= 32 * warps, what  # each chunk too has work for every thread
 
 
 @pytest.mark.parametrize("op", sorted(OPS))
@@ -79,6 +80,8 @@ def test_grids_cover_the_rows_with_few_partials(op):
             assert 1 <= fwd.grid[0] <= tiles and (
                 fwd.grid == (tiles,) or not spec.is_rms and fwd.grid[0] <= 4 * num_sms), (M, N, num_sms, fwd.grid)
             assert fwd.grid == (tiles,) or fwd.constexprs["LOOP_STAGES"] > 1  # a persistent grid prefetches
+            # the loop-free kernel (LOOP_STAGES 0) runs one tile per program: its grid must cover them all
+            assert fwd.constexprs["LOOP_STAGES"] != 0 or fwd.grid == (tiles,), (M, N, num_sms, fwd.grid)
         for grads in (Grads(dx=True, dw=False), Grads(dx=False, dw=True), Grads(dx=True, dw=True)):
             bwd, red = launch.plan_backward(spec, M, N, "bfloat16", "bfloat16", None, spec.has_residual, opts, grads,
                                             (N, 1, N, 1, N, 1, 1), num_sms)

@@ -321,19 +321,19 @@ def test_float64_params_match_reference(frontend, tier):
 
 
 class _HalfRows(dict):
-    """A ``launch._RMS_FWD_CHUNKS`` that plans every RMSNorm row of >= 32 columns in two passes over
-    half-row chunks."""
+    """A ``launch._RMS_FWD_TILES`` that plans every RMSNorm row of >= 32 columns in two passes over
+    half-row chunks, on the tiles it would otherwise have."""
 
-    def get(self, key, default=None):
-        return key[2] // 2 if key[2] >= 32 else 0
+    def get(self, key, default):
+        block_m, num_warps, _ = default
+        return block_m, num_warps, key[2] // 2 if key[2] >= 32 else 0
 
 
-@pytest.fixture
-def two_pass_rows(monkeypatch, frontend):
-    """The RMSNorm forwards planned in two passes over chunks (``CHUNK_N``), with every plan and trace
-    cache cleared before and after, so that no other test sees such a plan."""
+def _forced_forward_plan(monkeypatch, frontend, name, value):
+    """``launch.<name>`` replaced by ``value`` for one test, with every plan and trace cache cleared
+    before and after, so that no other test sees such a plan."""
     if frontend.name in ("jax-pallas", "jax-xla"):
-        pytest.skip("the Pallas and XLA implementations have no CHUNK_N")
+        pytest.skip("the Pallas and XLA implementations do not launch the Triton forward")
     from normkit import launch
 
     def clear():
@@ -348,9 +348,31 @@ def two_pass_rows(monkeypatch, frontend):
             jax.clear_caches()
 
     clear()
-    monkeypatch.setattr(launch, "_RMS_FWD_CHUNKS", _HalfRows())
+    monkeypatch.setattr(launch, name, value)
     yield
     clear()
+
+
+@pytest.fixture
+def two_pass_rows(monkeypatch, frontend):
+    """The RMSNorm forwards planned in two passes over chunks (``CHUNK_N``)."""
+    yield from _forced_forward_plan(monkeypatch, frontend, "_RMS_FWD_TILES", _HalfRows())
+
+
+@pytest.fixture
+def looped_tiles(monkeypatch, frontend):
+    """Every forward planned on a persistent grid of one-row tiles, so that each program loops over
+    several tiles with the next ones prefetched (the kernel's tile loop; the plans' own tiles mostly
+    run loop-free, one program per tile)."""
+    from normkit import launch
+
+    planned = launch.forward_tile
+
+    def persistent(op, M, N, elem_bytes):
+        _, block_n, num_warps, _, chunk = planned(op, M, N, elem_bytes)
+        return 1, block_n, num_warps, True, chunk
+
+    yield from _forced_forward_plan(monkeypatch, frontend, "forward_tile", persistent)
 
 
 @pytest.mark.parametrize("tier", TIERS)
@@ -362,4 +384,15 @@ def test_two_pass_rows_match_reference(frontend, tier, two_pass_rows):
                                            param_layouts=layouts.PARAM_LAYOUTS, tie=True), explicit=[
         Spec("fused_add_rms_norm", (3, 5, 200), "bfloat16", "float32", trained=("residual", "x"), casting="none"),
         Spec("rms_norm", (7, 64), "float32", "bfloat16", trained=("weight",), offset=1.0, x_layout="strided_rows"),
+    ])
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_looped_tiles_match_reference(frontend, tier, looped_tiles):
+    """Every op with each program looping over several one-row tiles (the forward's persistent,
+    prefetching grid, forced for every shape): every row layout, the tie, parameter layouts."""
+    run_property(frontend, tier, 60, specs(row_layouts=layouts.ROW_LAYOUTS, param_layouts=layouts.PARAM_LAYOUTS,
+                                           tie=True), explicit=[
+        Spec("layer_norm", (40, 96), "bfloat16", "bfloat16", "float32", trained=("bias", "weight", "x")),
+        Spec("fused_add_rms_norm", (3, 11, 64), "float32", "float32", trained=("x",), x_layout="strided_rows"),
     ])

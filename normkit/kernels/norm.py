@@ -61,6 +61,66 @@ def _scale_shift(xc, rstd, w, b, X, HAS_W: tl.constexpr, HAS_B: tl.constexpr, CA
     return y
 
 
+@triton.jit
+def _fwd_tile(tile, X, R, Y, S, MEAN, RSTD, eps, offset, M, stride_xm, stride_rm, w, b, cols, col_mask, W,
+              N: tl.constexpr, IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_W: tl.constexpr,
+              HAS_B: tl.constexpr, CASTING: tl.constexpr, STORE_STATS: tl.constexpr,
+              ROWS_CONTIGUOUS: tl.constexpr, X_COL_STRIDE: tl.constexpr, R_COL_STRIDE: tl.constexpr,
+              W_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr):
+    """The forward of one tile of BLOCK_M rows (``w``/``b``: the preloaded parameters of the one-pass path)."""
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    rows64 = rows.to(tl.int64)
+    if CHUNK_N == 0:
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = _load_rows(X, R, S, rows64, cols, mask, stride_xm, stride_rm, N, HAS_RESIDUAL, ROWS_CONTIGUOUS,
+                       X_COL_STRIDE, R_COL_STRIDE, "").to(tl.float32)
+        if IS_RMS:
+            xc = x
+            var = tl.sum(x * x, axis=1) * (1.0 / N)
+        else:
+            mean = tl.sum(x, axis=1) * (1.0 / N)
+            xc = tl.where(mask, x - mean[:, None], 0.0)
+            var = tl.sum(xc * xc, axis=1) * (1.0 / N)
+        rstd = 1.0 / tl.sqrt(var + eps)
+        y = _scale_shift(xc, rstd, w, b, X, HAS_W, HAS_B, CASTING)
+        tl.store(Y + rows64[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)  # contiguous
+    else:
+        # first pass: the sum of squares, chunk by chunk, each chunk kept in L2 for the second
+        acc = tl.zeros((BLOCK_M, CHUNK_N), dtype=tl.float32)
+        for c0 in tl.static_range(0, BLOCK_N, CHUNK_N):
+            ccols = c0 + tl.arange(0, CHUNK_N)
+            cmask = row_mask[:, None] & (ccols < N)[None, :]
+            x = _load_rows(X, R, S, rows64, ccols, cmask, stride_xm, stride_rm, N, HAS_RESIDUAL,
+                           ROWS_CONTIGUOUS, X_COL_STRIDE, R_COL_STRIDE, "evict_last").to(tl.float32)
+            acc += x * x
+        var = tl.sum(acc, axis=1) * (1.0 / N)
+        rstd = 1.0 / tl.sqrt(var + eps)
+        # second pass: read the rows again (s, as stored, for the fused add) and normalize
+        if HAS_RESIDUAL:
+            tl.debug_barrier()  # s as other threads of the program stored it
+        for c0 in tl.static_range(0, BLOCK_N, CHUNK_N):
+            ccols = c0 + tl.arange(0, CHUNK_N)
+            ccol_mask = ccols < N
+            cmask = row_mask[:, None] & ccol_mask[None, :]
+            if HAS_RESIDUAL:
+                x = tl.load(S + rows64[:, None] * N + ccols[None, :], mask=cmask, other=0.0,
+                            eviction_policy="evict_first").to(tl.float32)
+            else:
+                x = tl.load(X + _row_offsets(rows64, ccols, N, stride_xm, X_COL_STRIDE, ROWS_CONTIGUOUS),
+                            mask=cmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            if HAS_W:
+                w = _load_weight(W, ccols, ccol_mask, offset, X, W_STRIDE, CASTING)
+            else:
+                w = None
+            y = _scale_shift(x, rstd, w, None, X, HAS_W, False, CASTING)
+            tl.store(Y + rows64[:, None] * N + ccols[None, :], y.to(Y.dtype.element_ty), mask=cmask)
+    if STORE_STATS:
+        tl.store(RSTD + rows64, rstd, mask=row_mask)
+        if not IS_RMS:
+            tl.store(MEAN + rows64, mean, mask=row_mask)
+
+
 @triton.jit(do_not_specialize=["M"])  # M's value must not change the code: cross-frontend bitwise parity
 def norm_fwd_kernel(
     X,  # input rows [M, N], row stride stride_xm, column stride X_COL_STRIDE
@@ -90,12 +150,14 @@ def norm_fwd_kernel(
     B_STRIDE: tl.constexpr,  # the bias's element stride
     BLOCK_M: tl.constexpr,  # rows per tile
     BLOCK_N: tl.constexpr,  # next power of two >= N
-    LOOP_STAGES: tl.constexpr,  # software-pipelining depth of the tile loop (1: none)
+    LOOP_STAGES: tl.constexpr,  # 0: one program per tile, no loop; else the tile loop's pipelining depth
     CHUNK_N: tl.constexpr,  # 0: each row in registers, read once; else RMSNorm (IS_RMS) in two passes
     # over CHUNK_N-column chunks: the sum of squares, then a second read (from L2) to normalize
 ):
-    # Tiles of BLOCK_M rows are dealt round-robin to the programs; LOOP_STAGES > 1 prefetches the
-    # next tile's rows while this one is reduced.
+    # LOOP_STAGES 0: the grid has one program per tile of BLOCK_M rows, each runs it straight through
+    # (a loop around one tile costs up to a quarter of the LayerNorm forward's time on long 16-bit rows).
+    # Otherwise tiles are dealt round-robin to the programs; LOOP_STAGES > 1 prefetches the next
+    # tile's rows while this one is reduced.
     # The float scalars are pinned to fp32: Inductor passes a Python float to a user kernel as fp64,
     # which would silently carry the whole row's math into fp64 (values are fp32-exact: launch._f32).
     tl.static_assert(CHUNK_N == 0 or (IS_RMS and BLOCK_N % CHUNK_N == 0 and CHUNK_N < BLOCK_N))
@@ -103,68 +165,23 @@ def norm_fwd_kernel(
     offset = tl.cast(offset, tl.float32)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    if CHUNK_N == 0:
+    w = None
+    b = None
+    if CHUNK_N == 0:  # the one-pass tiles hold the parameters in registers, loaded once per program
         if HAS_W:
             w = _load_weight(W, cols, col_mask, offset, X, W_STRIDE, CASTING)
-        else:
-            w = None
         if HAS_B:
             b = tl.load(B + cols * B_STRIDE, mask=col_mask, other=0.0).to(tl.float32)
-        else:
-            b = None
-    num_tiles = (M + BLOCK_M - 1) // BLOCK_M
-    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), num_stages=LOOP_STAGES):
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_mask = rows < M
-        rows64 = rows.to(tl.int64)
-        if CHUNK_N == 0:
-            mask = row_mask[:, None] & col_mask[None, :]
-            x = _load_rows(X, R, S, rows64, cols, mask, stride_xm, stride_rm, N, HAS_RESIDUAL, ROWS_CONTIGUOUS,
-                           X_COL_STRIDE, R_COL_STRIDE, "").to(tl.float32)
-            if IS_RMS:
-                xc = x
-                var = tl.sum(x * x, axis=1) * (1.0 / N)
-            else:
-                mean = tl.sum(x, axis=1) * (1.0 / N)
-                xc = tl.where(mask, x - mean[:, None], 0.0)
-                var = tl.sum(xc * xc, axis=1) * (1.0 / N)
-            rstd = 1.0 / tl.sqrt(var + eps)
-            y = _scale_shift(xc, rstd, w, b, X, HAS_W, HAS_B, CASTING)
-            tl.store(Y + rows64[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)  # contiguous
-        else:
-            # first pass: the sum of squares, chunk by chunk, each chunk kept in L2 for the second
-            acc = tl.zeros((BLOCK_M, CHUNK_N), dtype=tl.float32)
-            for c0 in tl.static_range(0, BLOCK_N, CHUNK_N):
-                ccols = c0 + tl.arange(0, CHUNK_N)
-                cmask = row_mask[:, None] & (ccols < N)[None, :]
-                x = _load_rows(X, R, S, rows64, ccols, cmask, stride_xm, stride_rm, N, HAS_RESIDUAL,
-                               ROWS_CONTIGUOUS, X_COL_STRIDE, R_COL_STRIDE, "evict_last").to(tl.float32)
-                acc += x * x
-            var = tl.sum(acc, axis=1) * (1.0 / N)
-            rstd = 1.0 / tl.sqrt(var + eps)
-            # second pass: read the rows again (s, as stored, for the fused add) and normalize
-            if HAS_RESIDUAL:
-                tl.debug_barrier()  # s as other threads of the program stored it
-            for c0 in tl.static_range(0, BLOCK_N, CHUNK_N):
-                ccols = c0 + tl.arange(0, CHUNK_N)
-                ccol_mask = ccols < N
-                cmask = row_mask[:, None] & ccol_mask[None, :]
-                if HAS_RESIDUAL:
-                    x = tl.load(S + rows64[:, None] * N + ccols[None, :], mask=cmask, other=0.0,
-                                eviction_policy="evict_first").to(tl.float32)
-                else:
-                    x = tl.load(X + _row_offsets(rows64, ccols, N, stride_xm, X_COL_STRIDE, ROWS_CONTIGUOUS),
-                                mask=cmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-                if HAS_W:
-                    w = _load_weight(W, ccols, ccol_mask, offset, X, W_STRIDE, CASTING)
-                else:
-                    w = None
-                y = _scale_shift(x, rstd, w, None, X, HAS_W, False, CASTING)
-                tl.store(Y + rows64[:, None] * N + ccols[None, :], y.to(Y.dtype.element_ty), mask=cmask)
-        if STORE_STATS:
-            tl.store(RSTD + rows64, rstd, mask=row_mask)
-            if not IS_RMS:
-                tl.store(MEAN + rows64, mean, mask=row_mask)
+    if LOOP_STAGES == 0:  # one program per tile: straight-line code, no loop around it
+        _fwd_tile(tl.program_id(0), X, R, Y, S, MEAN, RSTD, eps, offset, M, stride_xm, stride_rm, w, b, cols,
+                  col_mask, W, N, IS_RMS, HAS_RESIDUAL, HAS_W, HAS_B, CASTING, STORE_STATS, ROWS_CONTIGUOUS,
+                  X_COL_STRIDE, R_COL_STRIDE, W_STRIDE, BLOCK_M, BLOCK_N, CHUNK_N)
+    else:
+        num_tiles = (M + BLOCK_M - 1) // BLOCK_M
+        for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), num_stages=LOOP_STAGES):
+            _fwd_tile(tile, X, R, Y, S, MEAN, RSTD, eps, offset, M, stride_xm, stride_rm, w, b, cols,
+                      col_mask, W, N, IS_RMS, HAS_RESIDUAL, HAS_W, HAS_B, CASTING, STORE_STATS,
+                      ROWS_CONTIGUOUS, X_COL_STRIDE, R_COL_STRIDE, W_STRIDE, BLOCK_M, BLOCK_N, CHUNK_N)
 
 
 @triton.jit(do_not_specialize=["M"])
