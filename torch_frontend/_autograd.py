@@ -107,14 +107,16 @@ class BoundFusedAddRMSNorm(torch.autograd.Function):
 
 
 def _saved(ctx) -> tuple:
-    """``(x, weight, mean, rstd)`` as saved, the per-row statistics in fp32, as the kernels read them.
-    A saved-tensor hook may hand them back in another dtype (one that widens or compresses what it
-    stores); a launch bound to the compiled kernel of fp32 statistics would read such a buffer as fp32."""
+    """``(x, weight, mean, rstd)`` as saved, the per-row statistics in fp32 on x's device, as the kernels
+    read them. A saved-tensor hook may hand them back in another dtype (one that widens or compresses
+    what it stores), or on another device (one that offloads them): a launch bound to the compiled
+    kernel of fp32 statistics would read such a buffer as fp32, and a kernel cannot read host memory.
+    The statistics are one number per row, so moving them costs little."""
     x, weight, mean, rstd = ctx.saved_tensors
-    if rstd.dtype != torch.float32:
-        rstd = rstd.float()
-    if mean is not None and mean.dtype != torch.float32:
-        mean = mean.float()
+    if rstd.dtype != torch.float32 or rstd.device != x.device:
+        rstd = rstd.to(x.device, torch.float32)
+    if mean is not None and (mean.dtype != torch.float32 or mean.device != x.device):
+        mean = mean.to(x.device, torch.float32)
     return x, weight, mean, rstd
 
 
