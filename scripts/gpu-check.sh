@@ -4,6 +4,9 @@
 #   notebooks  every notebook source run as a script at full size;
 #   tests      the whole test suite, compiled, with the larger "gpu" shapes too (the notebook test needs
 #              jupytext/nbclient, which that machine lacks: the notebooks target runs them instead);
+#              about 560 s on one H200 with 16 workers. TEST_PART=parity runs tests/test_parity.py alone
+#              (about 60% of the work), TEST_PART=rest everything else: two calls that each end well
+#              inside a 10-minute limit;
 #   timing     host time per call through autograd, normkit against its peers (benchmarks/host_time.py
 #              [--shape MxN] [--ops ...] [--rep-ms MS] [--graphs]; kernel timings come from the bench target);
 #   host-parts the pieces of one eager RMSNorm call's host time, each timed alone (benchmarks/host_parts.py
@@ -60,9 +63,15 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   # -m "slow or not slow": both tiers (a plain run leaves the slow one out: pyproject.toml); a -m in
   # the arguments overrides it.
   dist=$(python3 -c "import xdist; print('worksteal' if tuple(map(int, xdist.__version__.split('.')[:2])) >= (3, 2) else 'load')")
-  NORMKIT_FAILURE_LOG="$OUT/failures.txt" NORMKIT_TEST_SHAPES=gpu NORMKIT_TEST_GPUS=$gpus timeout ${TEST_TIMEOUT:-540} \
+  case "${TEST_PART:-all}" in
+    all) part=(tests) ;;
+    parity) part=(tests/test_parity.py) ;;
+    rest) part=(tests --ignore=tests/test_parity.py) ;;
+    *) echo "TEST_PART must be all, parity or rest, not ${TEST_PART}"; exit 2 ;;
+  esac
+  NORMKIT_FAILURE_LOG="$OUT/failures.txt" NORMKIT_TEST_SHAPES=gpu NORMKIT_TEST_GPUS=$gpus timeout ${TEST_TIMEOUT:-570} \
     python3 -m pytest -q -n ${TEST_WORKERS:-$(nproc)} --dist $dist -p no:cacheprovider -p no:benchmark --durations=15 \
-    --junitxml="$OUT/tests.xml" --ignore=tests/test_notebooks.py -m "slow or not slow" tests "$@" 2>&1 | tee "$OUT/tests.log" | tail -40
+    --junitxml="$OUT/tests.xml" --ignore=tests/test_notebooks.py -m "slow or not slow" "${part[@]}" "$@" 2>&1 | tee "$OUT/tests.log" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$what" = timing ]; then
