@@ -94,3 +94,26 @@ def test_grids_cover_the_rows_with_few_partials(op):
             assert 1 <= G <= min(tiles, 2 * num_sms) and bwd.out_specs["DW_PART"] == ((G, N), "float32"), what
             block_n = red.constexprs["BLOCK_N"]
             assert red.scalars == (G,) and red.grid[0] * block_n >= N > (red.grid[0] - 1) * block_n, what
+
+
+def test_nested_launch_records_close_in_any_state():
+    """``record_launches`` blocks nest: a launch reaches every open block, and closing the inner block
+    (whose log then equals the outer one's) leaves the outer one recording."""
+    import normkit
+    from normkit import record
+
+    def launch(name):
+        record.emit(record.Launch(kernel=name, frontend="torch", grid=(1,), num_warps=4, flags={},
+                                  partial_buffers=(), interpreted=True))
+
+    with normkit.record_launches() as outer:
+        with normkit.record_launches() as inner:
+            launch("a")
+        assert inner == outer and inner.kernels() == ["a"]
+        launch("b")
+        with normkit.record_launches() as empty:
+            pass
+        assert empty == []
+    launch("c")  # after both blocks: recorded nowhere
+    assert outer.kernels() == ["a", "b"] and inner.kernels() == ["a"]
+    assert not record.active()

@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from normkit.ops import OPS, X_DTYPES
 from normkit.testing import assert_close, coarser, rounded
 from tests import layouts
-from tests.frontends import HAS_TORCH
+from tests.frontends import FRONTENDS, HAS_TORCH
 from tests.harness import KERNELS
 
 SETTINGS = dict(
@@ -329,11 +329,17 @@ class _HalfRows(dict):
         return block_m, num_warps, key[2] // 2 if key[2] >= 32 else 0
 
 
-def _forced_forward_plan(monkeypatch, frontend, name, value):
+def _forced_forward_plan(monkeypatch, frontend, name, value, forced):
     """``launch.<name>`` replaced by ``value`` for one test, with every plan and trace cache cleared
-    before and after, so that no other test sees such a plan."""
-    if frontend.name in ("jax-pallas", "jax-xla"):
-        pytest.skip("the Pallas and XLA implementations do not launch the Triton forward")
+    before and after, so that no other test sees such a plan. ``forced(flags)`` tells a forward launch
+    of the forced plan by its constexprs: the test must have launched at least one, so that it cannot
+    pass without running the plan it forces."""
+    if frontend.name == "jax":
+        from jax_frontend import resolve_implementation
+
+        if resolve_implementation(None) != "triton":  # a torch-free CPU install runs Pallas
+            pytest.skip("the JAX frontend runs Pallas here: no Triton forward to plan")
+    import normkit
     from normkit import launch
 
     def clear():
@@ -349,14 +355,21 @@ def _forced_forward_plan(monkeypatch, frontend, name, value):
 
     clear()
     monkeypatch.setattr(launch, name, value)
-    yield
+    with normkit.record_launches() as log:
+        yield
     clear()
+    assert any(forced(launch.flags) for launch in log.of("norm_fwd_kernel")), "no launch of the forced plan"
+
+
+# the frontends that launch the Triton kernels (jax: its default implementation, Triton where it can run)
+TRITON_FRONTENDS = pytest.mark.parametrize("frontend", [n for n in ("jax", "torch") if n in FRONTENDS], indirect=True)
 
 
 @pytest.fixture
 def two_pass_rows(monkeypatch, frontend):
     """The RMSNorm forwards planned in two passes over chunks (``CHUNK_N``)."""
-    yield from _forced_forward_plan(monkeypatch, frontend, "_RMS_FWD_TILES", _HalfRows())
+    yield from _forced_forward_plan(monkeypatch, frontend, "_RMS_FWD_TILES", _HalfRows(),
+                                    lambda flags: flags["CHUNK_N"] > 0)
 
 
 @pytest.fixture
@@ -372,9 +385,11 @@ def looped_tiles(monkeypatch, frontend):
         _, block_n, num_warps, _, chunk = planned(op, M, N, elem_bytes)
         return 1, block_n, num_warps, True, chunk
 
-    yield from _forced_forward_plan(monkeypatch, frontend, "forward_tile", persistent)
+    yield from _forced_forward_plan(monkeypatch, frontend, "forward_tile", persistent,
+                                    lambda flags: flags["LOOP_STAGES"] > 1)
 
 
+@TRITON_FRONTENDS
 @pytest.mark.parametrize("tier", TIERS)
 def test_two_pass_rows_match_reference(frontend, tier, two_pass_rows):
     """RMSNorm and the fused add with rows read in two passes over chunks (the forward's ``CHUNK_N``,
@@ -387,6 +402,7 @@ def test_two_pass_rows_match_reference(frontend, tier, two_pass_rows):
     ])
 
 
+@TRITON_FRONTENDS
 @pytest.mark.parametrize("tier", TIERS)
 def test_looped_tiles_match_reference(frontend, tier, looped_tiles):
     """Every op with each program looping over several one-row tiles (the forward's persistent,
