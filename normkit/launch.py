@@ -141,8 +141,10 @@ _RMS_FWD_TILES = {
 
 def forward_tile(op: Op, M: int, N: int, elem_bytes: int) -> tuple[int, int, int, bool, int]:
     """(BLOCK_M, BLOCK_N, num_warps, persistent, CHUNK_N) of the forward over an M x N tensor of
-    ``elem_bytes``-byte elements; ``persistent``: a grid of a few programs per SM that prefetch;
-    ``CHUNK_N``: 0, or (RMSNorm) the columns per chunk of a row read in two passes."""
+    ``elem_bytes``-byte elements; ``persistent``: a grid of a few programs per SM that prefetch (no
+    measured point chooses it since the tiles run loop-free; `scripts/tune.py` sweeps it and the
+    property tests force it, so the kernel's tile loop stays measured and tested); ``CHUNK_N``: 0,
+    or (RMSNorm) the columns per chunk of a row read in two passes."""
     block_m, block_n, num_warps = tile_config(M, N)
     rows = _rows_pow2(M)
     if op.is_rms:
