@@ -90,20 +90,19 @@ SMEM_BUDGET = 160 * 1024  # bytes of shared memory the prefetched tiles may take
 
 
 def tile_config(M: int, N: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for a row-wise pass over an M x N tensor."""
-    # Only the row count up to 16 and the power of two above N decide the tile: cached on those, so
-    # a loop over many row counts (variable sequence lengths) adds no entries.
-    return _tile_config(_rows_pow2(M), _next_pow2(N))
+    """(BLOCK_M, BLOCK_N, num_warps) for a row-wise pass over an M x N tensor.
 
-
-def _rows_pow2(M: int) -> int:
-    """The row count as the tiles see it: the power of two above M, capped at 16 (a tile's most rows)."""
-    return min(_next_pow2(max(M, 1)), 16)
+    The tile depends on N alone, never on M: a row's reduction order follows the tile's layout (how
+    many threads and warps share a row), so a row must meet the same tile whether it is normalized
+    alone, in a short batch or in a long one (batch invariance). Fewer rows than a tile holds leave
+    the rest of it masked, which costs nothing measurable: such calls are launch-bound.
+    """
+    return _tile_config(_next_pow2(N))
 
 
 @functools.lru_cache(maxsize=None)
-def _tile_config(rows_pow2: int, block_n: int) -> tuple[int, int, int]:
-    block_m = max(1, min(16, 4096 // block_n, rows_pow2))
+def _tile_config(block_n: int) -> tuple[int, int, int]:
+    block_m = max(1, min(16, 4096 // block_n))
     num_warps = min(32, max(4, block_m * block_n // 1024))
     return block_m, block_n, num_warps
 
@@ -145,14 +144,13 @@ def forward_tile(op: Op, M: int, N: int, elem_bytes: int) -> tuple[int, int, int
     measured point chooses it since the tiles run loop-free; `scripts/tune.py` sweeps it and the
     property tests force it, so the kernel's tile loop stays measured and tested); ``CHUNK_N``: 0,
     or (RMSNorm) the columns per chunk of a row read in two passes."""
-    block_m, block_n, num_warps = tile_config(M, N)
-    rows = _rows_pow2(M)
+    block_m, block_n, num_warps = tile_config(M, N)  # N alone: see tile_config
     if op.is_rms:
         block_m, num_warps, chunk = _RMS_FWD_TILES.get((op.has_residual, elem_bytes, block_n), (block_m, num_warps, 0))
         assert chunk == 0 or (block_n % chunk == 0 and 16 <= chunk < block_n), chunk
-        return min(block_m, rows), block_n, num_warps, False, chunk
+        return block_m, block_n, num_warps, False, chunk
     elements = 16384 if elem_bytes < 4 and block_n >= 8192 else 8192
-    block_m = max(1, min(16, elements // block_n, rows))
+    block_m = max(1, min(16, elements // block_n))
     num_warps = min(32, max(4, block_m * block_n * elem_bytes // 2048))  # 64 bytes per thread
     return block_m, block_n, num_warps, False, 0
 

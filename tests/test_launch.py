@@ -27,7 +27,7 @@ def test_tiles_cover_the_row_and_stay_within_one_program(N):
     for M in (1, 3, 16, 17, 1000, 100_000):
         block_m, block_n, warps = launch.tile_config(M, N)
         assert block_n >= N and block_n & (block_n - 1) == 0  # a power of two covering the row
-        assert block_m & (block_m - 1) == 0 and block_m < 2 * M  # whole powers of two, not past the rows
+        assert block_m & (block_m - 1) == 0  # whole powers of two
         assert block_m * block_n <= max(4096, block_n)  # one tile of ~4096 elements, or one long row
         assert 4 <= warps <= 32
 
@@ -36,19 +36,39 @@ def test_tiles_cover_the_row_and_stay_within_one_program(N):
 @pytest.mark.parametrize("elem_bytes", [2, 4])
 def test_forward_tiles_cover_the_row_with_work_for_every_thread(op, elem_bytes):
     """The forward's own tiles (``forward_tile``): a power-of-two row block covering the row, at
-    most 16 rows and no more rows than there are, no more than 16384 elements unless one row is
-    longer, and at least one element per thread."""
+    most 16 rows, no more than 16384 elements unless one row is longer, and at least one element per
+    thread."""
     spec = OPS[op]
     for M, N in itertools.product((1, 3, 16, 17, 1000, 100_000), (1, 96, 1000, 2048, 4096, 8192, 65536)):
         block_m, block_n, warps, persistent, chunk = launch.forward_tile(spec, M, N, elem_bytes)
         what = (M, N, block_m, block_n, warps)
         assert block_n >= N and block_n & (block_n - 1) == 0, what
-        assert block_m & (block_m - 1) == 0 and block_m <= 16 and block_m < 2 * M, what
+        assert block_m & (block_m - 1) == 0 and block_m <= 16, what
         assert block_m * block_n <= max(16384, block_n), what
         assert 4 <= warps <= 32 and (block_m * block_n >= 32 * warps or warps == 4), what
         assert not persistent or not spec.is_rms, what
         assert chunk == 0 or spec.is_rms and not persistent and block_n % chunk == 0 and chunk < block_n, what
         assert chunk == 0 or block_m * chunk >= 32 * warps, what  # each chunk too has work for every thread
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+@pytest.mark.parametrize("elem_bytes", [2, 4])
+def test_a_rows_tile_does_not_depend_on_the_row_count(op, elem_bytes):
+    """Batch invariance: a row's reduction order follows its tile's layout, so the tiles (and warps)
+    of the forward and of the dx-only backward are a function of N alone, the same for one row as
+    for a hundred thousand."""
+    spec = OPS[op]
+    opts = spec.options(eps=spec.default_eps)
+    dtype = {2: "bfloat16", 4: "float32"}[elem_bytes]
+    for N in (1, 96, 128, 1000, 1024, 2048, 4096, 8192, 65536):
+        tiles = {launch.forward_tile(spec, M, N, elem_bytes) for M in (1, 2, 3, 16, 17, 1000, 100_000)}
+        assert len(tiles) == 1, (N, tiles)
+        bwd = set()
+        for M in (1, 2, 3, 16, 17, 1000, 100_000):
+            call, _ = launch.plan_backward(spec, M, N, dtype, dtype, None, False, opts, Grads(dx=True, dw=False),
+                                           (N, 1, N, 1, N, 1, 1), 132)
+            bwd.add((call.num_warps, call.constexprs["BLOCK_M"], call.constexprs["BLOCK_N"]))
+        assert len(bwd) == 1, (N, bwd)
 
 
 @pytest.mark.parametrize("op", sorted(OPS))
