@@ -121,6 +121,17 @@ def backward_plan(backend: Backend, op: Op, x, weight, dy, dres, opts: Options, 
                          opts, grads, layout, backend.num_sms(x))
 
 
+def _check_statistics(backend: Backend, M: int, mean, rstd) -> None:
+    """The kernels read the per-row statistics as M contiguous fp32 values."""
+    for name, t in (("mean", mean), ("rstd", rstd)):
+        if t is None:
+            continue
+        if tuple(t.shape) != (M,) or (M > 1 and backend.strides(t) != (1,)) or backend.dtype(t) != "float32":
+            raise ValueError(f"normkit: the per-row {name} reached the driver with shape {tuple(t.shape)}, strides "
+                             f"{backend.strides(t)} and dtype {backend.dtype(t)}; the kernels read {M} contiguous "
+                             "float32 values (the frontend must make them so)")
+
+
 def backward(backend: Backend, op: Op, x, weight, dy, dres, mean, rstd, opts: Options, grads: Grads,
              b_dtype: str | None = None) -> tuple:
     """``(DX, DW, DB)``; an entry ``grads`` does not ask for is None.
@@ -137,6 +148,7 @@ def backward(backend: Backend, op: Op, x, weight, dy, dres, mean, rstd, opts: Op
         out = {name: backend.zeros(shape, dtype, x) for name, (shape, dtype) in
                op.bwd_buffers(M, N, backend.dtype(x), grads, _dtype(backend, weight), b_dtype).items()}
         return out.get("DX"), out.get("DW"), out.get("DB")
+    _check_statistics(backend, x.shape[0], mean if not op.is_rms else None, rstd)
     return launch_backward(backend, plan, x, weight, dy, dres, mean, rstd)
 
 

@@ -874,3 +874,33 @@ class _LaunchHook:
         knobs.runtime.launch_enter_hook = self.saved
         assert self.calls, "Triton's launcher did not run under the hook"
         return False
+
+
+def _non_dense(kind: str, t: torch.Tensor) -> torch.Tensor:
+    if kind == "sparse_coo":
+        return t.to_sparse()
+    if kind == "sparse_csr":
+        return t.to_sparse_csr() if t.dim() == 2 else t.to_sparse()
+    if kind == "mkldnn":
+        return t.cpu().to_mkldnn()
+    return torch.nested.as_nested_tensor([t, t[:1]] if t.dim() == 2 else [t[None], t[None]], layout=torch.jagged)
+
+
+@pytest.mark.filterwarnings("ignore:.*[Ss]parse.*:UserWarning")  # torch's beta-API notes on sparse CSR
+@pytest.mark.parametrize("kind", ["sparse_coo", "sparse_csr", "mkldnn", "nested"])
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_non_dense_tensors_raise_naming_the_argument(op, kind):
+    """Sparse, mkldnn and nested tensors: a normkit error naming the argument and its layout, before any
+    launch, on the first call and on a repeated one (a bound signature must not swallow it)."""
+    spec = OPS[op]
+    inputs = {name: randn(4, 8, seed=i) for i, name in enumerate(spec.row_inputs)}
+    inputs.update({name: randn(8, seed=5 + i) for i, name in enumerate(spec.params)})
+    for name in spec.inputs:
+        if kind == "mkldnn" and DEVICE != "cpu":
+            continue
+        apply(op, inputs)  # the dense call, bound
+        bad = dict(inputs, **{name: _non_dense(kind, inputs[name])})
+        what = "nested tensor" if kind == "nested" else "layout torch."
+        with normkit.record_launches() as log, pytest.raises(TypeError, match=f"normkit: {name} (is a|has) {what}"):
+            apply(op, bad)
+        assert log.kernels() == [], "an error must come before any launch"

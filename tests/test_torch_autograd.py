@@ -60,8 +60,29 @@ def _statistics_on_the_host():
         lambda t: t, lambda t: t.cpu() if t.dtype == torch.float32 and t.shape == (8,) else t)
 
 
+def _strided_statistics():
+    """Unpack hands back the per-row statistics as strided views (stride 2) with the same values: the
+    kernels must not read them as contiguous."""
+    return torch.autograd.graph.saved_tensors_hooks(
+        lambda t: t, lambda t: torch.stack([t, t], -1)[..., 0] if t.dtype == torch.float32 and t.shape == (8,) else t)
+
+
+def _widened_input():
+    """Unpack hands back every saved tensor of the rows' shape (the saved input) in float64, as a hook
+    that widens what it stores might: the backward must read it as the input it was, and say nothing
+    about the output gradient's dtype."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t.double() if t.dim() == 2 else t)
+
+
+def _negated_input():
+    """Unpack hands back the saved input as a lazily negated view of its values (``_neg_view`` of the
+    negation): the kernels must read its values, not its raw memory."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: torch._neg_view(-t) if t.dim() == 2 else t)
+
+
 HOOKS = {"contiguous_copy": _contiguous_copy, "save_on_cpu": _save_on_cpu, "device_round_trip": _device_round_trip,
-         "widened_statistics": _widened_statistics}
+         "widened_statistics": _widened_statistics, "strided_statistics": _strided_statistics,
+         "widened_input": _widened_input, "negated_input": _negated_input}
 if torch.cuda.is_available():  # a second device to hand the statistics back on
     HOOKS["statistics_on_the_host"] = _statistics_on_the_host
 
@@ -95,6 +116,7 @@ def _check_call(op: str, inputs: dict, hook, seed: int, what: str) -> None:
                      reduced_over=8 if name in spec.params else 1)
 
 
+@pytest.mark.filterwarnings("ignore:normkit. the saved input.*negated:torch_frontend.NormkitCopyWarning")
 @pytest.mark.parametrize("layout", ["strided_x", "strided_weight", "both"])
 @pytest.mark.parametrize("hook", sorted(HOOKS))
 @pytest.mark.parametrize("op", sorted(OPS))
@@ -213,7 +235,22 @@ def _inference_inputs(op: str, requires_grad: bool) -> dict:
     return {k: v.requires_grad_(requires_grad) for k, v in inputs.items()}
 
 
-@pytest.mark.parametrize("how", ["no_grad", "inference_mode", "nothing_requires_grad"])
+class _inference_mode_with_grad:
+    """Inference mode with grad mode turned back on inside it (as a module calling
+    ``torch.set_grad_enabled(True)`` under a caller's ``inference_mode``): still no graph is recorded."""
+
+    def __enter__(self):
+        self._modes = [torch.inference_mode(), torch.enable_grad()]
+        for m in self._modes:
+            m.__enter__()
+
+    def __exit__(self, *exc):
+        for m in reversed(self._modes):
+            m.__exit__(*exc)
+        return False
+
+
+@pytest.mark.parametrize("how", ["no_grad", "inference_mode", "inference_mode_with_grad", "nothing_requires_grad"])
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_inference_calls_launch_without_an_autograd_function(op, how, monkeypatch):
     """A repeated call that no gradient can reach launches its bound forward alone: no autograd Function
@@ -226,7 +263,8 @@ def test_inference_calls_launch_without_an_autograd_function(op, how, monkeypatc
     trained = {k: v.detach().requires_grad_() for k, v in inputs.items()}
     with poisoned_outputs():
         through_function = [t.detach() for t in run(op, trained, spec.inputs)]
-        ctx = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(how, torch.enable_grad)
+        ctx = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
+               "inference_mode_with_grad": _inference_mode_with_grad}.get(how, torch.enable_grad)
         with ctx():
             run(op, inputs, ())  # the first call binds the signature
             for name in ("BoundRMSNorm", "BoundLayerNorm", "BoundFusedAddRMSNorm", "NormFunction"):
@@ -294,3 +332,61 @@ def test_negated_views_are_read_as_their_values(op, layout):
             got = run(op, inputs, ())
         for name, t in zip(spec.outputs, got):
             assert_close(np64(t), want[name], "float32", f"{op} {layout} ({attempt}): {name}")
+
+
+@pytest.mark.parametrize("trained", ["x", "all"])
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_negated_output_gradients_are_read_as_their_values(op, trained):
+    """Output gradients carrying torch's lazy-negation bit (``z.conj().imag``, expanded, or
+    ``torch._neg_view``): dx, dW, dB and the fused add's residual_out gradient see their values, on the
+    first call and on the repeated (bound) one."""
+    spec = OPS[op]
+    wrt = spec.inputs if trained == "all" else ("x",)
+    for attempt, seed in (("first", 100), ("repeated", 200)):
+        inputs = {name: randn(4, D, seed=seed + i) for i, name in enumerate(spec.row_inputs)}
+        inputs.update({name: randn(D, seed=seed + 5 + i) for i, name in enumerate(spec.params)})
+        leaves = {k: v.requires_grad_(k in wrt) for k, v in inputs.items()}
+        outs = run(op, leaves, wrt)
+        cots = [_negated((4, 1), seed=seed + 20).expand(4, D)]  # strides (2, 0), negated
+        if spec.has_residual:
+            cots.append(torch._neg_view(-randn(4, D, seed=seed + 30)))
+        assert all(c.is_neg() for c in cots)
+        with pytest.warns(tf.NormkitCopyWarning, match="negated"):
+            grads = torch.autograd.grad(outs, [leaves[n] for n in wrt], cots)
+        cot64 = {name: np64(c.resolve_neg()) for name, c in zip(spec.outputs, cots)}
+        _, ref = spec.run_reference({k: np64(v) for k, v in inputs.items()}, spec.options(eps=spec.default_eps), cot64)
+        for name, g in zip(wrt, grads):
+            assert_close(np64(g), ref[name], "float32", f"{op} ({attempt}): d{name}",
+                         reduced_over=4 if name in spec.params else 1)
+
+
+def _jacobian64(op: str, inputs: dict) -> np.ndarray:
+    """d(first output)/dx of the float64 reference, by float64 torch autograd: shape (4, D, 4, D)."""
+    leaves = {k: v.detach().double() for k, v in inputs.items()}
+
+    def f(x):
+        return _float64_expression(op, {**leaves, "x": x}, OPS[op].default_eps)[0]
+
+    return np64(torch.autograd.functional.jacobian(f, leaves["x"]))
+
+
+@pytest.mark.parametrize("how", ["is_grads_batched", "jacobian_vectorize"])
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_batched_output_gradients_match_float64(op, how):
+    """``autograd.grad(..., is_grads_batched=True)`` and ``autograd.functional.jacobian(vectorize=True)``
+    hand the backward a batched gradient (no storage a kernel could read): each batch element's
+    gradient is the float64 reference's."""
+    spec = OPS[op]
+    inputs = {name: randn(4, D, seed=300 + i) for i, name in enumerate(spec.row_inputs)}
+    inputs.update({name: randn(D, seed=305 + i) for i, name in enumerate(spec.params)})
+    want = _jacobian64(op, inputs)
+    if how == "is_grads_batched":
+        x = inputs["x"].clone().requires_grad_()
+        y = run(op, {**inputs, "x": x}, ("x",))[0]
+        V = randn(3, 4, D, seed=310)
+        got, = torch.autograd.grad(y, x, V, is_grads_batched=True)
+        want = np.einsum("bij,ijkl->bkl", np64(V), want)
+    else:
+        got = torch.autograd.functional.jacobian(lambda t: run(op, {**inputs, "x": t}, ("x",))[0], inputs["x"],
+                                                 vectorize=True)
+    assert_close(np64(got), want, "float32", f"{op} {how}")

@@ -15,6 +15,12 @@ of ``normkit.reference`` on the saved tensors, rounded to the inputs' dtypes. Ev
 autograd then sees the right second-order terms (``.backward()``, ``autograd.grad`` with
 ``inputs``, ``backward(inputs=...)``). Without ``create_graph`` the kernels compute every gradient.
 
+A batched output gradient (``autograd.grad(..., is_grads_batched=True)``, a vectorized
+``autograd.functional.jacobian``) has no storage a kernel could read: it takes the same
+differentiable torch operations, which vmap batches. Tensors handed back by a saved-tensor hook, and
+incoming gradients, are read as their values whatever their dtype, device, strides or lazy negation
+(``_saved``, ``_incoming``).
+
 Inputs are flattened to 2-D rows *inside* the Function, and its gradients reshaped there: had the
 flattening views been recorded by autograd, the fused add's x and residual (which share one
 gradient) would receive two views of one buffer, and their ``.grad`` would alias.
@@ -26,6 +32,7 @@ import torch
 from normkit import reference
 from normkit.ops import Grads, Op, Options
 from torch_frontend import _ops
+from torch_frontend._rows import resolve_neg
 
 GRADS = {(dx, dw, db): Grads(dx, dw, db) for dx in (False, True) for dw in (False, True) for db in (False, True)}
 
@@ -52,7 +59,8 @@ class NormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, ds=None):
         needs = ctx.needs_input_grad  # (op, opts, store_stats, bound, x, residual, weight, bias)
-        x, weight, mean, rstd = _saved(ctx)
+        dy, ds = _incoming(dy, ds)
+        x, weight, mean, rstd = _saved(ctx, dy, ds)
         dx, dw, db = _backward(ctx.op, ctx.opts, ctx.bound, ctx.b_dtype, (needs[4] or needs[5], needs[6], needs[7]),
                                x, weight, mean, rstd, dy, ds)
         return (None, None, None, None, dx if needs[4] else None, dx if needs[5] else None, dw, db)
@@ -106,18 +114,57 @@ class BoundFusedAddRMSNorm(torch.autograd.Function):
         return None, dx if needs[1] else None, dx if needs[2] else None, dw
 
 
-def _saved(ctx) -> tuple:
-    """``(x, weight, mean, rstd)`` as saved, the per-row statistics in fp32 on x's device, as the kernels
-    read them. A saved-tensor hook may hand them back in another dtype (one that widens or compresses
-    what it stores), or on another device (one that offloads them): a launch bound to the compiled
-    kernel of fp32 statistics would read such a buffer as fp32, and a kernel cannot read host memory.
-    The statistics are one number per row, so moving them costs little."""
+def _saved(ctx, dy, ds) -> tuple:
+    """``(x, weight, mean, rstd)`` as the kernels read them: x in the dtype and on the device of the
+    gradients arriving (the output's), the per-row statistics contiguous, in fp32, on x's device.
+
+    A saved-tensor hook may hand back other tensors than were saved: in another dtype (one that
+    widens or compresses what it stores), on another device (one that offloads), as a strided view,
+    or as a lazily negated view. A launch bound to the compiled kernel of fp32 statistics would
+    misread wider ones, a kernel reads a strided buffer as contiguous and a negated view's raw memory
+    without its sign, and it cannot read host memory. The statistics are one number per row, so
+    moving or copying them costs little; x is converted back only when a hook changed it."""
     x, weight, mean, rstd = ctx.saved_tensors
-    if rstd.dtype != torch.float32 or rstd.device != x.device:
-        rstd = rstd.to(x.device, torch.float32)
-    if mean is not None and (mean.dtype != torch.float32 or mean.device != x.device):
-        mean = mean.to(x.device, torch.float32)
+    like = dy if dy is not None else ds
+    if like is not None and (x.dtype != like.dtype or x.device != like.device):
+        x = x.to(like.device, like.dtype)
+    traced = torch.compiler.is_compiling()  # dynamo reads values, not raw memory, and bans is_neg there
+    if not traced and (x.is_neg() or (weight is not None and weight.is_neg())):
+        x, weight = resolve_neg(x, "the saved input"), resolve_neg(weight, "the saved weight")
+    rstd = _statistic(rstd, x, traced)
+    if mean is not None:
+        mean = _statistic(mean, x, traced)
     return x, weight, mean, rstd
+
+
+def _statistic(t, x, traced: bool):
+    if t.dtype != torch.float32 or t.device != x.device:
+        t = t.to(x.device, torch.float32)
+    if not traced and t.is_neg():
+        t = t.resolve_neg()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _incoming(dy, ds) -> tuple:
+    """The gradients arriving at the backward, with a lazy negation applied (autograd hands them on
+    as the caller made them: ``z.conj().imag`` or ``torch._neg_view`` carry their sign as a flag that
+    a kernel reading the memory would not see)."""
+    if torch.compiler.is_compiling():  # traced: dynamo reads values, not raw memory, and bans is_neg here
+        return dy, ds
+    if dy is not None and dy.is_neg():
+        dy = resolve_neg(dy, "the output gradient")
+    if ds is not None and ds.is_neg():
+        ds = resolve_neg(ds, "the gradient of residual_out")
+    return dy, ds
+
+
+def _batched(t) -> bool:
+    """A gradient batched by ``autograd.grad(..., is_grads_batched=True)`` or a vectorized
+    ``autograd.functional.jacobian``: a tensor without storage, which no kernel can read."""
+    return t is not None and not torch.compiler.is_compiling() and _is_legacy_batched(t)
+
+
+_is_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
 
 
 def _bound_forward(ctx, bound, x, weight, bias):
@@ -133,8 +180,9 @@ def _bound_backward(ctx, flags: tuple, dy, ds) -> tuple:
     """``(dx, dweight, dbias)`` of a ``Bound*`` Function: its bound backward plans, except where
     ``_backward`` has more to do (create_graph=True, or only residual_out's gradient)."""
     bound = ctx.bound
-    x, weight, mean, rstd = _saved(ctx)
-    if dy is not None and not torch.is_grad_enabled():  # the common case: the bound kernels
+    dy, ds = _incoming(dy, ds)
+    x, weight, mean, rstd = _saved(ctx, dy, ds)
+    if dy is not None and not torch.is_grad_enabled() and not _is_legacy_batched(dy):  # the common case
         return bound.backward(x, weight, dy, ds, mean, rstd, flags)
     return _backward(bound.op, bound.opts, bound, bound.bias_dtype, flags, x, weight, mean, rstd, dy, ds)
 
@@ -146,6 +194,8 @@ def _backward(op: Op, opts: Options, bound, b_dtype: torch.dtype, flags: tuple, 
     something to differentiate, by ``differentiable_backward``."""
     if dy is None and ds is None:
         return None, None, None
+    if _batched(dy) or _batched(ds):  # one backward per batch element: torch operations vmap over them
+        return differentiable_backward(op, opts, x, weight, dy, ds, GRADS[flags], b_dtype)
     # Grad mode is on only under create_graph=True.
     if torch.is_grad_enabled():
         if any(t is not None and t.requires_grad for t in (dy, ds, x, weight)):

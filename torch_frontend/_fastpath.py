@@ -106,7 +106,7 @@ def lookup(op: Op, eps, offset, casting_mode, x, residual, weight, bias) -> tupl
     The key: the op, whether the forward stores statistics for a backward (grad mode on and an input
     requiring grad), each option with its class (``1e-6`` and ``np.float64(1e-6)`` are validated
     apart), and what a plan fixes of each tensor: class, shape, strides, dtype and device."""
-    store_stats = torch.is_grad_enabled() and (
+    store_stats = torch.is_grad_enabled() and not torch.is_inference_mode_enabled() and (
         x.requires_grad or (residual is not None and residual.requires_grad)
         or (weight is not None and weight.requires_grad) or (bias is not None and bias.requires_grad))
     key = (op.name, store_stats, eps.__class__, eps, offset.__class__, offset, casting_mode.__class__, casting_mode,

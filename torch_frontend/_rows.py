@@ -84,7 +84,7 @@ def backward(op: Op, x, weight, dy, dres, mean, rstd, opts: Options, grads: Grad
              backend=BACKEND) -> tuple:
     """``(dx, dweight, dbias)`` over x ``(..., D)``; an entry ``grads`` does not ask for is None."""
     shape = x.shape
-    rows = lambda t: t.reshape(-1) if t is not None else None  # noqa: E731  (statistics: contiguous, a view)
+    rows = lambda t: t.reshape(-1).contiguous() if t is not None else None  # noqa: E731  (statistics, read as contiguous)
     dres2d = as_rows(dres, "the residual_out gradient") if dres is not None else None
     dx, dw, db = driver.backward(backend, op, as_rows(x, "x"), weight, as_rows(dy, "the output gradient"), dres2d,
                                  rows(mean), rows(rstd), opts, grads, b_dtype)

@@ -25,6 +25,7 @@ from normkit.ops import FUSED_ADD_RMS_NORM, LAYER_NORM, RMS_NORM, Op, Options
 from torch_frontend import _composite, _fastpath
 from torch_frontend._autograd import BoundFusedAddRMSNorm, BoundLayerNorm, BoundRMSNorm, NormFunction
 from torch_frontend._backend import dtype_name
+from torch_frontend._ops import forward as _ops_forward
 from torch_frontend._ops import subclassed
 from torch_frontend._rows import NormkitCopyWarning, resolve_neg
 
@@ -44,8 +45,16 @@ _validated = functools.lru_cache(maxsize=256, typed=True)(_validate)
 def _check(op: Op, x, *, residual=None, weight=None, bias=None, eps, offset=0.0, casting_mode="llama") -> Options:
     """The options of a valid call; raises, naming the argument, before anything is launched."""
     for name, t in (("x", x), ("residual", residual), ("weight", weight), ("bias", bias)):
-        if t is not None and not isinstance(t, torch.Tensor):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
             raise TypeError(f"normkit: {name} must be a torch.Tensor; got {type(t).__name__}")
+        if t.is_nested:
+            raise TypeError(f"normkit: {name} is a nested tensor; normkit normalizes dense tensors: pad it, or call "
+                            f"normkit on each component (or on {name}.values() of a jagged tensor)")
+        if t.layout != torch.strided:
+            raise TypeError(f"normkit: {name} has layout {t.layout}; normkit normalizes dense (torch.strided) tensors: "
+                            f"pass {name}.to_dense()")
     spec = lambda t: None if t is None else (tuple(t.shape), dtype_name(t.dtype))  # noqa: E731
     specs = (spec(x), spec(residual), spec(weight), spec(bias))
     cached = not torch.compiler.is_compiling()  # dynamo traces through caches (and warns): check plainly
@@ -69,7 +78,10 @@ def _check(op: Op, x, *, residual=None, weight=None, bias=None, eps, offset=0.0,
 
 
 def _needs_stats(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    """A backward may come: grad mode on (and inference mode off, which records no graph even with grad
+    mode turned back on inside it), and an input requiring a gradient."""
+    return (torch.is_grad_enabled() and (torch.compiler.is_compiling() or not torch.is_inference_mode_enabled())
+            and any(t is not None and t.requires_grad for t in tensors))  # dynamo cannot trace inference mode
 
 
 def _no_transforms() -> bool:
@@ -86,7 +98,8 @@ def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode):
     if not torch.compiler.is_compiling():
         try:
             key, bound = _fastpath.lookup(op, eps, offset, casting_mode, x, residual, weight, bias)
-        except (AttributeError, TypeError):  # not a tensor, or an unhashable option: the checks below name it
+        except (AttributeError, TypeError, RuntimeError):  # not a tensor, an unhashable option, or a tensor
+            # without strides or sizes (sparse, mkldnn, nested): the checks below name it
             key = bound = None
         if bound is not None:
             if not bound.store_stats and _no_transforms():
@@ -115,6 +128,12 @@ def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode):
         bound = _fastpath.bind(op, opts, store_stats, x, residual, weight, bias)
         if bound is not None:
             _fastpath.remember(key, bound)
+    if not store_stats and not torch.compiler.is_compiling() and _no_transforms():
+        # no gradient can reach this call: the forward alone, as the bound inference path does (under
+        # inference mode with grad mode turned back on, a Function would try to save inference tensors)
+        y, s, _, _ = bound.forward(x, residual, weight, bias) if bound is not None else _ops_forward(
+            op, x, residual, weight, bias, opts, False)
+        return (y, s) if op.has_residual else y
     return NormFunction.apply(op, opts, store_stats, bound, x, residual, weight, bias)
 
 
