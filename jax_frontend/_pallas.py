@@ -65,7 +65,7 @@ from jax_frontend._implementation import FORWARD_MODE_ERROR
 from normkit import record
 from normkit.kernels import norm_pallas
 from normkit.launch import pallas_blocks, reduce_blocks
-from normkit.ops import MAX_N, Grads, Op, Options
+from normkit.ops import MAX_N, OUTPUT_BIAS_RATIO, OUTPUT_W_MIN, Grads, Op, Options
 
 LOWERINGS = ("triton", "mosaic_gpu")
 GPU_LOWERING = os.environ.get("NORMKIT_PALLAS_LOWERING", "triton")  # read when a call is traced
@@ -211,9 +211,10 @@ def forward(op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bo
 
 
 def backward(op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: Grads,
-             b_dtype: str | None) -> dict:
+             b_dtype: str | None, bias=None, from_output: bool = False) -> dict:
     """DX (with + dres for the fused op), DW, DB as ``grads`` asks; keys exactly those of ``op.bwd_buffers``.
-    dW takes the weight's dtype, dB ``b_dtype``."""
+    dW takes the weight's dtype, dB ``b_dtype``. ``from_output``: ``x`` is the forward's output y and
+    ``bias`` the (frozen) bias (see ``normkit.driver.backward``)."""
     M, N = x.shape
     w_dtype = jnp.dtype(weight.dtype).name if weight is not None else None
     assert 1 <= N <= MAX_N, N
@@ -223,11 +224,12 @@ def backward(op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: G
     has_dres = dres is not None and grads.dx  # without dX it would not be read: leave it out
     cfg = blocks(op, M, N, x.dtype, backward=True, reduces=grads.reduces)
     G = cfg.num_programs
-    inputs = {"x_ref": x, "w_ref": weight, "dy_ref": dy, "dres_ref": dres if has_dres else None,
-              "mean_ref": None if op.is_rms else mean, "rstd_ref": rstd}
+    bias = bias if from_output else None
+    inputs = {"x_ref": x, "w_ref": weight, "b_ref": bias, "dy_ref": dy, "dres_ref": dres if has_dres else None,
+              "mean_ref": None if op.is_rms or from_output else mean, "rstd_ref": rstd}
     inputs = {k: v for k, v in inputs.items() if v is not None}
     in_spec = {name: _WHOLE for name in inputs}
-    in_spec["w_ref"] = _col_block(cfg.block_n)
+    in_spec["w_ref"] = in_spec["b_ref"] = _col_block(cfg.block_n)
     part_row = pl.BlockSpec((None, cfg.block_n), lambda i: (i, 0))  # this program's row of the [G, N] partials
     outs = {}  # kernel ref name -> (ShapeDtypeStruct, BlockSpec)
     if grads.dx:
@@ -238,15 +240,17 @@ def backward(op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: G
         outs["db_part_ref"] = (_struct((G, N), jnp.float32, x), part_row)
     kernel = functools.partial(
         norm_pallas.norm_bwd_kernel, M=M, N=N, offset=opts.offset, IS_RMS=op.is_rms, HAS_W=weight is not None,
-        HAS_DRES=has_dres, CASTING=int(opts.casting), COMPUTE_DX=grads.dx, COMPUTE_DW=grads.dw,
-        COMPUTE_DB=grads.db, NUM_PROGRAMS=G, TILES_PER_PROGRAM=cfg.tiles_per_program, BLOCK_M=cfg.block_m,
+        HAS_B=bias is not None, HAS_DRES=has_dres, CASTING=int(opts.casting), COMPUTE_DX=grads.dx,
+        COMPUTE_DW=grads.dw, COMPUTE_DB=grads.db, FROM_Y=from_output,
+        W_MIN=OUTPUT_W_MIN[jnp.dtype(x.dtype).name] if from_output else 0.0,
+        BIAS_RATIO=OUTPUT_BIAS_RATIO if from_output else 0.0, NUM_PROGRAMS=G, TILES_PER_PROGRAM=cfg.tiles_per_program, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n)
     _record(kernel, G, cfg.num_warps, tuple((name.upper().removesuffix("_REF"), (G, N), "float32")
                                             for name in outs if name.endswith("_part_ref")))
     in_names, out_names = list(inputs), list(outs)
     body = _with_names(kernel, in_names, out_names,
-                       ("x_ref", "w_ref", "dy_ref", "dres_ref", "mean_ref", "rstd_ref", "dx_ref", "dw_part_ref",
-                        "db_part_ref"))
+                       ("x_ref", "w_ref", "b_ref", "dy_ref", "dres_ref", "mean_ref", "rstd_ref", "dx_ref",
+                        "dw_part_ref", "db_part_ref"))
     red = _reduce_call(G, N, buffers) if grads.reduces else None
 
     def launch(interpret, *args):

@@ -103,9 +103,10 @@ def launch_forward(backend: Backend, call, x, residual, weight, bias, rows_shape
 
 
 def backward_plan(backend: Backend, op: Op, x, weight, dy, dres, opts: Options, grads: Grads,
-                  b_dtype: str | None = None):
+                  b_dtype: str | None = None, bias=None, from_output: bool = False):
     """``(backward call, reduction call or None)`` over rows ``x [M, N]``, or None when there is
-    nothing to launch (no gradient asked for, or no rows). Raises on a dy / dres dtype other than x's."""
+    nothing to launch (no gradient asked for, or no rows). Raises on a dy / dres dtype other than x's.
+    ``from_output``: ``x`` is the forward's output y (see ``backward``); ``bias`` is then read too."""
     if not grads.any:
         return None
     M, N = x.shape
@@ -115,10 +116,11 @@ def backward_plan(backend: Backend, op: Op, x, weight, dy, dres, opts: Options, 
             raise TypeError(f"normkit: {name} has dtype {backend.dtype(a)}; expected the output's dtype {x_dtype}")
     if M == 0:
         return None
+    bias = bias if from_output else None
     layout = (*_rows_layout(backend, x), *_rows_layout(backend, dy), *_rows_layout(backend, dres),
-              _param_stride(backend, weight))
+              _param_stride(backend, weight), _param_stride(backend, bias))
     return plan_backward(op, M, N, x_dtype, _dtype(backend, weight), b_dtype if grads.db else None, dres is not None,
-                         opts, grads, layout, backend.num_sms(x))
+                         opts, grads, layout, backend.num_sms(x), from_output, bias is not None)
 
 
 def _check_statistics(backend: Backend, M: int, mean, rstd) -> None:
@@ -133,14 +135,19 @@ def _check_statistics(backend: Backend, M: int, mean, rstd) -> None:
 
 
 def backward(backend: Backend, op: Op, x, weight, dy, dres, mean, rstd, opts: Options, grads: Grads,
-             b_dtype: str | None = None) -> tuple:
+             b_dtype: str | None = None, bias=None, from_output: bool = False) -> tuple:
     """``(DX, DW, DB)``; an entry ``grads`` does not ask for is None.
 
     ``x`` is what the forward normalized (S for the fused add); ``dres``, the gradient of
     residual_out, is None when it is zero (then it is not read). dW takes the weight's dtype, dB
     ``b_dtype`` (the bias's dtype; the bias itself is not needed).
+
+    ``from_output``: ``x`` is the forward's output y instead, and ``bias`` the bias (None if absent):
+    the backward of a norm whose weight and bias are frozen, which kept y rather than x (dx alone;
+    ``mean`` is not read). Where dividing by the weight would lose x_hat, dx is NaN (``normkit.ops``,
+    ``OUTPUT_W_MIN``): a frontend checks ``output_safe`` first where it can see the weight's values.
     """
-    plan = backward_plan(backend, op, x, weight, dy, dres, opts, grads, b_dtype)
+    plan = backward_plan(backend, op, x, weight, dy, dres, opts, grads, b_dtype, bias, from_output)
     if plan is None:
         if not grads.any:
             return None, None, None
@@ -148,16 +155,17 @@ def backward(backend: Backend, op: Op, x, weight, dy, dres, mean, rstd, opts: Op
         out = {name: backend.zeros(shape, dtype, x) for name, (shape, dtype) in
                op.bwd_buffers(M, N, backend.dtype(x), grads, _dtype(backend, weight), b_dtype).items()}
         return out.get("DX"), out.get("DW"), out.get("DB")
-    _check_statistics(backend, x.shape[0], mean if not op.is_rms else None, rstd)
-    return launch_backward(backend, plan, x, weight, dy, dres, mean, rstd)
+    _check_statistics(backend, x.shape[0], mean if not (op.is_rms or from_output) else None, rstd)
+    return launch_backward(backend, plan, x, weight, dy, dres, mean, rstd, bias=bias if from_output else None)
 
 
 def launch_backward(backend: Backend, plan: tuple, x, weight, dy, dres, mean, rstd,
-                    rows_shape: tuple | None = None) -> tuple:
+                    rows_shape: tuple | None = None, bias=None) -> tuple:
     """``(DX, DW, DB)`` of a backward plan (``backward_plan``: the backward launch, then the reduction
     of its dW/dB partials) on arrays of the shapes, strides, dtypes and device it was made for."""
     call, reduce = plan
-    out = backend.launch(call, {"X": x, "W": weight, "DY": dy, "DRES": dres, "MEAN": mean, "RSTD": rstd}, rows_shape)
+    out = backend.launch(call, {"X": x, "W": weight, "B": bias, "DY": dy, "DRES": dres, "MEAN": mean, "RSTD": rstd},
+                         rows_shape)
     if reduce is not None:
         out.update(backend.launch(reduce, out))
     return out.get("DX"), out.get("DW"), out.get("DB")
@@ -171,7 +179,7 @@ def bind_forward(backend: Backend, call, like, rows_shape: tuple | None = None):
 
 
 def bind_backward(backend: Backend, plan: tuple, like, rows_shape: tuple | None = None):
-    """``launch(x, weight, dy, dres, mean, rstd) -> (DX, DW, DB)``: ``launch_backward`` of a backward
+    """``launch(x, weight, bias, dy, dres, mean, rstd) -> (DX, DW, DB)``: ``launch_backward`` of a backward
     plan bound once (``Backend.bind``) for arrays on ``like``'s device (an entry not asked for is
     None)."""
     call, reduce = plan
@@ -180,8 +188,8 @@ def bind_backward(backend: Backend, plan: tuple, like, rows_shape: tuple | None 
         return launch
     launch_reduce = backend.bind(reduce, like)
 
-    def launch_and_reduce(x, weight, dy, dres, mean, rstd) -> tuple:
-        dx, dw_part, db_part = launch(x, weight, dy, dres, mean, rstd)
+    def launch_and_reduce(x, weight, bias, dy, dres, mean, rstd) -> tuple:
+        dx, dw_part, db_part = launch(x, weight, bias, dy, dres, mean, rstd)
         dw, db = launch_reduce(dw_part, db_part)
         return dx, dw, db
 

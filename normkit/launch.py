@@ -18,12 +18,12 @@ from typing import Any
 
 from normkit import record
 from normkit.kernels import norm_bwd_kernel, norm_fwd_kernel, partial_sum_kernel
-from normkit.ops import ELEM_BYTES, Grads, Op, Options
+from normkit.ops import ELEM_BYTES, OUTPUT_BIAS_RATIO, OUTPUT_W_MIN, Grads, Op, Options
 
 FWD_INPUTS = ("X", "R", "W", "B")
 FWD_SCALARS = ("eps", "offset", "M", "stride_xm", "stride_rm")
 FWD_OUTPUTS = ("Y", "S", "MEAN", "RSTD")
-BWD_INPUTS = ("X", "W", "DY", "DRES", "MEAN", "RSTD")
+BWD_INPUTS = ("X", "W", "B", "DY", "DRES", "MEAN", "RSTD")
 BWD_SCALARS = ("offset", "M", "stride_xm", "stride_dym", "stride_dresm")
 BWD_OUTPUTS = ("DX", "DW_PART", "DB_PART")
 RED_INPUTS = ("DW_PART", "DB_PART")
@@ -231,15 +231,20 @@ def plan_forward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_dt
 
 @functools.lru_cache(maxsize=8192)
 def plan_backward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_dtype: str | None, has_dres: bool,
-                  opts: Options, grads: Grads, layout: tuple, num_sms: int) -> tuple[KernelCall, KernelCall | None]:
+                  opts: Options, grads: Grads, layout: tuple, num_sms: int, from_output: bool = False,
+                  has_bias: bool = False) -> tuple[KernelCall, KernelCall | None]:
     """The backward launch over M >= 1 rows, and the reduction of its partials (None without dW/dB).
 
-    ``w_dtype``/``b_dtype``: the parameters' dtypes (None if absent), which dW/dB take.
-    ``layout`` is ``(stride_xm, x_col, stride_dym, dy_col, stride_dresm, dres_col, w_stride)``.
-    Without dW/dB there are no partials and one program per tile.
+    ``w_dtype``/``b_dtype``: the parameters' dtypes (None if absent, or, for the bias, not trained),
+    which dW/dB take. ``layout`` is ``(stride_xm, x_col, stride_dym, dy_col, stride_dresm, dres_col,
+    w_stride, b_stride)``. Without dW/dB there are no partials and one program per tile.
+    ``from_output``: the kernel reads the forward's output y where it would read x (dx only; weight and
+    bias frozen), and the bias (``has_bias``) to recover x_hat from it; no mean is read.
     """
-    stride_xm, x_col, stride_dym, dy_col, stride_dresm, dres_col, w_stride = layout
+    stride_xm, x_col, stride_dym, dy_col, stride_dresm, dres_col, w_stride, b_stride = layout
     has_w = w_dtype is not None
+    has_b = from_output and has_bias
+    assert not (from_output and grads.reduces), "the output-saving backward computes dx alone"
     block_m, block_n, num_warps = tile_config(M, N)
     tiles = -(-M // block_m)
     grid = num_partials(M, N, num_sms) if grads.reduces else tiles
@@ -255,7 +260,7 @@ def plan_backward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_d
     if grads.db:
         out_specs["DB_PART"] = ((grid, N), "float32")
     present = {"X", "DY", "RSTD"} | ({"W"} if has_w else set()) | ({"DRES"} if has_dres else set())
-    present |= set() if op.is_rms else {"MEAN"}
+    present |= ({"B"} if has_b else set()) | (set() if op.is_rms or from_output else {"MEAN"})
     rows_contiguous = _rows_contiguous(M, N, [(stride_xm, x_col), (stride_dym, dy_col)]
                                        + ([(stride_dresm, dres_col)] if has_dres else []))
     bwd = KernelCall(
@@ -276,16 +281,21 @@ def plan_backward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_d
             N=N,
             IS_RMS=op.is_rms,
             HAS_W=has_w,
+            HAS_B=has_b,
             HAS_DRES=has_dres,
             CASTING=int(opts.casting),
             COMPUTE_DX=grads.dx,
             COMPUTE_DW=grads.dw,
             COMPUTE_DB=grads.db,
+            FROM_Y=from_output,
+            W_MIN=OUTPUT_W_MIN[x_dtype] if from_output else 0.0,
+            BIAS_RATIO=OUTPUT_BIAS_RATIO if from_output else 0.0,
             ROWS_CONTIGUOUS=rows_contiguous,
             X_COL_STRIDE=x_col,
             DY_COL_STRIDE=dy_col,
             DRES_COL_STRIDE=dres_col,
             W_STRIDE=w_stride if has_w else 1,
+            B_STRIDE=b_stride if has_b else 1,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             LOOP_STAGES=stages,

@@ -30,6 +30,15 @@ PARAM_DTYPES = X_DTYPES + ("float64",)  # weight and bias (their gradients keep 
 MAX_N = 65536  # longest supported row: one row must fit one program's registers
 ELEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
+# The output-saving backward (a frozen norm keeps y, not x, and recovers x_hat = (y - b) / w_eff) is
+# exact enough where dividing by w_eff loses nothing: column j is safe when w_eff_j is finite with
+# |w_eff_j| >= OUTPUT_W_MIN[x's dtype], and |b_j| <= OUTPUT_BIAS_RATIO * |w_eff_j|. The recovered x_hat's
+# error is about u * (|x_hat| + |b / w_eff|) + (x.dtype's smallest subnormal) / |w_eff|, u its unit
+# roundoff: the bound keeps the last term within 4u (2^-15 for float16; float32 and bfloat16 share
+# float32's exponent range, 2^-127), the ratio keeps the cancellation in y - b within a few u.
+OUTPUT_W_MIN = {"float32": 2.0 ** -127, "bfloat16": 2.0 ** -127, "float16": 2.0 ** -15}
+OUTPUT_BIAS_RATIO = 2.0
+
 
 class Casting(enum.IntEnum):
     """Where the forward rounds to x's dtype (the kernels' ``CASTING`` constexpr)."""

@@ -91,7 +91,7 @@ def bwd_call(op_name: str, trained: bool):
     op = OPS[op_name]
     b = "bfloat16" if "bias" in op.params else None
     grads = Grads(dx=True, dw=trained, db=trained and b is not None)
-    layout = (N, 1, N, 1, *((N, 1) if op.has_residual else (0, 1)), 1)
+    layout = (N, 1, N, 1, *((N, 1) if op.has_residual else (0, 1)), 1, 1)
     call, _ = plan_backward(op, M, N, "bfloat16", "bfloat16", b, op.has_residual, op.options(eps=op.default_eps),
                             grads, layout, SMS)
     return call, {**dict.fromkeys(("X", "DY", "DRES", "W"), "bfloat16"), "MEAN": "float32", "RSTD": "float32"}

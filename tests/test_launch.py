@@ -66,7 +66,7 @@ def test_a_rows_tile_does_not_depend_on_the_row_count(op, elem_bytes):
         bwd = set()
         for M in (1, 2, 3, 16, 17, 1000, 100_000):
             call, _ = launch.plan_backward(spec, M, N, dtype, dtype, None, False, opts, Grads(dx=True, dw=False),
-                                           (N, 1, N, 1, N, 1, 1), 132)
+                                           (N, 1, N, 1, N, 1, 1, 1), 132)
             bwd.add((call.num_warps, call.constexprs["BLOCK_M"], call.constexprs["BLOCK_N"]))
         assert len(bwd) == 1, (N, bwd)
 
@@ -75,7 +75,7 @@ def test_a_rows_tile_does_not_depend_on_the_row_count(op, elem_bytes):
 def test_frozen_backward_plans_allocate_no_partials(op):
     spec = OPS[op]
     opts = spec.options(eps=spec.default_eps)
-    layout = (4096, 1, 4096, 1, 0, 1, 1)
+    layout = (4096, 1, 4096, 1, 0, 1, 1, 1)
     bwd, reduce = launch.plan_backward(spec, 8192, 4096, "bfloat16", "bfloat16", None, False, opts,
                                        Grads(dx=True, dw=False), layout, 132)
     assert reduce is None and not any(name.endswith("_PART") for name in bwd.out_specs)
@@ -104,7 +104,7 @@ def test_grids_cover_the_rows_with_few_partials(op):
             assert fwd.constexprs["LOOP_STAGES"] != 0 or fwd.grid == (tiles,), (M, N, num_sms, fwd.grid)
         for grads in (Grads(dx=True, dw=False), Grads(dx=False, dw=True), Grads(dx=True, dw=True)):
             bwd, red = launch.plan_backward(spec, M, N, "bfloat16", "bfloat16", None, spec.has_residual, opts, grads,
-                                            (N, 1, N, 1, N, 1, 1), num_sms)
+                                            (N, 1, N, 1, N, 1, 1, 1), num_sms)
             tiles = -(-M // bwd.constexprs["BLOCK_M"])
             G = bwd.grid[0]
             what = (M, N, num_sms, grads, G)

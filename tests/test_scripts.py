@@ -189,7 +189,7 @@ def _full_backward_plan(M=40, N=48):
 
     op = OPS["layer_norm"]
     return plan_backward(op, M, N, "float32", "float32", "float32", False, op.options(eps=1e-5),
-                         op.grads(op.inputs), (N, 1, N, 1, 0, 1, 1), INTERPRETER_NUM_SMS)
+                         op.grads(op.inputs), (N, 1, N, 1, 0, 1, 1, 1), INTERPRETER_NUM_SMS)
 
 
 def test_variants_never_pass_an_unknown_constexpr(tune):

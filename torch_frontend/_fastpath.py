@@ -63,7 +63,7 @@ class Bound:
             plan = self.bwd[key] = self._plan_backward(x, weight, dy, dres, mean, rstd, Grads(*flags))
         if plan is None:  # a layout that must be copied: the general path (it warns)
             return _rows.backward(self.op, x, weight, dy, dres, mean, rstd, self.opts, Grads(*flags), self.b_dtype)
-        return plan.launch(x, weight, dy, dres, mean, rstd)
+        return plan.launch(x, weight, None, dy, dres, mean, rstd)
 
     def _plan_backward(self, x, weight, dy, dres, mean, rstd, grads: Grads) -> BoundBackward | None:
         if subclassed(x, weight) or not rstd.is_contiguous() or (mean is not None and not mean.is_contiguous()):

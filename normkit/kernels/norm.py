@@ -186,11 +186,13 @@ def norm_fwd_kernel(
 
 @triton.jit(do_not_specialize=["M"])
 def norm_bwd_kernel(
-    X,  # the normalized input as the forward saw it (s = x + residual for the fused add), row stride stride_xm
+    X,  # the forward's input as it normalized it (s = x + residual for the fused add), or, with FROM_Y,
+    # its output y (x.dtype); row stride stride_xm
     W,  # weight [N] (HAS_W), element stride W_STRIDE
+    B,  # bias [N] (HAS_B: read only FROM_Y, to recover x_hat from y), element stride B_STRIDE
     DY,  # gradient of the output [M, N], row stride stride_dym
     DRES,  # gradient of residual_out [M, N] (HAS_DRES), row stride stride_dresm
-    MEAN,  # per-row mean, fp32 [M] (not IS_RMS)
+    MEAN,  # per-row mean, fp32 [M] (not IS_RMS, not FROM_Y)
     RSTD,  # per-row 1/std, fp32 [M]
     offset,  # fp32 scalar added to the weight
     M,  # number of rows
@@ -203,22 +205,32 @@ def norm_bwd_kernel(
     N: tl.constexpr,  # row length
     IS_RMS: tl.constexpr,  # True: RMSNorm; False: LayerNorm
     HAS_W: tl.constexpr,  # elementwise weight present
+    HAS_B: tl.constexpr,  # bias present (read only FROM_Y)
     HAS_DRES: tl.constexpr,  # fused add with a gradient flowing into residual_out
-    CASTING: tl.constexpr,  # 1 llama: dW sees x_hat rounded to x.dtype, as the forward used it
+    CASTING: tl.constexpr,  # 1 llama: dW sees x_hat rounded to x.dtype; 0 none: FROM_Y divides by the rounded weight
     COMPUTE_DX: tl.constexpr,  # x (or residual) needs a gradient
     COMPUTE_DW: tl.constexpr,  # weight needs a gradient: accumulate and write DW_PART
     COMPUTE_DB: tl.constexpr,  # bias needs a gradient: accumulate and write DB_PART
+    FROM_Y: tl.constexpr,  # X holds y, weight and bias frozen: x_hat = (y - b) / (w + offset), no mean read
+    W_MIN: tl.constexpr,  # FROM_Y: a column whose |w + offset| is below this (x.dtype's bound) is unsafe
+    BIAS_RATIO: tl.constexpr,  # FROM_Y: a column whose |b| exceeds this times |w + offset| is unsafe
     ROWS_CONTIGUOUS: tl.constexpr,  # every input is [M, N] contiguous: use the compile-time N
     X_COL_STRIDE: tl.constexpr,  # column strides of x, dy and d_residual: 1, or 0 (broadcast along N)
     DY_COL_STRIDE: tl.constexpr,
     DRES_COL_STRIDE: tl.constexpr,
     W_STRIDE: tl.constexpr,  # the weight's element stride
+    B_STRIDE: tl.constexpr,  # the bias's element stride
     BLOCK_M: tl.constexpr,  # rows per tile
     BLOCK_N: tl.constexpr,  # next power of two >= N
     LOOP_STAGES: tl.constexpr,  # software-pipelining depth of the tile loop (1: none)
 ):
     # Tiles are dealt round-robin to the programs; with dW/dB each program owns one partial row,
     # so the reduction order is fixed and the result bitwise reproducible (no atomics).
+    # FROM_Y (a frozen norm that kept its output, not its input): with g = dy * w, the row terms need
+    # no division, mean(g * x_hat) = mean(dy * (y - b)); x_hat itself is (y - b) / w. Where a column's
+    # weight is too small, or its bias too large against it, to recover x_hat in x.dtype (normkit.ops,
+    # output_safe), every dx of the launch is NaN: never a quietly wrong gradient.
+    tl.static_assert(not (FROM_Y and (COMPUTE_DW or COMPUTE_DB)))
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
     offset = tl.cast(offset, tl.float32)  # fp64 when Inductor launches the kernel (see norm_fwd_kernel)
@@ -226,6 +238,22 @@ def norm_bwd_kernel(
     col_mask = cols < N
     if HAS_W:
         w = tl.load(W + cols * W_STRIDE, mask=col_mask, other=0.0).to(tl.float32) + offset
+    if FROM_Y:
+        poison = 0.0
+        if HAS_W:
+            w_y = _load_weight(W, cols, col_mask, offset, X, W_STRIDE, CASTING)  # what the forward multiplied by
+            w_abs = tl.abs(w_y)
+            unsafe = col_mask & ((w_abs < W_MIN) | (w_abs == float("inf")) | (w_y != w_y))
+        if HAS_B:
+            b = tl.load(B + cols * B_STRIDE, mask=col_mask, other=0.0).to(tl.float32)
+            if HAS_W:
+                unsafe = unsafe | (col_mask & ((tl.abs(b) > BIAS_RATIO * w_abs) | (b != b)))
+            else:
+                unsafe = col_mask & ((tl.abs(b) > BIAS_RATIO) | (b != b))
+        if HAS_W or HAS_B:
+            poison = tl.where(tl.max(unsafe.to(tl.int32), axis=0) > 0, float("nan"), 0.0)
+        if HAS_W:  # 1 / w on the safe columns only (the others poison the launch)
+            inv_w = 1.0 / tl.where(unsafe | ~col_mask, 1.0, w_y)
     if COMPUTE_DW:
         dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if COMPUTE_DB:
@@ -248,7 +276,15 @@ def norm_bwd_kernel(
         x = tl.load(X + off_x, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + off_dy, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + rows64, mask=row_mask, other=0.0)
-        if IS_RMS:
+        if FROM_Y:
+            yc = x  # y - b: the normalized row times the weight
+            if HAS_B:
+                yc = yc - b[None, :]
+            if HAS_W:
+                xn = yc * inv_w[None, :]
+            else:
+                xn = yc
+        elif IS_RMS:
             xn = x * rstd[:, None]
         else:
             mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)
@@ -258,7 +294,10 @@ def norm_bwd_kernel(
                 g = dy * w[None, :]
             else:
                 g = dy
-            c1 = tl.sum(g * xn, axis=1) * (1.0 / N)
+            if FROM_Y:
+                c1 = tl.sum(dy * yc, axis=1) * (1.0 / N)
+            else:
+                c1 = tl.sum(g * xn, axis=1) * (1.0 / N)
             if IS_RMS:
                 dx = (g - xn * c1[:, None]) * rstd[:, None]
             else:
@@ -266,6 +305,8 @@ def norm_bwd_kernel(
                 dx = (g - c2[:, None] - xn * c1[:, None]) * rstd[:, None]
             if HAS_DRES:
                 dx += tl.load(DRES + off_dres, mask=mask, other=0.0).to(tl.float32)
+            if FROM_Y:
+                dx += poison
             tl.store(DX + off_dx, dx.to(DX.dtype.element_ty), mask=mask)
         if COMPUTE_DW:
             if CASTING == 1:

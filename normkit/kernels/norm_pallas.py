@@ -153,11 +153,13 @@ def norm_fwd_kernel(
 
 
 def norm_bwd_kernel(
-    x_ref,  # [M, N] whole: the normalized input as the forward saw it (s = x + residual for the fused add)
+    x_ref,  # [M, N] whole: the normalized input as the forward saw it (s = x + residual for the fused add),
+    # or, with FROM_Y, the forward's output y
     w_ref,  # [BLOCK_N] block of the weight [N] (HAS_W)
+    b_ref,  # [BLOCK_N] block of the bias [N] (HAS_B: read only FROM_Y)
     dy_ref,  # [M, N] whole: gradient of y
     dres_ref,  # [M, N] whole: gradient of residual_out (HAS_DRES)
-    mean_ref,  # [M] whole: fp32 per-row mean (not IS_RMS)
+    mean_ref,  # [M] whole: fp32 per-row mean (not IS_RMS, not FROM_Y)
     rstd_ref,  # [M] whole: fp32 per-row 1/std
     dx_ref,  # out: [M, N] whole, x.dtype (COMPUTE_DX); for the fused add also residual's gradient
     dw_part_ref,  # out: [BLOCK_N] block of this program's row of the fp32 [NUM_PROGRAMS, N] dW partials (COMPUTE_DW)
@@ -168,11 +170,15 @@ def norm_bwd_kernel(
     offset: float,  # added to the weight in fp32
     IS_RMS: bool,  # True: RMSNorm; False: LayerNorm
     HAS_W: bool,  # elementwise weight present
+    HAS_B: bool,  # bias present (read only FROM_Y)
     HAS_DRES: bool,  # fused add with a gradient flowing into residual_out (read only with COMPUTE_DX)
-    CASTING: int,  # 1 llama: dW sees x_hat rounded to x.dtype, as the forward used it
+    CASTING: int,  # 1 llama: dW sees x_hat rounded to x.dtype; 0 none: FROM_Y divides by the rounded weight
     COMPUTE_DX: bool,  # x (or residual) needs a gradient
     COMPUTE_DW: bool,  # weight needs a gradient: accumulate and write this program's dW partial row
     COMPUTE_DB: bool,  # bias needs a gradient: accumulate and write this program's dB partial row
+    FROM_Y: bool,  # x_ref holds y, weight and bias frozen: x_hat = (y - b) / (w + offset), no mean read
+    W_MIN: float,  # FROM_Y: a column whose |w + offset| is below this (x.dtype's bound) is unsafe
+    BIAS_RATIO: float,  # FROM_Y: a column whose |b| exceeds this times |w + offset| is unsafe
     NUM_PROGRAMS: int,  # grid size: tiles are dealt round-robin to the programs
     TILES_PER_PROGRAM: int,  # ceil(tiles / NUM_PROGRAMS): 1 when nothing is reduced
     BLOCK_M: int,  # rows per tile
@@ -180,12 +186,28 @@ def norm_bwd_kernel(
 ):
     # Tile t of program p is tile p + t * NUM_PROGRAMS; a tile past the last one is fully masked.
     # With dW/dB each program owns one partial row, so the reduction order is fixed and the result
-    # bitwise reproducible (no atomics).
+    # bitwise reproducible (no atomics). FROM_Y as in norm.py: mean(g * x_hat) = mean(dy * (y - b)),
+    # x_hat = (y - b) / w, and every dx NaN where a column makes x_hat unrecoverable.
+    assert not (FROM_Y and (COMPUTE_DW or COMPUTE_DB))
     dt = x_ref.dtype
     pid = pl.program_id(0)
     _, col_mask, _ = _masks(0, M, N, BLOCK_M, BLOCK_N)
     if HAS_W:
         w = _load(w_ref, col_mask).astype(F32) + offset
+    poison = 0.0
+    if FROM_Y:
+        unsafe = jnp.zeros((BLOCK_N,), jnp.bool_)
+        if HAS_W:
+            w_y = _round(w, dt) if CASTING == 0 else w  # what the forward multiplied by
+            w_abs = jnp.abs(w_y)
+            unsafe = col_mask & ((w_abs < W_MIN) | ~jnp.isfinite(w_y))
+        if HAS_B:
+            b = _load(b_ref, col_mask).astype(F32)
+            limit = BIAS_RATIO * w_abs if HAS_W else BIAS_RATIO
+            unsafe = unsafe | (col_mask & ((jnp.abs(b) > limit) | jnp.isnan(b)))
+        poison = jnp.where(jnp.any(unsafe), jnp.nan, 0.0).astype(F32)
+        if HAS_W:  # 1 / w on the safe columns only (the others poison the launch)
+            inv_w = 1.0 / jnp.where(unsafe | ~col_mask, 1.0, w_y)
     cols = pl.ds(_i32(0), BLOCK_N)
 
     def tile_rows(t):
@@ -196,7 +218,7 @@ def norm_bwd_kernel(
         rows, row_mask, mask = tile_rows(t)
         tile = {"x": _load(x_ref.at[rows, cols], mask), "dy": _load(dy_ref.at[rows, cols], mask),
                 "rstd": _load(rstd_ref.at[rows], row_mask)}
-        if not IS_RMS:
+        if not (IS_RMS or FROM_Y):
             tile["mean"] = _load(mean_ref.at[rows], row_mask)
         return tile
 
@@ -205,13 +227,19 @@ def norm_bwd_kernel(
         x = tile["x"].astype(F32)
         dy = tile["dy"].astype(F32)
         rstd = tile["rstd"]
-        if IS_RMS:
+        if FROM_Y:
+            yc = x - b[None, :] if HAS_B else x  # y - b: the normalized row times the weight
+            xn = yc * inv_w[None, :] if HAS_W else yc
+        elif IS_RMS:
             xn = x * rstd[:, None]
         else:
             xn = jnp.where(mask, (x - tile["mean"][:, None]) * rstd[:, None], 0.0)
         if COMPUTE_DX:
             g = dy * w[None, :] if HAS_W else dy
-            c1 = jnp.sum(g * xn, axis=1) * (1.0 / N)
+            if FROM_Y:
+                c1 = jnp.sum(dy * yc, axis=1) * (1.0 / N)
+            else:
+                c1 = jnp.sum(g * xn, axis=1) * (1.0 / N)
             if IS_RMS:
                 dx = (g - xn * c1[:, None]) * rstd[:, None]
             else:
@@ -221,6 +249,8 @@ def norm_bwd_kernel(
                 # read here, after the row sums, not with the prefetched tile: it is needed only for
                 # this add, and carrying it across the loop would add a third tile to the registers
                 dx = dx + _load(dres_ref.at[rows, cols], mask).astype(F32)
+            if FROM_Y:
+                dx = dx + poison
             pltriton.store(dx_ref.at[rows, cols], dx.astype(dx_ref.dtype), mask=mask)
         dw_acc, db_acc = acc
         if COMPUTE_DW:
