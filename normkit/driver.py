@@ -42,6 +42,18 @@ class Backend(Protocol):
         layout); None allocates the plan's own shapes. A backend may ignore it (JAX reshapes after
         the custom_vjp boundary instead)."""
 
+    def rows(self, a):
+        """``a`` of shape ``(..., N)`` as ``[M, N]`` rows without a copy (column stride 0 or 1, the
+        leading dimensions one stride), or None where that needs a copy. Optional, for ``Bound``."""
+
+    def copy_rows(self, a, name: str):
+        """``a`` as contiguous ``[M, N]`` rows, copied (and said so: a warning naming ``name``).
+        Optional, for ``Bound``."""
+
+    def key(self, a) -> tuple:
+        """What a plan fixes of array ``a``: class, shape, strides, dtype and device. Optional, for
+        ``Bound`` (its backward plans are kept per the keys of the arrays they read)."""
+
     def bind(self, call, like, rows_shape: tuple | None = None):
         """Optional, for a frontend that launches one plan many times (``bind_forward``,
         ``bind_backward``): ``launch(*arrays)``, what ``launch`` does with everything that does not
@@ -194,6 +206,117 @@ def bind_backward(backend: Backend, plan: tuple, like, rows_shape: tuple | None 
         return dx, dw, db
 
     return launch_and_reduce
+
+
+class Bound:
+    """One call signature bound once, for a frontend that launches it again and again: the forward
+    plan and its bound launch, and the backward plans, each bound, per the layouts they meet.
+
+    A signature is what the plans fix: the op, the options, whether statistics are stored, and each
+    array's shape, strides, dtype and device; the frontend keys its cache of ``Bound``s on that
+    (``Backend.key``), so every call of one ``Bound`` passes arrays of the layouts of its first.
+    Arrays keep the caller's shape ``(..., N)``; rows that cannot be read in place are copied at
+    every call (``Backend.copy_rows``, which says so). ``from_output``: the backward reads the
+    forward's output y rather than its input (see ``backward``), which the frontend saves instead.
+    ``b_dtype``: dB's dtype (the bias's).
+
+    ``forward(x, residual, weight, bias) -> (Y, S, MEAN, RSTD)``;
+    ``backward(saved, weight, bias, dy, dres, mean, rstd, grads) -> (DX, DW, DB)``, where ``saved``
+    is what the frontend kept: x (the fused add's sum s), or y when ``from_output``.
+    """
+
+    __slots__ = ("backend", "op", "opts", "store_stats", "from_output", "b_dtype", "fwd", "_forward", "_bwd")
+
+    def __init__(self, backend: Backend, op: Op, opts: Options, store_stats: bool, from_output: bool = False,
+                 b_dtype: str = "float32"):
+        self.backend, self.op, self.opts, self.store_stats = backend, op, opts, store_stats
+        self.from_output, self.b_dtype = from_output, b_dtype
+        self.fwd = None  # the forward plan, once bound (None also where there are no rows)
+        self._forward = None
+        self._bwd: dict = {}
+
+    def forward(self, x, residual, weight, bias) -> tuple:
+        launch = self._forward
+        if launch is None:
+            launch = self._forward = self._bind_forward(x, residual, weight, bias)
+        return launch(x, residual, weight, bias)
+
+    def _bind_forward(self, x, residual, weight, bias):
+        """``launch(x, residual, weight, bias)`` for arrays of these layouts."""
+        backend, op = self.backend, self.op
+        shape = tuple(x.shape)
+        named = (("x", x), ("residual", residual))
+        views = [backend.rows(a) if a is not None else None for _, a in named]
+        copies = tuple(a is not None and v is None for (_, a), v in zip(named, views))
+        x_rows, r_rows = (backend.copy_rows(a, name) if c else v for (name, a), v, c in zip(named, views, copies))
+        self.fwd = forward_plan(backend, op, x_rows, r_rows, weight, bias, self.opts, self.store_stats)
+        if self.fwd is None:  # no rows
+            M, N = x_rows.shape
+            out = {name: backend.zeros(shape_, dtype, x) for name, (shape_, dtype) in
+                   op.fwd_buffers(M, N, backend.dtype(x), self.store_stats).items()}
+            result = tuple(None if name not in out else out[name].reshape(shape if len(out[name].shape) == 2 else
+                                                                          shape[:-1])
+                           for name in ("Y", "S", "MEAN", "RSTD"))
+            return lambda *_: result
+        launch = backend.bind(self.fwd, x, shape)
+        if not any(copies):
+            return launch
+
+        def copy_then_launch(x, residual, weight, bias) -> tuple:
+            x, residual = (backend.copy_rows(a, name) if c else a for (name, _), a, c in
+                           zip(named, (x, residual), copies))
+            return launch(x, residual, weight, bias)
+
+        return copy_then_launch
+
+    def backward(self, saved, weight, bias, dy, dres, mean, rstd, grads) -> tuple:
+        """``grads``: a ``Grads``, or its ``(dx, dw, db)`` flags (a tuple hashes faster)."""
+        key = self.backend.key
+        k = (grads, key(saved), None if weight is None else key(weight),
+             None if bias is None or not self.from_output else key(bias), key(dy),
+             None if dres is None else key(dres))
+        bound = self._bwd.get(k)
+        if bound is None:
+            bound = self._bwd[k] = self._bind_backward(saved, weight, bias, dy, dres, grads)
+        return bound[1](saved, weight, bias, dy, dres, mean, rstd)
+
+    @property
+    def backward_plans(self) -> list:
+        """The backward plans bound so far: ``(backward call, reduction call or None)`` each."""
+        return [plan for plan, _ in self._bwd.values() if plan is not None]
+
+    def _bind_backward(self, saved, weight, bias, dy, dres, grads: Grads):
+        """``(plan, launch)``: the backward plan (None where nothing is launched) and
+        ``launch(saved, weight, bias, dy, dres, mean, rstd) -> (DX, DW, DB)`` for arrays of these
+        layouts, rows copied first where they cannot be read in place."""
+        backend, op = self.backend, self.op
+        grads = grads if isinstance(grads, Grads) else Grads(*grads)
+        bias = bias if self.from_output else None
+        if not grads.any:
+            return None, lambda *_: (None, None, None)
+        named = (("the saved input", saved), ("the output gradient", dy), ("the residual_out gradient", dres))
+        views = [backend.rows(a) if a is not None else None for _, a in named]
+        copies = tuple(a is not None and v is None for (_, a), v in zip(named, views))
+        rows = [backend.copy_rows(a, name) if c else v for (name, a), v, c in zip(named, views, copies)]
+        plan = backward_plan(backend, op, rows[0], weight, rows[1], rows[2], self.opts, grads, self.b_dtype, bias,
+                             self.from_output)
+        if plan is None:  # no rows
+            M, N = rows[0].shape
+            out = {name: backend.zeros(shape, dtype, saved) for name, (shape, dtype) in
+                   op.bwd_buffers(M, N, backend.dtype(saved), grads, _dtype(backend, weight), self.b_dtype).items()}
+            dx = out.get("DX")
+            result = (None if dx is None else dx.reshape(saved.shape), out.get("DW"), out.get("DB"))
+            return None, lambda *_: result
+        launch = bind_backward(backend, plan, saved, tuple(saved.shape))
+        if not any(copies):
+            return plan, launch
+
+        def copy_then_launch(saved, weight, bias, dy, dres, mean, rstd) -> tuple:
+            saved, dy, dres = (backend.copy_rows(a, name) if c else a for (name, _), a, c in
+                               zip(named, (saved, dy, dres), copies))
+            return launch(saved, weight, bias, dy, dres, mean, rstd)
+
+        return plan, copy_then_launch
 
 
 # Testing aid (normkit.testing.poisoned_outputs): backends fill every output with NaN before the

@@ -345,9 +345,9 @@ def _forced_forward_plan(monkeypatch, frontend, name, value, forced):
     def clear():
         launch.plan_forward.cache_clear()
         if HAS_TORCH:
-            from torch_frontend import _fastpath
+            from torch_frontend import _bound
 
-            _fastpath.BOUND.clear()
+            _bound.BOUND.clear()
         if importlib.util.find_spec("jax") is not None:
             import jax
 

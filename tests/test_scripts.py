@@ -271,7 +271,7 @@ def test_lora_step_dry_run(tmp_path):
     assert nk["prepare"]["fused"] == 0 and fused["prepare"]["fused"] == 2, fused["prepare"]
     assert "fused   2 x LlamaDecoderLayer" in fused["prepare"]["patch_report"]
     # the forward ranges of the 5 norms, and the autograd nodes they made: none for layer 0's input
-    # norm (its input comes from the frozen embedding), one NormFunction node for each of the others
+    # norm (its input comes from the frozen embedding), one node of the op's autograd Function for each of the others
     assert nk["profiled_steps"] == 3  # per-step figures: the ranges and nodes of three steps, divided
     assert nk["norm_by_module"]["forward_ranges"] == 5 and nk["norm_by_module"]["backward_nodes"] == 4
     assert hf["norm_by_module"]["forward_ranges"] == 5 and hf["norm_by_module"]["backward_nodes"] > 4

@@ -83,6 +83,9 @@ def test_module_defaults_and_options():
 @pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 def test_frozen_weight_gives_bitwise_equal_dx_and_no_partials(op, dtype):
+    """A frozen weight (and bias) costs no dW/dB work and no partials; keeping the input (save="input"),
+    dx is bitwise that of the trained call. Keeping the output (the default), see
+    test_frozen_norm_keeps_its_output."""
     x0 = randn(37, 200, dtype=dtype, seed=8)
     r0 = randn(37, 200, dtype=dtype, seed=9)
     w0 = randn(200, dtype=dtype, seed=10)
@@ -93,7 +96,9 @@ def test_frozen_weight_gives_bitwise_equal_dx_and_no_partials(op, dtype):
         w = w0.clone().requires_grad_(not frozen)
         b = randn(200, dtype=dtype, seed=12).requires_grad_(not frozen) if "bias" in OPS[op].params else None
         with normkit.record_launches() as log:
-            y = apply(op, {"x": x, "residual": r0, "weight": w, "bias": b})[0]
+            y = getattr(tf, op)(*({"x": x, "residual": r0, "weight": w, "bias": b}[n] for n in OPS[op].inputs),
+                                save="input")
+            y = y[0] if OPS[op].has_residual else y
             y.backward(dy)
         grads[frozen], logs[frozen] = x.grad, log
         if frozen:
@@ -360,10 +365,10 @@ def test_repeated_calls_reuse_bound_plans(op, frozen, monkeypatch):
     """The eager fast path: the first call of a signature validates and plans; later calls with the
     same shapes, strides, dtypes, devices and options launch the bound plans (no validation), on
     fresh data, and match the float64 reference every time; another signature plans again."""
-    from torch_frontend import _fastpath, functional
+    from torch_frontend import _bound, functional
 
     spec = OPS[op]
-    _fastpath.BOUND.clear()
+    _bound.BOUND.clear()
     real_check = functional._check
     for call, shape in enumerate([(2, 3, 40)] * 3 + [(7, 40)]):
         inp = {name: randn(*shape, seed=100 + 10 * call + i) for i, name in enumerate(spec.row_inputs)}
@@ -385,18 +390,21 @@ def test_repeated_calls_reuse_bound_plans(op, frozen, monkeypatch):
         assert_close(np64(y), ref_out["y"], "float32", f"{op} call {call}: y")
         for (name, t), g in zip([(k, v) for k, v in leaves.items() if v.requires_grad], got):
             assert_close(np64(g), ref_grads[name], "float32", f"{op} call {call}: d{name}", reduced_over=dy.numel() // 40)
-    assert len(_fastpath.BOUND) == 2  # two signatures
+    assert len(_bound.BOUND) == 2  # two signatures
 
 
-@pytest.mark.filterwarnings("ignore::torch_frontend.NormkitCopyWarning")
-def test_bound_backward_takes_each_gradient_layout():
+@pytest.mark.parametrize("save", ["input", "output"])
+def test_bound_backward_takes_each_gradient_layout(save):
     """A bound signature's backward plans are keyed by the gradient's class and strides: contiguous,
     broadcast (stride 0) and transposed gradients of one forward signature each get a plan (the
-    transposed one, which cannot be read as rows, the copying general path), every one right
-    against float64, and a contiguous gradient again reuses its plan."""
-    from torch_frontend import _fastpath
+    transposed one, which cannot be read as rows, is copied first, with a warning), every one right
+    against float64, and a contiguous gradient again reuses its plan; whichever tensor the forward
+    kept."""
+    import contextlib
 
-    _fastpath.BOUND.clear()
+    from torch_frontend import _bound
+
+    _bound.BOUND.clear()
     w = randn(40, seed=400)
     layouts = {
         "contiguous": lambda seed: randn(6, 40, seed=seed),
@@ -406,27 +414,30 @@ def test_bound_backward_takes_each_gradient_layout():
     for i, (name, make) in enumerate([*layouts.items(), ("contiguous", layouts["contiguous"])]):
         x = randn(6, 40, seed=410 + i).requires_grad_(True)
         dy = make(420 + i)
-        (dx,) = torch.autograd.grad(tf.rms_norm(x, w), x, dy)
+        copies = pytest.warns(tf.NormkitCopyWarning, match="output gradient") if name == "transposed" else \
+            contextlib.nullcontext()
+        with copies:
+            (dx,) = torch.autograd.grad(tf.rms_norm(x, w, save=save), x, dy)
         _, ref_grads = OPS["rms_norm"].run_reference({"x": np64(x), "weight": np64(w)},
                                                       OPS["rms_norm"].options(eps=1e-6), {"y": np64(dy)})
         assert_close(np64(dx), ref_grads["x"], "float32", f"dx, {name} gradient")
-    (bound,) = _fastpath.BOUND.values()
-    assert len(bound.bwd) == 3  # contiguous, broadcast, transposed; the second contiguous one reused
-    assert sum(plan is None for plan in bound.bwd.values()) == 1  # the transposed one: general path
+    (bound,) = _bound.BOUND.values()
+    assert bound.from_output == (save == "output")
+    assert len(bound._bwd) == 3  # contiguous, broadcast, transposed; the second contiguous one reused
 
 
 def test_triton_ops_register_inside_a_compiled_graph():
     """The triton ops register on first compiled use (registering imports torch._dynamo), from
     inside dynamo's trace, with no graph break; afterwards they exist under normkit's namespace."""
-    from torch_frontend import _ops
+    from torch_frontend import _library_ops
 
     @torch.compile(fullgraph=True, backend="eager")
     def f(x):
-        return x * 2 if _ops.triton_ops_registered() else x
+        return x * 2 if _library_ops.triton_ops_registered() else x
 
     x = randn(3, seed=47)
     assert torch.equal(f(x), x * 2)
-    assert len(_ops.TRITON_OPS) == 2
+    assert len(_library_ops.TRITON_OPS) == 2
     for name in ("norm_fwd", "norm_bwd"):  # the custom ops' schema, under another name
         custom, triton = getattr(torch.ops.normkit, name).default, getattr(torch.ops.normkit, name + "_cuda").default
         assert str(triton._schema) == str(custom._schema).replace(name, name + "_cuda", 1)
@@ -494,14 +505,14 @@ def test_triton_ops_hand_symbolic_shapes_to_the_opaque_ops(monkeypatch):
     """On CUDA, compiling routes to the triton ops even under dynamic=True: dynamo answers
     isinstance(SymInt, int) with True, so the route cannot see symbolic sizes (found on the H200).
     The triton ops then hand the call to the opaque ops from inside their body. Forced here on CPU."""
-    from torch_frontend import _ops
+    from torch_frontend import _library_ops
 
-    def route(x, *tensors):
-        if torch.compiler.is_compiling() and _ops.triton_ops_registered():
+    def operators(x, *tensors):
+        if torch.compiler.is_compiling() and _library_ops.triton_ops_registered():
             return torch.ops.normkit.norm_fwd_cuda, torch.ops.normkit.norm_bwd_cuda
-        return None
+        return torch.ops.normkit.norm_fwd, torch.ops.normkit.norm_bwd
 
-    monkeypatch.setattr(_ops, "_route", route)
+    monkeypatch.setattr(_library_ops, "_operators", operators)
     _check_dynamic_compile(width=40, row_counts=(6, 13), seed=90)
 
 
@@ -853,11 +864,11 @@ def test_direct_launch_matches_tritons_launcher_and_respects_alignment():
 
 def _bound_plans(x):
     """The forward and backward plans the fast path bound for ``rms_norm(x, w)``."""
-    from torch_frontend import _fastpath
+    from torch_frontend import _bound
 
-    bound = next(b for b in _fastpath.BOUND.values() if b.fwd.out_specs["Y"][0] == (x.shape[0], x.shape[1])
-                 and b.op.name == "rms_norm")
-    plans = [bound.fwd] + [plan[0] for plan in bound.bwd.values() if plan]
+    bound = next(b for b in _bound.BOUND.values() if b.fwd is not None and b.op.name == "rms_norm"
+                 and b.fwd.out_specs["Y"][0] == (x.shape[0], x.shape[1]))
+    plans = [bound.fwd] + [plan[0] for plan in bound.backward_plans]
     return plans
 
 

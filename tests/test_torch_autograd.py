@@ -124,11 +124,11 @@ def test_saved_tensor_hooks_with_cached_plans(op, hook, layout):
     """The same call signature, plainly and under a saved-tensor hook that hands the backward
     contiguous copies (in both orders): the cached backward plans must not read the copies with the
     original's strides."""
-    from torch_frontend import _fastpath
+    from torch_frontend import _bound
 
     strided_x, strided_w = layout in ("strided_x", "both"), layout in ("strided_weight", "both")
     for order in (("plain", hook), (hook, "plain")):
-        _fastpath.BOUND.clear()
+        _bound.BOUND.clear()
         for i, which in enumerate(order):
             seed = 1000 + 100 * i + 37 * (order[0] == "plain")
             inputs = _strided_inputs(op, seed, strided_x, strided_w)
@@ -193,7 +193,10 @@ def test_double_backward_matches_float64_autograd(op, wrt, route):
     wrt = spec.inputs if wrt == "all" else wrt
     c = [randn(4, D, seed=90 + i) for i in range(len(spec.outputs))]
     leaves = {k: v.clone().requires_grad_(k in wrt) for k, v in inputs.items()}
-    first, second = _penalty(run(op, leaves, wrt), leaves, list(wrt), c, route)
+    # frozen parameters keep the input only on request: a backward from the output has no second order
+    outputs = getattr(tf, op)(*(leaves.get(name) for name in spec.inputs), save="input")
+    outputs = outputs if spec.has_residual else (outputs,)
+    first, second = _penalty(outputs, leaves, list(wrt), c, route)
     leaves64 = {k: v.double().requires_grad_(k in wrt) for k, v in inputs.items()}
     first64, second64 = _penalty(_float64_expression(op, leaves64, eps), leaves64, list(wrt),
                                  [k.double() for k in c], "autograd.grad")
@@ -205,6 +208,24 @@ def test_double_backward_matches_float64_autograd(op, wrt, route):
             continue
         assert h is not None, f"{op}: no second-order gradient for {name} ({route})"
         assert_close(np64(h), np64(h64), "float32", f"{op} second-order d{name} ({route})", reduced_over=reduced)
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_second_order_through_a_norm_that_kept_its_output_raises(op):
+    """A frozen norm keeps its output (save="auto"), from which no second derivative can be taken:
+    create_graph=True raises, naming save="input", rather than return a gradient whose second-order
+    terms are wrong; a first-order backward of the same call is right."""
+    spec = OPS[op]
+    inputs = {name: randn(4, D, seed=170 + i).requires_grad_() for i, name in enumerate(spec.row_inputs)}
+    inputs.update({name: randn(D, seed=180 + i).abs() + 1.0 if name == "weight" else 0.1 * randn(D, seed=180 + i)
+                   for i, name in enumerate(spec.params)})  # a weight from which x_hat can be recovered
+    y = run(op, inputs, ("x",))[0]
+    with pytest.raises(RuntimeError, match="save='input' to take second derivatives"):
+        torch.autograd.grad(y.sum(), inputs["x"], create_graph=True)
+    (dx,) = torch.autograd.grad(run(op, inputs, ("x",))[0].sum(), inputs["x"])
+    _, ref = spec.run_reference({k: np64(v) for k, v in inputs.items()}, spec.options(eps=spec.default_eps),
+                                {"y": np.ones((4, D))})
+    assert_close(np64(dx), ref["x"], "float32", f"{op}: dx")
 
 
 @pytest.mark.parametrize("op", sorted(OPS))
@@ -267,7 +288,7 @@ def test_inference_calls_launch_without_an_autograd_function(op, how, monkeypatc
                "inference_mode_with_grad": _inference_mode_with_grad}.get(how, torch.enable_grad)
         with ctx():
             run(op, inputs, ())  # the first call binds the signature
-            for name in ("BoundRMSNorm", "BoundLayerNorm", "BoundFusedAddRMSNorm", "NormFunction"):
+            for name in ("RMSNormFunction", "LayerNormFunction", "FusedAddRMSNormFunction"):
                 monkeypatch.setattr(getattr(_autograd, name), "apply", None)  # calling it would raise
             with normkit.record_launches() as log:
                 got = run(op, inputs, ())

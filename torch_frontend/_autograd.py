@@ -1,145 +1,161 @@
-"""The ``torch.autograd.Function``s of the three ops.
+"""The ``torch.autograd.Function`` of each op: ``RMSNormFunction``, ``LayerNormFunction``,
+``FusedAddRMSNormFunction``.
 
-``NormFunction`` takes a call's op, options and (where bound) plans as arguments: the first call of
-a signature, and every call under ``torch.compile`` or on tensor subclasses. A repeated eager call
-goes through its op's ``Bound*`` Function instead, whose one extra argument, the ``_fastpath.Bound``,
-holds the rest: autograd's host time grows with every argument it handles.
+Each takes a *route* and the op's own tensors (autograd's host time grows with every argument it
+handles). The route runs the passes: an eager call's ``normkit.driver.Bound`` (its bound plans), or,
+under ``torch.compile`` and for tensor subclasses, a ``Traced`` route through the torch.library ops
+(``_library_ops``). Which gradients the backward computes comes from ``ctx.needs_input_grad``: a
+frozen weight, bias or input turns its COMPUTE_* flag off, so its work, its fp32 partial buffer and
+its reduction launch disappear.
 
-Which gradients the backward computes comes from ``ctx.needs_input_grad``: a frozen weight, bias or
-input turns its COMPUTE_* flag off, so its work, its fp32 partial buffer and its reduction launch
-disappear.
+What the forward keeps for the backward is the route's ``from_output`` (``_save``): the input (the
+fused add's sum s), or, with every parameter frozen, the output y, from which the backward
+recovers x_hat; then the input need not stay alive.
 
 A gradient that will itself be differentiated (``create_graph=True``: gradient penalties, Hessian
 products) is computed with differentiable torch operations instead of the kernels: the float64 math
-of ``normkit.reference`` on the saved tensors, rounded to the inputs' dtypes. Every route of
-autograd then sees the right second-order terms (``.backward()``, ``autograd.grad`` with
-``inputs``, ``backward(inputs=...)``). Without ``create_graph`` the kernels compute every gradient.
+of ``normkit.reference`` on the saved input, rounded to the inputs' dtypes, so that every route of
+autograd sees the right second-order terms. A norm that kept its output cannot be differentiated
+twice (the statistics it would need are gone): that raises, naming ``save="input"``. A batched output
+gradient (``autograd.grad(..., is_grads_batched=True)``, a vectorized ``autograd.functional.jacobian``)
+has no storage a kernel could read: it takes differentiable torch operations too, which vmap
+batches. Tensors handed back by a saved-tensor hook, and incoming gradients, are read as their
+values whatever their dtype, device, strides or lazy negation (``_saved``, ``_incoming``).
 
-A batched output gradient (``autograd.grad(..., is_grads_batched=True)``, a vectorized
-``autograd.functional.jacobian``) has no storage a kernel could read: it takes the same
-differentiable torch operations, which vmap batches. Tensors handed back by a saved-tensor hook, and
-incoming gradients, are read as their values whatever their dtype, device, strides or lazy negation
-(``_saved``, ``_incoming``).
-
-Inputs are flattened to 2-D rows *inside* the Function, and its gradients reshaped there: had the
-flattening views been recorded by autograd, the fused add's x and residual (which share one
-gradient) would receive two views of one buffer, and their ``.grad`` would alias.
+Inputs keep the caller's shape ``(..., D)`` across the Function (the bound launches allocate the
+outputs in it), so no view is recorded: the fused add's x and residual, which share one gradient,
+receive separate tensors, and their ``.grad`` never alias.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from normkit import reference
 from normkit.ops import Grads, Op, Options
-from torch_frontend import _ops
-from torch_frontend._rows import resolve_neg
+from torch_frontend import _library_ops
+from torch_frontend._backend import resolve_neg
 
 GRADS = {(dx, dw, db): Grads(dx, dw, db) for dx in (False, True) for dw in (False, True) for db in (False, True)}
 
 
-class NormFunction(torch.autograd.Function):
-    """``forward(op, opts, store_stats, bound, x, residual, weight, bias)`` over any leading shape;
-    ``bound``: the call signature's ``_fastpath.Bound`` plans (eager fast path), or None."""
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """The route of a call under ``torch.compile`` or on tensor subclasses: the torch.library ops."""
+
+    op: Op
+    opts: Options
+    store_stats: bool
+    from_output: bool
+    b_dtype: torch.dtype  # dB's dtype (the bias's; fp32 without one)
+
+    def forward(self, x, residual, weight, bias) -> tuple:
+        return _library_ops.forward(self.op, x, residual, weight, bias, self.opts, self.store_stats)
+
+    def backward(self, saved, weight, bias, dy, dres, mean, rstd, flags: tuple) -> tuple:
+        return _library_ops.backward(self.op, saved, weight, bias, dy, dres, mean, rstd, self.opts, GRADS[flags],
+                                     self.b_dtype, self.from_output)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """``forward(route, x, weight)``: ``rms_norm`` by ``route`` (a ``Bound`` or a ``Traced``)."""
 
     @staticmethod
-    def forward(ctx, op: Op, opts: Options, store_stats: bool, bound, x, residual, weight, bias):
-        if bound is not None:
-            y, s, mean, rstd = bound.forward(x, residual, weight, bias)
-        else:
-            y, s, mean, rstd = _ops.forward(op, x, residual, weight, bias, opts, store_stats)
-        ctx.op, ctx.opts, ctx.bound = op, opts, bound
-        ctx.b_dtype = bias.dtype if bias is not None else torch.float32
-        if op.has_residual:
-            ctx.set_materialize_grads(False)
-            ctx.save_for_backward(s, weight, mean, rstd)
-            return y, s
-        ctx.save_for_backward(x, weight, mean, rstd)
+    def forward(ctx, route, x, weight):
+        y, _, _, rstd = route.forward(x, None, weight, None)
+        ctx.route = route
+        ctx.save_for_backward(y if route.from_output else x, weight, None, None, rstd)
         return y
 
     @staticmethod
-    def backward(ctx, dy, ds=None):
-        needs = ctx.needs_input_grad  # (op, opts, store_stats, bound, x, residual, weight, bias)
-        dy, ds = _incoming(dy, ds)
-        x, weight, mean, rstd = _saved(ctx, dy, ds)
-        dx, dw, db = _backward(ctx.op, ctx.opts, ctx.bound, ctx.b_dtype, (needs[4] or needs[5], needs[6], needs[7]),
-                               x, weight, mean, rstd, dy, ds)
-        return (None, None, None, None, dx if needs[4] else None, dx if needs[5] else None, dw, db)
-
-
-class BoundRMSNorm(torch.autograd.Function):
-    """``forward(bound, x, weight)``: ``rms_norm`` by its ``_fastpath.Bound`` plans, for a repeated eager
-    call. One Function per op (this one, ``BoundLayerNorm``, ``BoundFusedAddRMSNorm``) hands autograd
-    only the op's own arguments: each one more costs host time in the forward and the backward."""
-
-    @staticmethod
-    def forward(ctx, bound, x, weight):
-        return _bound_forward(ctx, bound, x, weight, None)
-
-    @staticmethod
     def backward(ctx, dy):
-        needs = ctx.needs_input_grad  # (bound, x, weight)
-        dx, dw, _ = _bound_backward(ctx, (needs[1], needs[2], False), dy, None)
+        needs = ctx.needs_input_grad  # (route, x, weight)
+        dx, dw, _ = _backward(ctx, (needs[1], needs[2], False), dy, None)
         return None, dx, dw
 
 
-class BoundLayerNorm(torch.autograd.Function):
-    """``forward(bound, x, weight, bias)``: ``layer_norm`` by its bound plans (see ``BoundRMSNorm``)."""
+class LayerNormFunction(torch.autograd.Function):
+    """``forward(route, x, weight, bias)``: ``layer_norm`` by ``route``."""
 
     @staticmethod
-    def forward(ctx, bound, x, weight, bias):
-        return _bound_forward(ctx, bound, x, weight, bias)
+    def forward(ctx, route, x, weight, bias):
+        y, _, mean, rstd = route.forward(x, None, weight, bias)
+        ctx.route = route
+        if route.from_output:
+            ctx.save_for_backward(y, weight, bias, None, rstd)
+        else:
+            ctx.save_for_backward(x, weight, None, mean, rstd)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        needs = ctx.needs_input_grad  # (bound, x, weight, bias)
-        return None, *_bound_backward(ctx, (needs[1], needs[2], needs[3]), dy, None)
+        needs = ctx.needs_input_grad  # (route, x, weight, bias)
+        return None, *_backward(ctx, (needs[1], needs[2], needs[3]), dy, None)
 
 
-class BoundFusedAddRMSNorm(torch.autograd.Function):
-    """``forward(bound, x, residual, weight)``: ``fused_add_rms_norm`` by its bound plans (see
-    ``BoundRMSNorm``)."""
+class FusedAddRMSNormFunction(torch.autograd.Function):
+    """``forward(route, x, residual, weight)``: ``fused_add_rms_norm`` by ``route``; x and residual get
+    equal gradients, as separate tensors."""
 
     @staticmethod
-    def forward(ctx, bound, x, residual, weight):
-        y, s, mean, rstd = bound.forward(x, residual, weight, None)
-        ctx.bound = bound
+    def forward(ctx, route, x, residual, weight):
+        y, s, _, rstd = route.forward(x, residual, weight, None)
+        ctx.route = route
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(s, weight, mean, rstd)
+        ctx.save_for_backward(y if route.from_output else s, weight, None, None, rstd)
         return y, s
 
     @staticmethod
     def backward(ctx, dy, ds):
-        needs = ctx.needs_input_grad  # (bound, x, residual, weight)
-        dx, dw, _ = _bound_backward(ctx, (needs[1] or needs[2], needs[3], False), dy, ds)
+        needs = ctx.needs_input_grad  # (route, x, residual, weight)
+        dx, dw, _ = _backward(ctx, (needs[1] or needs[2], needs[3], False), dy, ds)
+        # one tensor for both: autograd hands a gradient used twice to each input as its own copy
         return None, dx if needs[1] else None, dx if needs[2] else None, dw
 
 
+FUNCTIONS = {"rms_norm": RMSNormFunction, "layer_norm": LayerNormFunction,
+             "fused_add_rms_norm": FusedAddRMSNormFunction}
+
+
+def apply(route, op: Op, x, residual, weight, bias):
+    """The op's outputs through its Function: y, or ``(y, residual_out)``."""
+    if op.has_residual:
+        return FusedAddRMSNormFunction.apply(route, x, residual, weight)
+    if op.params == ("weight",):
+        return RMSNormFunction.apply(route, x, weight)
+    return LayerNormFunction.apply(route, x, weight, bias)
+
+
 def _saved(ctx, dy, ds) -> tuple:
-    """``(x, weight, mean, rstd)`` as the kernels read them: x in the dtype and on the device of the
-    gradients arriving (the output's), the per-row statistics contiguous, in fp32, on x's device.
+    """``(saved, weight, bias, mean, rstd)`` as the kernels read them: the saved rows in the dtype and on
+    the device of the gradients arriving (the output's), the per-row statistics contiguous, in fp32,
+    on their device.
 
     A saved-tensor hook may hand back other tensors than were saved: in another dtype (one that
     widens or compresses what it stores), on another device (one that offloads), as a strided view,
     or as a lazily negated view. A launch bound to the compiled kernel of fp32 statistics would
     misread wider ones, a kernel reads a strided buffer as contiguous and a negated view's raw memory
     without its sign, and it cannot read host memory. The statistics are one number per row, so
-    moving or copying them costs little; x is converted back only when a hook changed it."""
-    x, weight, mean, rstd = ctx.saved_tensors
+    moving or copying them costs little; the rows are converted back only when a hook changed them."""
+    saved, weight, bias, mean, rstd = ctx.saved_tensors
     like = dy if dy is not None else ds
-    if like is not None and (x.dtype != like.dtype or x.device != like.device):
-        x = x.to(like.device, like.dtype)
+    if like is not None and (saved.dtype != like.dtype or saved.device != like.device):
+        saved = saved.to(like.device, like.dtype)
     traced = torch.compiler.is_compiling()  # dynamo reads values, not raw memory, and bans is_neg there
-    if not traced and (x.is_neg() or (weight is not None and weight.is_neg())):
-        x, weight = resolve_neg(x, "the saved input"), resolve_neg(weight, "the saved weight")
-    rstd = _statistic(rstd, x, traced)
+    if not traced and (saved.is_neg() or (weight is not None and weight.is_neg())
+                       or (bias is not None and bias.is_neg())):
+        saved = resolve_neg(saved, "the saved input")
+        weight, bias = resolve_neg(weight, "the saved weight"), resolve_neg(bias, "the saved bias")
+    rstd = _statistic(rstd, saved, traced)
     if mean is not None:
-        mean = _statistic(mean, x, traced)
-    return x, weight, mean, rstd
+        mean = _statistic(mean, saved, traced)
+    return saved, weight, bias, mean, rstd
 
 
-def _statistic(t, x, traced: bool):
-    if t.dtype != torch.float32 or t.device != x.device:
-        t = t.to(x.device, torch.float32)
+def _statistic(t, like, traced: bool):
+    if t.dtype != torch.float32 or t.device != like.device:
+        t = t.to(like.device, torch.float32)
     if not traced and t.is_neg():
         t = t.resolve_neg()
     return t if t.is_contiguous() else t.contiguous()
@@ -166,67 +182,77 @@ def _batched(t) -> bool:
 
 _is_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
 
-
-def _bound_forward(ctx, bound, x, weight, bias):
-    """y of ``BoundRMSNorm`` / ``BoundLayerNorm`` (bias None for RMSNorm), with what the backward reads
-    saved."""
-    y, _, mean, rstd = bound.forward(x, None, weight, bias)
-    ctx.bound = bound
-    ctx.save_for_backward(x, weight, mean, rstd)
-    return y
+SECOND_ORDER_ERROR = (
+    "normkit: this norm kept its output rather than its input for the backward (save='auto' with every "
+    "parameter frozen, or save='output'), and a gradient computed from the output cannot be differentiated "
+    "again (create_graph=True): call the norm with save='input' to take second derivatives")
 
 
-def _bound_backward(ctx, flags: tuple, dy, ds) -> tuple:
-    """``(dx, dweight, dbias)`` of a ``Bound*`` Function: its bound backward plans, except where
-    ``_backward`` has more to do (create_graph=True, or only residual_out's gradient)."""
-    bound = ctx.bound
-    dy, ds = _incoming(dy, ds)
-    x, weight, mean, rstd = _saved(ctx, dy, ds)
-    if dy is not None and not torch.is_grad_enabled() and not _is_legacy_batched(dy):  # the common case
-        return bound.backward(x, weight, dy, ds, mean, rstd, flags)
-    return _backward(bound.op, bound.opts, bound, bound.bias_dtype, flags, x, weight, mean, rstd, dy, ds)
-
-
-def _backward(op: Op, opts: Options, bound, b_dtype: torch.dtype, flags: tuple, x, weight, mean, rstd, dy,
-              ds) -> tuple:
+def _backward(ctx, flags: tuple, dy, ds) -> tuple:
     """``(dx, dweight, dbias)`` of the gradients ``flags`` (``(dx, dw, db)``) asks for, from the saved
-    tensors: by the kernels (the bound plans where there are), or, under ``create_graph=True`` with
-    something to differentiate, by ``differentiable_backward``."""
+    tensors: by the route's kernels, or, under ``create_graph=True`` with something to differentiate
+    or for a batched gradient, by differentiable torch operations."""
+    route = ctx.route
+    dy, ds = _incoming(dy, ds)
+    saved, weight, bias, mean, rstd = _saved(ctx, dy, ds)
+    if dy is not None and not torch.is_grad_enabled() and not _batched(dy):  # the common case
+        return route.backward(saved, weight, bias, dy, ds, mean, rstd, flags)
     if dy is None and ds is None:
         return None, None, None
     if _batched(dy) or _batched(ds):  # one backward per batch element: torch operations vmap over them
-        return differentiable_backward(op, opts, x, weight, dy, ds, GRADS[flags], b_dtype)
-    # Grad mode is on only under create_graph=True.
-    if torch.is_grad_enabled():
-        if any(t is not None and t.requires_grad for t in (dy, ds, x, weight)):
-            return differentiable_backward(op, opts, x, weight, dy, ds, GRADS[flags], b_dtype)
+        return differentiable_backward(route, saved, weight, bias, dy, ds, rstd, GRADS[flags])
+    if torch.is_grad_enabled():  # only under create_graph=True
+        if any(t is not None and t.requires_grad for t in (dy, ds, saved, weight)):
+            if route.from_output:
+                raise RuntimeError(SECOND_ORDER_ERROR)
+            return differentiable_backward(route, saved, weight, bias, dy, ds, rstd, GRADS[flags])
         with torch.no_grad():
-            return _kernel_backward(op, opts, bound, b_dtype, flags, x, weight, dy, ds, mean, rstd)
-    return _kernel_backward(op, opts, bound, b_dtype, flags, x, weight, dy, ds, mean, rstd)
+            return _kernel_backward(route, flags, saved, weight, bias, dy, ds, mean, rstd)
+    return _kernel_backward(route, flags, saved, weight, bias, dy, ds, mean, rstd)
 
 
-def _kernel_backward(op: Op, opts: Options, bound, b_dtype: torch.dtype, flags: tuple, x, weight, dy, ds, mean,
-                     rstd) -> tuple:
+def _kernel_backward(route, flags: tuple, saved, weight, bias, dy, ds, mean, rstd) -> tuple:
     if dy is None:  # only residual_out was used: y's gradient is exactly zero
-        dy = torch.zeros_like(x)
-    if bound is not None:
-        return bound.backward(x, weight, dy, ds, mean, rstd, flags)
-    return _ops.backward(op, x, weight, dy, ds, mean, rstd, opts, GRADS[flags], b_dtype)
+        dy = torch.zeros_like(saved)
+    return route.backward(saved, weight, bias, dy, ds, mean, rstd, flags)
 
 
-def differentiable_backward(op: Op, opts: Options, x, weight, dy, ds, grads: Grads, b_dtype: torch.dtype) -> tuple:
-    """``(dx, dweight, dbias)`` as differentiable torch operations: the reference's float64 math on
-    ``x`` (the fused add's saved sum), rounded to the inputs' dtypes. The statistics are recomputed
-    from ``x`` rather than read from the forward's, so that they are differentiated too."""
+def differentiable_backward(route, saved, weight, bias, dy, ds, rstd, grads: Grads) -> tuple:
+    """``(dx, dweight, dbias)`` as differentiable torch operations in float64, rounded to the inputs'
+    dtypes: the reference's math on the saved input (its statistics recomputed from it, so that they
+    are differentiated too), or, for a norm that kept its output, ``reference.output_backward``."""
+    op, opts = route.op, route.opts
     f64 = lambda t: None if t is None else t.double()  # noqa: E731
     if dy is None:
-        dy = torch.zeros_like(x)
-    if op.is_rms:
-        dx, dw = reference.rms_norm_bwd(f64(x), f64(weight), f64(dy), opts.eps, opts.offset)
+        dy = torch.zeros_like(saved)
+    if route.from_output:
+        dx = _from_output64(op, f64(saved), f64(weight), f64(bias), f64(dy), rstd, opts.offset)
+        dw = db = None
+    elif op.is_rms:
+        dx, dw = reference.rms_norm_bwd(f64(saved), f64(weight), f64(dy), opts.eps, opts.offset)
         db = None
     else:
-        dx, dw, db = reference.layer_norm_bwd(f64(x), f64(weight), True if grads.db else None, f64(dy), opts.eps)
+        dx, dw, db = reference.layer_norm_bwd(f64(saved), f64(weight), True if grads.db else None, f64(dy), opts.eps)
     if ds is not None:
         dx = dx + f64(ds)
-    return (dx.to(x.dtype) if grads.dx else None, dw.to(weight.dtype) if grads.dw else None,
-            db.to(b_dtype) if grads.db else None)
+    return (dx.to(saved.dtype) if grads.dx else None, dw.to(weight.dtype) if grads.dw else None,
+            db.to(route_b_dtype(route)) if grads.db else None)
+
+
+def _from_output64(op: Op, y, weight, bias, dy, rstd, offset: float):
+    """dx from the output y (float64), the kernels' formula: with w = weight + offset and b the bias,
+    ``x_hat = (y - b) / w``, ``g = dy * w``, ``dx = (g - [mean(g)] - x_hat * mean(dy * (y - b))) * rstd``
+    (``mean(g)`` for LayerNorm only)."""
+    yc = y - bias if bias is not None else y
+    w = weight + offset if weight is not None else None
+    x_hat = yc / w if w is not None else yc
+    g = dy * w if w is not None else dy
+    dx = g - x_hat * (dy * yc).mean(-1, keepdim=True)
+    if not op.is_rms:
+        dx = dx - g.mean(-1, keepdim=True)
+    return dx * rstd.double().reshape(*rstd.shape, 1)
+
+
+def route_b_dtype(route) -> torch.dtype:
+    b = route.b_dtype
+    return b if isinstance(b, torch.dtype) else getattr(torch, b)

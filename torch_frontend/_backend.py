@@ -1,4 +1,5 @@
-"""The Torch backend of ``normkit.driver``: allocate with torch, launch compiled (CUDA) or interpreted (CPU).
+"""The Torch backend of ``normkit.driver``: row views and copies, allocation with torch, launches compiled
+(CUDA) or interpreted (CPU).
 
 Compiled launches skip Triton's ``JITFunction.run`` (which re-binds and re-specializes every argument
 on every call, ~20 us of host time): the kernel Triton compiled for 16-byte-aligned pointers (the
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import warnings
 
 import torch
 
@@ -32,6 +34,49 @@ def nd_shape(name: str, shape: tuple, buffer_shape: tuple) -> tuple:
     if name in ("MEAN", "RSTD"):
         return tuple(shape[:-1])
     return tuple(buffer_shape)
+
+
+class NormkitCopyWarning(UserWarning):
+    """An input could not be read in place (its last dimension is neither contiguous nor broadcast,
+    its leading dimensions do not share one stride, or it is a lazily negated view) and was copied."""
+
+
+def row_view(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as ``[M, D]`` rows without a copy (its last dimension contiguous or broadcast, its leading
+    dimensions one stride), or None where that needs a copy."""
+    D = t.shape[-1]
+    if D > 1 and t.stride(-1) not in (0, 1):
+        return None
+    try:
+        return t.view(-1, D)
+    except RuntimeError:
+        return None
+
+
+def copy_rows(t: torch.Tensor, name: str) -> torch.Tensor:
+    """``t`` copied into contiguous ``[M, D]`` rows, with a ``NormkitCopyWarning`` naming it."""
+    D = t.shape[-1]
+    why = ("its last dimension is neither contiguous nor broadcast" if D > 1 and t.stride(-1) not in (0, 1) else
+           "it cannot be viewed as rows of one stride")
+    warnings.warn(f"normkit: {name} of shape {tuple(t.shape)} has strides {t.stride()}; {why}, so it is copied",
+                  NormkitCopyWarning, stacklevel=6)
+    return t.reshape(-1, D).contiguous()
+
+
+def resolve_neg(t: torch.Tensor | None, name: str) -> torch.Tensor | None:
+    """``t`` with torch's lazy negation applied. A negated view (``z.conj().imag``) holds ``-t`` in
+    its memory's sign bits only as a flag; a kernel reading the memory would see ``t``'s negation."""
+    if t is None or not t.is_neg():
+        return t
+    warnings.warn(
+        f"normkit: {name} of shape {tuple(t.shape)} is a lazily negated view (is_neg()), so it is copied with "
+        "the negation applied", NormkitCopyWarning, stacklevel=5)
+    return t.resolve_neg()
+
+
+def key(t: torch.Tensor) -> tuple:
+    """What a plan fixes of ``t``: class, shape, strides, dtype and device."""
+    return t.__class__, t.shape, t.stride(), t.dtype, t.device
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,6 +108,10 @@ class TorchBackend:
     @staticmethod
     def zeros(shape, dtype: str, like: torch.Tensor) -> torch.Tensor:
         return torch.zeros(shape, dtype=TORCH_DTYPES[dtype], device=like.device)
+
+    rows = staticmethod(row_view)
+    copy_rows = staticmethod(copy_rows)
+    key = staticmethod(key)
 
     @staticmethod
     def launch(call: KernelCall, arrays: dict, rows_shape: tuple | None = None) -> dict:

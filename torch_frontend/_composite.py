@@ -45,7 +45,7 @@ def compile_frozen_with(route: Literal["inductor", "kernels"]) -> str:
 def applies(x, residual, weight, bias) -> bool:
     """Whether this call, being compiled, runs as torch operations: plain tensors, no parameter
     that needs a gradient, and the route left at ``"inductor"``."""
-    from torch_frontend._ops import subclassed
+    from torch_frontend._library_ops import subclassed
 
     return (_route == "inductor" and not subclassed(x, residual, weight, bias)
             and not (weight is not None and weight.requires_grad) and not (bias is not None and bias.requires_grad))
@@ -55,7 +55,7 @@ def _rounded(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return v if dtype == torch.float32 else v.to(dtype).float()
 
 
-def apply(op: Op, opts: Options, x, residual, weight, bias):
+def apply(op: Op, opts: Options, x, residual, weight, bias, from_output: bool = False):
     """The op's outputs as ``functional`` returns them: y, or ``(y, residual_out)`` for the fused add."""
     dt = x.dtype
     s = None

@@ -1,7 +1,7 @@
 """DTensor support: the sharding of normkit's custom ops, and the placement checks.
 
 With DTensor inputs, ``torch_frontend``'s functions run through the custom ops ``normkit::norm_fwd``
-and ``normkit::norm_bwd`` (``_ops._route``). DTensor dispatches them to the local
+and ``normkit::norm_bwd`` (``_library_ops``). DTensor dispatches them to the local
 shards under the sharding strategy registered here, and wraps the results as DTensors:
 
 - forward: x (and residual) ``Replicate`` or ``Shard(d)`` for any d but the normalized (last) one;
@@ -48,10 +48,10 @@ _LOCK = threading.Lock()
 _REGISTERED = False
 
 # Positions of the first argument to hash into DTensor's sharding cache key (every tensor argument
-# is hashed anyway): norm_fwd(x, residual, weight, bias, op, ...), norm_bwd(x, weight, dy, dres, mean,
-# rstd, op, ...). The strategy depends on op (which results exist) and on the flags after it.
+# is hashed anyway): norm_fwd(x, residual, weight, bias, op, ...), norm_bwd(saved, weight, bias, dy, dres,
+# mean, rstd, op, ...). The strategy depends on op (which results exist) and on the flags after it.
 _FWD_STATIC_ARGNUM = 4
-_BWD_STATIC_ARGNUM = 6
+_BWD_STATIC_ARGNUM = 7
 
 
 def dtensor_class():
@@ -142,16 +142,17 @@ def _fwd_single_dim(x, residual, weight, bias, op_name: str, store_stats: bool) 
     return strategies
 
 
-def _bwd_single_dim(x, weight, dy, dres, mean, rstd, dx: bool, dw: bool, db: bool) -> list:
-    """[outputs (dx, dweight, dbias) + inputs (x, weight, dy, dres, mean, rstd)] per strategy."""
+def _bwd_single_dim(x, weight, bias, dy, dres, mean, rstd, dx: bool, dw: bool, db: bool) -> list:
+    """[outputs (dx, dweight, dbias) + inputs (saved, weight, bias, dy, dres, mean, rstd)] per strategy;
+    ``saved`` is x, or y for a backward from the output (it is placed like x either way)."""
     from torch.distributed.tensor import Partial, Replicate, Shard
 
     R = Replicate()
 
     def strategy(rows, stats, grad_in, grad_out, param_grad):
         outs = [grad_out if dx else R, param_grad if dw else R, param_grad if db else R]
-        ins = [rows, R if weight is not None else None, grad_in, grad_in if dres is not None else None,
-               stats if mean is not None else None, stats]
+        ins = [rows, R if weight is not None else None, R if bias is not None else None, grad_in,
+               grad_in if dres is not None else None, stats if mean is not None else None, stats]
         return outs + ins
 
     strategies = [strategy(R, R, R, R, R)]  # everything replicated: each rank reduces all rows, dW is complete
@@ -185,8 +186,9 @@ def _fwd_strategy_args(x, residual, weight, bias, op, eps, offset, casting, stor
     return _fwd_single_dim(x, residual, weight, bias, op, store_stats)
 
 
-def _bwd_strategy_args(x, weight, dy, dres, mean, rstd, op, offset, casting, dx, dw, db, b_dtype):
-    return _bwd_single_dim(x, weight, dy, dres, mean, rstd, dx, dw, db)
+def _bwd_strategy_args(saved, weight, bias, dy, dres, mean, rstd, op, offset, casting, dx, dw, db, b_dtype,
+                       from_output):
+    return _bwd_single_dim(saved, weight, bias, dy, dres, mean, rstd, dx, dw, db)
 
 
 def register() -> None:
@@ -203,7 +205,7 @@ def register() -> None:
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
 
-        import torch_frontend._ops  # noqa: F401  (defines the custom ops)
+        import torch_frontend._library_ops  # noqa: F401  (defines the custom ops)
 
         propagator = DTensor._op_dispatcher.sharding_propagator
         for overload, single_dim, n_outputs, static_argnum in (

@@ -8,6 +8,7 @@ from torch import nn
 
 from normkit.ops import LAYER_NORM, RMS_NORM
 from torch_frontend import functional as F
+from torch_frontend._save import check_save
 
 __all__ = ["RMSNorm", "LayerNorm", "FusedAddRMSNorm"]
 
@@ -30,9 +31,11 @@ def _last_dim(normalized_shape) -> tuple[int]:
 
 class _RMSBase(nn.Module):
     def __init__(self, normalized_shape, eps=1e-6, elementwise_affine=True, *, offset=0.0, casting_mode="llama",
-                 device=None, dtype=None):
+                 save="auto", device=None, dtype=None):
         super().__init__()
         RMS_NORM.options(eps=eps, offset=offset, casting_mode=casting_mode)  # raises, naming a bad option
+        check_save(save)
+        self.save = save
         self.normalized_shape = _last_dim(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
@@ -51,7 +54,7 @@ class _RMSBase(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
-                f"offset={self.offset}, casting_mode={self.casting_mode!r}")
+                f"offset={self.offset}, casting_mode={self.casting_mode!r}, save={self.save!r}")
 
 
 class RMSNorm(_RMSBase):
@@ -62,7 +65,7 @@ class RMSNorm(_RMSBase):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight, self.eps, offset=self.offset, casting_mode=self.casting_mode)
+        return F.rms_norm(x, self.weight, self.eps, offset=self.offset, casting_mode=self.casting_mode, save=self.save)
 
 
 class FusedAddRMSNorm(_RMSBase):
@@ -70,15 +73,18 @@ class FusedAddRMSNorm(_RMSBase):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return F.fused_add_rms_norm(x, residual, self.weight, self.eps, offset=self.offset,
-                                    casting_mode=self.casting_mode)
+                                    casting_mode=self.casting_mode, save=self.save)
 
 
 class LayerNorm(nn.Module):
     """LayerNorm over the last dimension; a drop-in for ``torch.nn.LayerNorm`` (same state dict)."""
 
-    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None, dtype=None):
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None, dtype=None, *,
+                 save="auto"):
         super().__init__()
         LAYER_NORM.options(eps=eps)  # raises, naming a bad eps
+        check_save(save)
+        self.save = save
         self.normalized_shape = _last_dim(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
@@ -100,7 +106,8 @@ class LayerNorm(nn.Module):
             nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.weight, self.bias, self.eps)
+        return F.layer_norm(x, self.weight, self.bias, self.eps, save=self.save)
 
     def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+        return (f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
+                f"save={self.save!r}")

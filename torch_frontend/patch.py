@@ -36,6 +36,7 @@ from torch import nn
 
 from normkit.ops import MAX_N
 from torch_frontend import functional as F
+from torch_frontend._save import SaveDecision, check_save, save_decision
 from torch_frontend.modules import FusedAddRMSNorm, LayerNorm, RMSNorm
 
 __all__ = ["patch_model", "unpatch_model", "PatchReport", "HFRMSNorm"]
@@ -230,6 +231,9 @@ class PatchReport:
     patched: list = dataclasses.field(default_factory=list)
     skipped: list = dataclasses.field(default_factory=list)
     fused: list = dataclasses.field(default_factory=list)  # (name, class) of layers whose residual add was fused
+    # (name, SaveDecision) of each patched norm: whether, frozen, its backward keeps the output
+    # (save="auto": decided for its current weight and inputs of the weight's dtype) and why
+    saves: list = dataclasses.field(default_factory=list)
     verb: str = "patched"
 
     def __len__(self) -> int:
@@ -255,6 +259,16 @@ class PatchReport:
                     else "its own forward again (residual add and norm apart)")
             lines.append(f"  {'fused' if self.verb == 'patched' else 'unfused'} {len(names):3d} x {cls}: {what}: "
                          f"{_names(names)}")
+        if self.saves:
+            outputs = [name for name, d in self.saves if d.saves_output]
+            lines.append(f"  backward keeps the output (not the input) in {len(outputs)} of {len(self.saves)} "
+                         "patched norm(s) when frozen")
+            kept: dict = {}
+            for name, d in self.saves:
+                if not d.saves_output:
+                    kept.setdefault(d.reason, []).append(name)
+            for reason, names in kept.items():
+                lines.append(f"  keeps the input {len(names):3d} x ({reason}): {_names(names)}")
         return "\n".join(lines)
 
     def _repr_pretty_(self, p, cycle):  # IPython shows the readable form
@@ -291,7 +305,7 @@ def _add_norm(norm: nn.Module, hidden_states: torch.Tensor, residual: torch.Tens
         w = norm.weight
         if w is None or torch.promote_types(w.dtype, hidden_states.dtype) == hidden_states.dtype:
             return F.fused_add_rms_norm(hidden_states, residual, w, norm.eps, offset=norm.offset,
-                                        casting_mode=norm.casting_mode)
+                                        casting_mode=norm.casting_mode, save=norm.save)
     hidden_states = residual + hidden_states
     return norm(hidden_states), hidden_states
 
@@ -364,6 +378,19 @@ def _fuse_residual_adds(model: nn.Module, report: PatchReport) -> None:
 # Public functions.
 
 
+def _decision(module: nn.Module, save: str) -> SaveDecision:
+    """What a patched norm's backward keeps when its parameters are frozen, for inputs of its weight's
+    dtype (a model's activations usually have it)."""
+    if save == "input":
+        return SaveDecision(False, "save='input'")
+    weight, bias = module.weight, getattr(module, "bias", None)
+    like = weight if weight is not None else bias
+    dtype = like.dtype if like is not None and like.dtype in _SUPPORTED_DTYPES else torch.float32
+    frozen = [t.detach() if t is not None else None for t in (weight, bias)]  # as if frozen
+    return save_decision(*frozen, dtype=dtype, offset=getattr(module, "offset", 0.0),
+                         casting_mode=getattr(module, "casting_mode", "gemma"))
+
+
 def _swap(model: nn.Module, replacements: dict[int, nn.Module]) -> None:
     """Replace every occurrence (a module may be shared) of each old module id by its new module."""
     for parent in list(model.modules()):
@@ -379,6 +406,7 @@ def patch_model(
     layer_norm: bool = True,
     include: Optional[Callable[[str, nn.Module], bool]] = None,
     fuse_residual_add: bool = False,
+    save: str = "auto",
 ) -> PatchReport:
     """Swap the norm modules of ``model`` for normkit's, in place, and report what was done.
 
@@ -396,6 +424,10 @@ def patch_model(
             hidden_states = self.post_attention_layernorm(hidden_states)`` (transformers' Llama,
             Mistral, Qwen2/3 layers) are rewritten, and only those three statements; other layers are
             listed in the report with the reason.
+        save: what the new modules' backward keeps (``torch_frontend.rms_norm``'s ``save``): with
+            ``"auto"``, a norm whose parameters are frozen keeps its output rather than its input
+            where its weight allows (one activation per norm less in a LoRA model); the report lists,
+            for each patched norm, which it keeps and why (``PatchReport.saves``).
 
     Returns:
         A ``PatchReport``; ``print(report)`` lists each swap and each skipped norm-looking module with
@@ -403,6 +435,7 @@ def patch_model(
         ``requires_grad``, state-dict keys unchanged) and remember the module they replaced, so
         ``unpatch_model`` can put it back. Patching twice changes nothing: normkit modules are skipped.
     """
+    check_save(save)
     report = PatchReport()
     replacements: dict[int, nn.Module] = {}
     for name, module in model.named_modules():
@@ -430,9 +463,11 @@ def patch_model(
             report.skipped.append((name, cls, new))
             continue
         new.train(module.training)
+        new.save = save
         object.__setattr__(new, _ORIGINAL, module)  # not a submodule: state_dict and .modules() ignore it
         replacements[id(module)] = new
         report.patched.append((name, cls, type(new)))
+        report.saves.append((name, _decision(new, save)))
     _swap(model, replacements)
     if fuse_residual_add:
         _fuse_residual_adds(model, report)

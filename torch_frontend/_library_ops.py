@@ -1,0 +1,172 @@
+"""The torch.library ops: normkit's passes as operators, for ``torch.compile`` and tensor subclasses.
+
+An eager call on plain tensors launches its bound plans directly (``_bound``), with no dispatcher.
+Two other callers need operators:
+
+- ``torch.compile`` on CUDA with static shapes: the ``torch.library.triton_op`` ops
+  ``normkit::norm_fwd_cuda`` / ``normkit::norm_bwd_cuda``, whose launches go through ``wrap_triton``:
+  Inductor emits the kernels into its generated code, and CUDA graphs capture them;
+- tensor subclasses (DTensor), and ``torch.compile`` on CPU or with dynamic shapes: the opaque custom
+  ops ``normkit::norm_fwd`` / ``normkit::norm_bwd`` with fake (meta) implementations; DTensor
+  dispatches them to its local shards (``_dtensor`` registers their sharding). Their bodies run on
+  real tensors and launch the same bound plans as an eager call (``_bound``).
+
+Row tensors keep the caller's shape ``(..., D)``; the per-row statistics have shape ``(...)``. An
+absent result is an empty ``(0,)`` tensor (the ops return ``Tensor[]``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from normkit import driver
+from normkit.ops import OPS, Casting, Grads, Op, Options
+from torch_frontend import _bound
+from torch_frontend._backend import INDUCTOR_BACKEND, TORCH_DTYPES, copy_rows, dtype_name, nd_shape, row_view
+
+FWD_RESULTS = ("Y", "S", "MEAN", "RSTD")
+BWD_RESULTS = ("DX", "DW", "DB")
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # what the eager path launches on directly
+
+
+def subclassed(*tensors) -> bool:
+    """A tensor subclass (DTensor, FakeTensor, ...) among ``tensors``; a module's ``nn.Parameter`` is plain."""
+    return any(t is not None and type(t) not in _PLAIN for t in tensors)
+
+
+def _operators(x, *tensors) -> tuple:
+    """The ``(forward, backward)`` ops of a call: the triton ops when compiling plain CUDA tensors, the
+    opaque custom ops otherwise (tensor subclasses; compiling on CPU or with symbolic shapes)."""
+    # Symbolic shapes cannot be told apart here (dynamo answers isinstance(SymInt, int) with True); the
+    # triton ops hand such calls to the opaque ops themselves (_traced_forward / _traced_backward).
+    if (torch.compiler.is_compiling() and x.device.type == "cuda" and not subclassed(x, *tensors)
+            and triton_ops_registered()):
+        return torch.ops.normkit.norm_fwd_cuda, torch.ops.normkit.norm_bwd_cuda
+    return torch.ops.normkit.norm_fwd, torch.ops.normkit.norm_bwd
+
+
+def _absent(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty((0,))
+
+
+def _symbolic(x: torch.Tensor) -> bool:
+    """Sizes that are SymInts (``torch.compile(dynamic=True)``): no plan can be sized from them. Run
+    inside an op's body (fake-tensor tracing), where a SymInt is not an int, unlike in dynamo's trace."""
+    return not all(isinstance(d, int) for d in x.shape)
+
+
+def _rows(t, name):
+    if t is None:
+        return None
+    rows = row_view(t)
+    return rows if rows is not None else copy_rows(t, name)
+
+
+def _norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
+              bias: Optional[torch.Tensor], op: str, eps: float, offset: float, casting: int,
+              store_stats: bool) -> list[torch.Tensor]:
+    """(y, residual_out, mean, rstd) of real tensors: the bound plans of the call's signature."""
+    spec, opts = OPS[op], Options(eps, offset, Casting(casting))
+    k = _bound.key(spec, eps, offset, casting, store_stats, False, x, residual, weight, bias)
+    bound = _bound.BOUND.get(k) or _bound.bind(k, spec, opts, store_stats, False)
+    return [t if t is not None else _absent(x) for t in bound.forward(x, residual, weight, bias)]
+
+
+def _norm_bwd(saved: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], dy: torch.Tensor,
+              dres: Optional[torch.Tensor], mean: Optional[torch.Tensor], rstd: torch.Tensor, op: str, offset: float,
+              casting: int, dx: bool, dw: bool, db: bool, b_dtype: torch.dtype,
+              from_output: bool) -> list[torch.Tensor]:
+    """(dx, dweight, dbias) of real tensors; a result not asked for is an empty (0,) tensor."""
+    spec, opts = OPS[op], Options(0.0, offset, Casting(casting))
+    # a Bound of the backward alone, keyed on its options (its plans are kept per layout inside it)
+    k = ("backward", op, offset, casting, b_dtype, from_output)
+    bound = _bound.BOUND.get(k) or _bound.bind(k, spec, opts, True, from_output, dtype_name(b_dtype))
+    outs = bound.backward(saved, weight, bias, dy, dres, mean, rstd, Grads(dx, dw, db))
+    return [t if t is not None else _absent(saved) for t in outs]
+
+
+def _inductor_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
+                  bias: Optional[torch.Tensor], op: str, eps: float, offset: float, casting: int,
+                  store_stats: bool) -> list[torch.Tensor]:
+    """The triton op's body: the driver's launches through ``wrap_triton``, traced by Inductor."""
+    if _symbolic(x):  # traced with symbolic shapes: no plan can be made, the opaque op runs instead
+        return torch.ops.normkit.norm_fwd(x, residual, weight, bias, op, eps, offset, casting, store_stats)
+    shape = x.shape
+    outs = driver.forward(INDUCTOR_BACKEND, OPS[op], _rows(x, "x"), _rows(residual, "residual"), weight, bias,
+                          Options(eps, offset, Casting(casting)), store_stats)
+    lead = shape[:-1]
+    return [t.view(shape if i < 2 else lead) if t is not None else _absent(x) for i, t in enumerate(outs)]
+
+
+def _inductor_bwd(saved: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                  dy: torch.Tensor, dres: Optional[torch.Tensor], mean: Optional[torch.Tensor], rstd: torch.Tensor,
+                  op: str, offset: float, casting: int, dx: bool, dw: bool, db: bool, b_dtype: torch.dtype,
+                  from_output: bool) -> list[torch.Tensor]:
+    if _symbolic(saved):
+        return torch.ops.normkit.norm_bwd(saved, weight, bias, dy, dres, mean, rstd, op, offset, casting, dx, dw, db,
+                                          b_dtype, from_output)
+    rows = lambda t: None if t is None else t.reshape(-1).contiguous()  # noqa: E731  (statistics)
+    outs = driver.backward(INDUCTOR_BACKEND, OPS[op], _rows(saved, "the saved input"), weight,
+                           _rows(dy, "the output gradient"), _rows(dres, "the residual_out gradient"), rows(mean),
+                           rows(rstd), Options(0.0, offset, Casting(casting)), Grads(dx, dw, db),
+                           dtype_name(b_dtype), bias, from_output)
+    return [t.view(saved.shape) if i == 0 and t is not None else t if t is not None else _absent(saved)
+            for i, t in enumerate(outs)]
+
+
+_norm_fwd_op = torch.library.custom_op("normkit::norm_fwd", _norm_fwd, mutates_args=())
+_norm_bwd_op = torch.library.custom_op("normkit::norm_bwd", _norm_bwd, mutates_args=())
+
+
+@_norm_fwd_op.register_fake
+def _(x, residual, weight, bias, op, eps, offset, casting, store_stats):
+    M, N = x.numel() // max(x.shape[-1], 1), x.shape[-1]
+    specs = OPS[op].fwd_buffers(M, N, dtype_name(x.dtype), store_stats)
+    return [x.new_empty(nd_shape(name, x.shape, specs[name][0]), dtype=TORCH_DTYPES[specs[name][1]])
+            if name in specs else _absent(x) for name in FWD_RESULTS]
+
+
+@_norm_bwd_op.register_fake
+def _(saved, weight, bias, dy, dres, mean, rstd, op, offset, casting, dx, dw, db, b_dtype, from_output):
+    M, N = saved.numel() // max(saved.shape[-1], 1), saved.shape[-1]
+    w_dtype = dtype_name(weight.dtype) if weight is not None else None
+    specs = OPS[op].bwd_buffers(M, N, dtype_name(saved.dtype), Grads(dx, dw, db), w_dtype, dtype_name(b_dtype))
+    return [saved.new_empty(nd_shape(name, saved.shape, specs[name][0]), dtype=TORCH_DTYPES[specs[name][1]])
+            if name in specs else _absent(saved) for name in BWD_RESULTS]
+
+
+TRITON_OPS: list = []
+
+
+def triton_ops_registered() -> bool:
+    """Registers ``normkit::norm_fwd_cuda`` / ``normkit::norm_bwd_cuda`` (the custom ops' schema, as
+    ``torch.library.triton_op``) on first use. Registering imports torch._dynamo (1.4 s), so it waits
+    for the first compilation. Dynamo runs this function as it is rather than tracing it (what
+    ``torch.compiler.assume_constant_result`` marks; the mark is set by hand because that function
+    imports torch._dynamo too)."""
+    if not TRITON_OPS:
+        TRITON_OPS.append(torch.library.triton_op("normkit::norm_fwd_cuda", _inductor_fwd, mutates_args=()))
+        TRITON_OPS.append(torch.library.triton_op("normkit::norm_bwd_cuda", _inductor_bwd, mutates_args=()))
+    return True
+
+
+triton_ops_registered._dynamo_marked_constant = True  # torch._dynamo.decorators.assume_constant_result
+
+
+def forward(op: Op, x, residual, weight, bias, opts: Options, store_stats: bool) -> tuple:
+    """``(y, residual_out, mean, rstd)`` through the call's operators; an absent result is None."""
+    fwd, _ = _operators(x, residual, weight, bias)
+    outs = fwd(x, residual, weight, bias, op.name, opts.eps, opts.offset, int(opts.casting), store_stats)
+    present = op.fwd_buffers(1, 1, "float32", store_stats)
+    return tuple(t if name in present else None for name, t in zip(FWD_RESULTS, outs))
+
+
+def backward(op: Op, saved, weight, bias, dy, dres, mean, rstd, opts: Options, grads: Grads, b_dtype: torch.dtype,
+             from_output: bool) -> tuple:
+    """``(dx, dweight, dbias)`` through the call's operators; a result not asked for is None."""
+    _, bwd = _operators(saved, weight, dy, dres)
+    outs = bwd(saved, weight, bias if from_output else None, dy, dres, mean, rstd, op.name, opts.offset,
+               int(opts.casting), grads.dx, grads.dw, grads.db, b_dtype, from_output)
+    return tuple(t if want else None for t, want in zip(outs, (grads.dx, grads.dw, grads.db)))

@@ -1,0 +1,163 @@
+"""What a norm keeps for its backward: its input, or, with every parameter frozen, its output.
+
+With the weight and bias frozen (LoRA, PEFT), the normalized row can be recovered from the output:
+``x_hat = (y - bias) / (weight + offset)``, so the backward needs y instead of x (``normkit.driver``,
+``from_output``). In a LoRA model y is kept alive anyway (the adapter's first linear saves it), so
+the norm's saved x, often the only reference left to that activation, is freed: one activation per
+norm less.
+
+``save="auto"`` (the default) keeps the output where every parameter is frozen, x needs a
+gradient, and the weight is *safe*: no column of ``weight + offset`` so small, nor of the bias so
+large against it, that dividing by it loses x_hat in x's dtype (``normkit.ops.OUTPUT_W_MIN``,
+``OUTPUT_BIAS_RATIO``). Otherwise it keeps the input. ``"input"`` always keeps the input;
+``"output"`` always keeps the output, and raises where a parameter is trained or the weight is
+unsafe.
+
+Safety is read from the weight's values once per version of it (its data pointer and
+``_version``): one host synchronization when a frozen weight is first seen or changed, never one
+per call. ``save_decision`` answers the same question for a weight, with the reason.
+
+Where the values cannot be read (``torch.compile`` traces fake tensors), ``"auto"`` keeps the output
+of an RMSNorm and of a LayerNorm without a bias, and the input of a LayerNorm with one (a trained
+LayerNorm's bias is often larger than its weight in some columns). A weight that turns out unsafe
+there makes the kernels' dx NaN (never a quietly wrong gradient); ``save="input"`` avoids it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Optional
+
+import torch
+
+from normkit.ops import CASTING_MODES, OUTPUT_BIAS_RATIO, OUTPUT_W_MIN, Casting, Op
+
+SAVES = ("auto", "input", "output")
+Save = Literal["auto", "input", "output"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveDecision:
+    """Whether a norm with this weight keeps its output for the backward (``saves_output``), and why."""
+
+    saves_output: bool
+    reason: str
+
+    def __bool__(self) -> bool:
+        return self.saves_output
+
+
+def check_save(save) -> None:
+    if not isinstance(save, str) or save not in SAVES:
+        raise ValueError(f"normkit: save must be one of {SAVES}; got {save!r}")
+
+
+def _trained_error(op: Op, names) -> ValueError:
+    return ValueError(f"normkit: save='output' needs every parameter of {op.name} frozen, but {' and '.join(names)} "
+                      f"{'requires' if len(names) == 1 else 'require'} a gradient (dW needs the input); pass "
+                      "save='auto' or 'input'")
+
+
+def _unsafe_column(weight, bias, offset: float, casting: Casting, x_dtype: torch.dtype) -> str | None:
+    """Why x_hat cannot be recovered from y with this weight (the first column that fails), or None."""
+    name = str(x_dtype).removeprefix("torch.")
+    w_min, ratio = OUTPUT_W_MIN[name], OUTPUT_BIAS_RATIO
+    with torch.no_grad():
+        w = torch.ones((), dtype=torch.float32, device=(weight if weight is not None else bias).device)
+        if weight is not None:
+            w = weight.detach().float() + offset
+            if casting == Casting.INPUT_DTYPE:  # the forward multiplies by the weight rounded to x's dtype
+                w = w.to(x_dtype).float()
+        unsafe = ~torch.isfinite(w) | (w.abs() < w_min)
+        if bias is not None:
+            b = bias.detach().float()
+            unsafe = unsafe | torch.isnan(b) | (b.abs() > ratio * w.abs())
+        if not bool(unsafe.any()):  # the one host synchronization
+            return None
+        j = int(unsafe.reshape(-1).nonzero()[0, 0])
+        wj = float(w.reshape(-1)[j if w.dim() else 0])
+        if bias is not None and abs(float(bias.reshape(-1)[j])) > ratio * abs(wj):
+            return (f"column {j}: |bias| = {abs(float(bias.reshape(-1)[j])):.3g} exceeds {ratio:g} x |weight| = "
+                    f"{abs(wj):.3g}, so y - bias cancels and x_hat cannot be recovered in {name}")
+        return (f"column {j}: weight{' + offset' if offset else ''} = {wj:.3g}, below {w_min:.3g} in magnitude or not "
+                f"finite, so x_hat = y / weight cannot be recovered in {name}")
+
+
+_SAFETY: dict = {}
+_SAFETY_LIMIT = 1024
+
+
+def _version_key(t) -> tuple | None:
+    if t is None:
+        return None
+    return t.data_ptr(), t._version, t.dtype, t.device, t.shape, t.stride()
+
+
+def _reason(weight, bias, offset: float, casting: Casting, x_dtype: torch.dtype) -> str | None:
+    """``_unsafe_column``, remembered per version of the weight and bias."""
+    key = (_version_key(weight), _version_key(bias), offset, casting, x_dtype)
+    try:
+        return _SAFETY[key]
+    except KeyError:
+        pass
+    if len(_SAFETY) >= _SAFETY_LIMIT:
+        _SAFETY.clear()
+    reason = _SAFETY[key] = _unsafe_column(weight, bias, offset, casting, x_dtype)
+    return reason
+
+
+def saves_output(op: Op, save: str, x, weight, bias, offset: float, casting: Casting) -> bool:
+    """Eager: whether a call whose forward stores statistics for a backward keeps its output. Raises
+    for ``save="output"`` with a trained parameter or an unsafe weight (the reason named)."""
+    if save == "input":
+        return False
+    trained = [n for n, t in (("weight", weight), ("bias", bias)) if t is not None and t.requires_grad]
+    if trained:
+        if save == "output":
+            raise _trained_error(op, trained)
+        return False
+    if weight is None and bias is None:
+        return True
+    reason = _reason(weight, bias, offset, casting, x.dtype)
+    if reason is None:
+        return True
+    if save == "output":
+        raise ValueError(f"normkit: save='output' cannot recover x_hat from the output with this weight: {reason}; "
+                         "pass save='auto' or 'input'")
+    return False
+
+
+def traced_saves_output(op: Op, save: str, weight, bias) -> bool:
+    """Traced (``torch.compile``), where the weight's values are unseen: the rule of the module
+    docstring. Raises for ``save="output"`` with a trained parameter."""
+    if save == "input":
+        return False
+    trained = [n for n, t in (("weight", weight), ("bias", bias)) if t is not None and t.requires_grad]
+    if trained:
+        if save == "output":
+            raise _trained_error(op, trained)
+        return False
+    return save == "output" or bias is None
+
+
+def save_decision(weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, *,
+                  dtype: torch.dtype, offset: float = 0.0, casting_mode: str = "llama") -> SaveDecision:
+    """Whether a frozen norm with this ``weight`` (and ``bias``), on inputs of ``dtype``, keeps its output
+    for the backward under ``save="auto"``, and why (``SaveDecision.reason``).
+
+    ``casting_mode`` and ``offset`` as in ``rms_norm`` (a LayerNorm passes neither). A trained weight
+    or bias keeps the input: dW and dB need it.
+    """
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"normkit: dtype must be torch.float32, bfloat16 or float16 (x's dtype); got {dtype}")
+    if casting_mode not in CASTING_MODES:
+        raise ValueError(f"normkit: unknown casting_mode {casting_mode!r}; expected one of {sorted(CASTING_MODES)}")
+    trained = [n for n, t in (("weight", weight), ("bias", bias)) if t is not None and t.requires_grad]
+    if trained:
+        return SaveDecision(False, f"{' and '.join(trained)} {'is' if len(trained) == 1 else 'are'} trained: "
+                                   "the backward needs the input for dW/dB")
+    if weight is None and bias is None:
+        return SaveDecision(True, "no weight or bias: x_hat is the output itself")
+    reason = _reason(weight, bias, float(offset), CASTING_MODES[casting_mode], dtype)
+    if reason is None:
+        return SaveDecision(True, "every parameter frozen and the weight safe: x_hat = (y - bias) / weight")
+    return SaveDecision(False, reason)
