@@ -11,6 +11,8 @@ JAX (``jax_cases``): in one process with 2 devices, every op through every imple
 trained and with frozen parameters; against the float64 reference and the unsharded run, reading
 the compiled HLO's collectives (``benchmarks.hlo``). Also a weight sharded FSDP-style, vmap, eager
 calls, the GSPMD partitioner, the caller's own shard_map, replicated inputs and the placement errors.
+``jax_hidden_split``: x split along its normalized dimension on an Auto mesh, under whichever
+partitioner the process runs; a group of its own, which the tests run in a subprocess per partitioner.
 
 Every case is a JSON-able dict; ``torch_failures`` / ``jax_failures`` list what is wrong with one
 (empty when it passes), so that the tests and the GPU script judge results the same way.
@@ -19,12 +21,15 @@ Command line (each in its own process; the tests run these with a timeout)::
 
     python -m benchmarks.dist_workers torch --out results.json     # spawns 2 gloo ranks on CPU
     python -m benchmarks.dist_workers jax --out results.json       # 2 host-platform CPU devices
+    JAX_USE_SHARDY_PARTITIONER=false python -m benchmarks.dist_workers jax --group hidden_split --out results.json
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -815,24 +820,20 @@ def jax_replicated(shape=TINY, devices=None) -> list[dict]:
 
 JAX_ERROR_EXPECTATIONS = {
     "x_sharded_on_normalized_dim": ("ValueError", "normalized (last) dimension is sharded"),
-    "x_sharded_on_normalized_dim_auto": ("JaxRuntimeError", "normalized (last) dimension is sharded"),
     "residual_sharded_differently": ("ValueError", "residual has sharding", "sharded alike"),
 }
 
 
 def jax_error_cases(shape=TINY, devices=None) -> list[dict]:
-    """Placements the kernels cannot run on locally. Explicit axes: a ValueError when the op is traced.
-    Auto axes: the partitioner proposes the sharding at compile time, and normkit's ValueError comes
-    back from XLA as a JaxRuntimeError carrying its message."""
+    """Placements the kernels cannot run on locally, in the inputs' types (Explicit axes): a ValueError
+    when the op is traced. (With Auto axes the placement is the partitioner's: ``jax_hidden_split``.)"""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import jax_frontend as jf
 
     mesh = jax.make_mesh((2,), ("sp",), devices=devices)
-    auto = jax.make_mesh((2,), ("sp",), axis_types=(AxisType.Auto,), devices=devices)
     x = jnp.ones(shape, jnp.float32)
     w = jnp.ones(shape[-1], jnp.float32)
     out = []
@@ -845,9 +846,116 @@ def jax_error_cases(shape=TINY, devices=None) -> list[dict]:
         }
         for name, fn in cases.items():
             out.append(_error_case(name, fn))
-    x_auto = jax.device_put(x, NamedSharding(auto, P(None, None, "sp")))
-    out.append(_error_case("x_sharded_on_normalized_dim_auto", lambda: jax.jit(jf.rms_norm)(x_auto, w)))
     return out
+
+
+JAX_HIDDEN_SPLIT = {  # case -> (how x's normalized dimension comes to be split, the op)
+    "hidden_split_committed": ("committed", "layer_norm"),  # x placed so, then jit
+    "hidden_split_constrained": ("constrained", "fused_add_rms_norm"),  # rows split, then constrained under jit
+}
+JAX_HIDDEN_SPLIT_ERRORS = {  # outside jit the committed placement is known: refused
+    "hidden_split_eager": ("ValueError", "x of shape", "P(None, None, 'sp')", "normalized (last) dimension is sharded",
+                           "leading (batch or sequence) dimensions"),
+}
+GATHER_WARNING = ("splits its normalized (last) dimension", "all-gather of x", "leading (batch or sequence)")
+
+
+@contextlib.contextmanager
+def _logged(logger_name: str):
+    """The messages logged to ``logger_name`` inside the block (a list, filled as they come)."""
+    messages = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    handler = Collect(logging.WARNING)
+    logger = logging.getLogger(logger_name)
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+
+
+def jax_hidden_split(shape=TINY, devices=None) -> list[dict]:
+    """x split along its normalized (last) dimension on a 2-device Auto mesh, under the partitioner
+    this process runs: Shardy (jax's default) or GSPMD (``JAX_USE_SHARDY_PARTITIONER=false``). A Python
+    exception in GSPMD's sharding callback aborts the process, so the tests run this group in a
+    subprocess of its own for each partitioner.
+
+    Under ``jit`` (x committed to ``P(None, None, "sp")``, or its rows split and x constrained so
+    inside the function) the sharding is chosen after tracing: the rule asks for the normalized
+    dimension whole, the partitioner gathers it, and the outputs and every input's gradient match
+    the float64 reference and the unsharded run; the rule logs a warning naming the gather. Outside
+    ``jit`` the committed placement is known: a ValueError naming x's sharding, before any launch."""
+    import jax
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jax_frontend as jf
+
+    partitioner = "shardy" if jax.config.jax_use_shardy_partitioner else "gspmd"
+    implementation = runnable_implementations()[0]  # triton where it runs: its CPU route has the most to lose
+    mesh = jax.make_mesh((2,), ("sp",), axis_types=(AxisType.Auto,), devices=devices)
+    out = []
+    for name, (how, op_name) in JAX_HIDDEN_SPLIT.items():
+        try:
+            case = _hidden_split_case(name, how, op_name, implementation, mesh, shape)
+        except Exception:  # noqa: BLE001
+            case = {"kind": "hidden_split", "name": name, "crash": traceback.format_exc()[-3000:]}
+        out.append({**case, "partitioner": partitioner})
+    rng = np.random.default_rng(_seed("hidden_split_eager"))
+    x = jax.device_put(np.asarray(rng.standard_normal(shape), np.float32), NamedSharding(mesh, P(None, None, "sp")))
+    w = np.asarray(rng.uniform(0.5, 1.5, shape[-1]), np.float32)
+    case = _error_case("hidden_split_eager", lambda: jf.rms_norm(x, w, implementation=implementation))
+    out.append({**case, "partitioner": partitioner})
+    return out
+
+
+def _hidden_split_case(name: str, how: str, op_name: str, implementation: str, mesh, shape) -> dict:
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from normkit.testing import poisoned_outputs, random_inputs
+
+    op = OPS[op_name]
+    data = random_inputs(op, tuple(shape), "float32", np.random.default_rng(_seed(name)))
+    inputs = {n: np.asarray(data[n], np.float32) for n in op.inputs}
+    cots = tuple(np.asarray(data[k], np.float32) for k in (("dy", "ds") if op.has_residual else ("dy",)))
+    outputs = _jax_fn(op_name, implementation)
+    hidden = NamedSharding(mesh, P(None, None, "sp"))
+
+    def run(a, cots, constrain: bool):  # the outputs and every input's gradient
+        if constrain:
+            a = {**a, "x": jax.lax.with_sharding_constraint(a["x"], hidden)}
+        outs, vjp = jax.vjp(outputs, a)
+        return outs, vjp(cots)[0]
+
+    rows = hidden if how == "committed" else NamedSharding(mesh, P("sp"))
+    placed = jax.device_put((inputs, cots), ({n: rows if n in op.row_inputs else NamedSharding(mesh, P())
+                                              for n in op.inputs}, tuple(rows for _ in cots)))
+    with _logged("jax_frontend._custom_partitioning") as logged, poisoned_outputs():  # compiled, hence poisoned, here
+        outs, grads = jax.jit(run, static_argnums=2)(*placed, how == "constrained")
+        outs, grads = jax.block_until_ready((outs, grads))
+    plain_outs, plain_grads = jax.jit(run, static_argnums=2)(inputs, cots, False)  # one device
+    ref_out, ref_grads = op.run_reference(inputs, op.options(eps=op.default_eps), dict(zip(op.outputs, cots)))
+    M = int(np.prod(shape[:-1]))
+    checks = [(o, outs[i], ref_out[o], plain_outs[i], 1) for i, o in enumerate(op.outputs)]
+    checks += [("d" + n, grads[n], ref_grads[n], plain_grads[n], M if n in op.params else 1) for n in op.inputs]
+    errors = {}
+    for what, got, ref, plain, reduced_over in checks:
+        errors[what] = _err(np.asarray(got), ref, "float32", what, reduced_over)
+        # Every row is whole on the device that normalizes it: the Triton kernels' row results bitwise
+        # as on one device; dW/dB (summed per device, then across devices, wherever the partitioner
+        # splits the rows) and the other implementations within the tolerance table.
+        diff = float(np.abs(np.asarray(got, np.float64) - np.asarray(plain, np.float64)).max())
+        errors[f"{what} against the unsharded run"] = (
+            {"ok": diff == 0.0, "message": f"differs by {diff}"} if implementation == "triton" and reduced_over == 1
+            else _err(np.asarray(got), np.asarray(plain), "float32", what, reduced_over))
+    return {"kind": "hidden_split", "name": name, "implementation": implementation, "op": op_name, "how": how,
+            "errors": errors, "logged": logged}
 
 
 def _error_case(name: str, fn) -> dict:
@@ -894,6 +1002,9 @@ def jax_cases(shape=TINY, devices=None) -> list[dict]:
         except Exception:  # noqa: BLE001
             out.append({"kind": fn.__name__, "name": fn.__name__, "crash": traceback.format_exc()[-3000:]})
     return out
+
+
+JAX_GROUPS = {"all": jax_cases, "hidden_split": jax_hidden_split}
 
 
 def _moves_activation(h: dict, N: int, reduced: int) -> bool:
@@ -967,9 +1078,12 @@ def jax_failures(case: dict) -> list[str]:
         tol = 1e-5 if name.endswith("xla") else 0.0
         if any(d > tol for d in case["diff"].values()):
             bad.append(f"{name}: gradients differ from the unsharded run by {case['diff']} (allowed {tol})")
+    elif kind == "hidden_split":
+        if not any(all(w in m for w in GATHER_WARNING) for m in case["logged"]):
+            bad.append(f"{name}: expected a warning naming the gather ({GATHER_WARNING}); logged {case['logged']}")
     elif kind == "error":
         err = case["error"] or ""
-        exc, *words = JAX_ERROR_EXPECTATIONS[name]
+        exc, *words = {**JAX_ERROR_EXPECTATIONS, **JAX_HIDDEN_SPLIT_ERRORS}[name]
         if not err.startswith(exc + ":") or not all(w in err for w in words + ["normkit:"]):
             bad.append(f"{name}: expected {exc} mentioning {words}; got {err[:2000] or 'no error'}")
         if case["launches"]:
@@ -984,6 +1098,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("frontend", choices=("torch", "jax"))
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--group", choices=tuple(JAX_GROUPS), default="all",
+                        help="jax: the cases to run (hidden_split: x split along its normalized dimension)")
     args = parser.parse_args(argv)
     if args.frontend == "torch":
         run_torch_cpu(args.out)
@@ -993,7 +1109,7 @@ def main(argv=None) -> int:
         if len(jax.devices()) < 2:
             raise SystemExit("normkit: the JAX cases need 2 devices: set "
                              "XLA_FLAGS=--xla_force_host_platform_device_count=2 before starting Python")
-        args.out.write_text(json.dumps(jax_cases(), indent=1))
+        args.out.write_text(json.dumps(JAX_GROUPS[args.group](devices=jax.devices()[:2]), indent=1))
     return 0
 
 

@@ -20,8 +20,23 @@ no rule to consult. The rule:
   vector of N, never the activation), and returns the per-device computation: the same primitive
   on the device's rows, then ``psum`` of dW/dB over exactly the mesh axes the rows are split on.
   A frozen parameter's gradient is not computed, so nothing is reduced;
-- an x sharded along its normalized (last) dimension raises ``ValueError`` from ``partition``
-  (XLA reports it as a ``JaxRuntimeError`` at compile time, with normkit's message).
+- neither callback raises, whatever sharding it is handed. Under the GSPMD partitioner
+  (``jax_use_shardy_partitioner=False``) jaxlib CHECKs the status of ``infer_sharding_from_operands``,
+  so a Python exception there aborts the whole process (SIGABRT; jax 0.10.2, and XLA's
+  ``custom_partition_callback.cc`` keeps the check); one from ``partition`` comes back as a
+  ``JaxRuntimeError`` under both partitioners. So an x that arrives split along its normalized
+  (last) dimension (constrained to ``P(..., "sp")`` under ``jit``, or committed so) is given a
+  placement with that dimension whole: both partitioners then gather it (an all-gather of the
+  activation before the op) and the op runs on whole rows, correctly, and ``partition`` logs a
+  warning naming x's sharding and the remedy. An operand without a sharding yet counts as
+  replicated; in a program without a mesh (x placed by a ``GSPMDSharding``) the op runs whole on
+  every device, also with a warning.
+
+Where the sharding is known before compilation the placement is refused instead, with a
+``ValueError`` naming x, its sharding and what to do: in x's type (Explicit axes:
+``_shard_map.placed``, at trace time), and on a committed array outside ``jit`` (``_eager``, before
+the primitive is compiled). Under ``jit`` with Auto axes the sharding is in no type, so only the
+partitioner sees it, and gathering is the one answer it can give.
 
 Why ``custom_partitioning``: with Auto axes the sharding is chosen after tracing and is not in any
 type, so the op cannot state its partition itself (as ``_shard_map`` does for Explicit axes); only
@@ -43,20 +58,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import jax
 import jax.extend as jex
 import jax.numpy as jnp
+import numpy as np
 from jax._src import dispatch  # prim_requires_devices_during_lowering: below
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import ad, batching, mlir
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_frontend import _launch, _rows, _shard_map
 from jax_frontend._implementation import FORWARD_MODE_ERROR, Implementation
 from jax_frontend._rows import COLUMN, LAYOUT, ROW, STAT, Pass
 from normkit.ops import Grads, Op, Options
+
+_log = logging.getLogger(__name__)
 
 rows_p = jex.core.Primitive("normkit_rows")
 rows_p.multiple_results = True
@@ -124,8 +143,15 @@ def _batch(args, dims, *, pass_: Pass, route):
 
 def _eager(*args, pass_: Pass, route):
     """Outside jit: on arrays spread over several devices, compiled alone by ``jax.jit`` (so
-    partitioned per device like under jit); otherwise run as traced code, op by op."""
+    partitioned per device like under jit); otherwise run as traced code, op by op.
+
+    Raises ``ValueError`` (before anything is compiled or launched) for an x whose committed
+    sharding splits its normalized (last) dimension: here the placement is known, so it is refused
+    rather than gathered."""
     if any(len(a.sharding.device_set) > 1 for a in args if isinstance(a, jax.Array)):
+        x = args[0]  # x is the first input of every pass
+        if isinstance(x.sharding, NamedSharding):
+            _rows.check_rows_whole(tuple(x.shape), _rows.spec_entries(x.sharding, x.ndim), _REMEDY)
         return _compiled_alone(pass_, route)(*args)
     return pass_.run(*args)
 
@@ -211,23 +237,50 @@ def sharding_rule(pass_: Pass) -> str:
             + ", ".join(term[LAYOUT[n]] for n in pass_.outputs))
 
 
-def _shardings(mesh, x) -> tuple[dict, tuple]:
-    """({layout: NamedSharding}, the mesh axes x's rows are split over) for x (a ShapeDtypeStruct
-    carrying the sharding the partitioner proposes)."""
-    if not isinstance(x.sharding, NamedSharding):
-        raise ValueError(f"normkit: x of shape {tuple(x.shape)} is placed by {x.sharding}, which names no mesh axes; "
-                         "place the inputs with a jax.sharding.NamedSharding")
-    spec = _rows.spec_entries(x.sharding, len(x.shape))
-    _rows.check_rows_whole(tuple(x.shape), spec, "constrain x (jax.lax.with_sharding_constraint) to a sharding of "
-                                                  "its leading (batch or sequence) dimensions")
+_REMEDY = ("place x on a sharding of its leading (batch or sequence) dimensions only (jax.device_put, or "
+           "jax.lax.with_sharding_constraint under jit)")
+
+
+def _shardings(mesh, x) -> tuple[dict, tuple, Mesh]:
+    """({layout: sharding}, the mesh axes x's rows are split over, the mesh) for x, a ShapeDtypeStruct
+    carrying the sharding the partitioner proposes (None: not chosen yet).
+
+    Never raises (see the module docstring): x's leading dimensions keep their sharding and its last
+    dimension is whole; an x without a sharding counts as replicated; without a mesh (x placed by a
+    ``GSPMDSharding``) every buffer is whole on every device, on a one-axis mesh of x's devices."""
+    sharding = x.sharding
+    if mesh.empty:
+        devices = sorted(sharding.device_set, key=lambda d: d.id) if sharding is not None else jax.devices()[:1]
+        whole = NamedSharding(Mesh(np.array(devices), ("devices",)), P())  # HLO: replicated
+        return {ROW: whole, STAT: whole, COLUMN: whole}, (), whole.mesh
+    spec = (_rows.spec_entries(sharding, len(x.shape)) if isinstance(sharding, NamedSharding)
+            else (None,) * len(x.shape))
     lead = spec[:-1]
     row_axes = tuple(axis for entry in lead for axis in _rows.mesh_axes(entry))
-    return {ROW: NamedSharding(mesh, P(*lead, None)), STAT: NamedSharding(mesh, P(*lead)),
-            COLUMN: NamedSharding(mesh, P())}, row_axes
+    return ({ROW: NamedSharding(mesh, P(*lead, None)), STAT: NamedSharding(mesh, P(*lead)),
+             COLUMN: NamedSharding(mesh, P())}, row_axes, mesh)
+
+
+def _gathered(pass_: Pass, mesh, x) -> str | None:
+    """Why ``partition`` gathers x's rows (a warning's text), or None where it keeps them in place."""
+    what = f"normkit: {pass_.op.name}'s {'forward' if pass_.grads is None else 'backward'}: x of shape {tuple(x.shape)}"
+    if mesh.empty and x.sharding is not None and len(x.sharding.device_set) > 1:
+        return (f"{what} is placed by {x.sharding}, which names no mesh: the op runs on the whole array on every "
+                "device (XLA's partitioner gathers it); place the inputs with a jax.sharding.NamedSharding")
+    if isinstance(x.sharding, NamedSharding):
+        spec = _rows.spec_entries(x.sharding, len(x.shape))
+        if _rows.mesh_axes(spec[-1]):
+            return (f"{what} arrives with sharding {_rows.show(spec)}, which splits its normalized (last) dimension "
+                    f"over mesh axes {_rows.mesh_axes(spec[-1])}: XLA's partitioner gathers that dimension (an "
+                    f"all-gather of x) and the op runs on whole rows; {_REMEDY} to keep x in place")
+    return None
 
 
 def _partition(pass_: Pass, route, mesh, arg_shapes, result_shape):
-    shardings, row_axes = _shardings(mesh, arg_shapes[0])
+    why = _gathered(pass_, mesh, arg_shapes[0])
+    shardings, row_axes, mesh = _shardings(mesh, arg_shapes[0])
+    if why is not None:
+        _log.warning(why)
 
     def per_device(*arrays):
         return pass_.reduce_columns(rows_p.bind(*arrays, pass_=pass_, route=route), row_axes)
@@ -237,5 +290,5 @@ def _partition(pass_: Pass, route, mesh, arg_shapes, result_shape):
 
 
 def _infer(pass_: Pass, mesh, arg_shapes, result_shape):
-    shardings, _ = _shardings(mesh, arg_shapes[0])
+    shardings, _, _ = _shardings(mesh, arg_shapes[0])
     return [shardings[LAYOUT[n]] for n in pass_.outputs]

@@ -8,12 +8,17 @@ Each is judged by ``dist_workers.jax_failures``: results against the float64 ref
 unsharded run, outputs sharded like x, and the compiled HLO (``benchmarks.hlo``): no collective that
 moves an activation, one all-reduce of dW/dB per trained parameter, none for a frozen one.
 
+x split along its normalized dimension on an Auto mesh (``dist_workers.jax_hidden_split``) runs in a
+subprocess of its own for each partitioner, on this process's devices or on two CPU devices: under
+GSPMD an exception in the sharding rule aborts the whole process, which the test must survive.
+
 In-process tests below cover what needs no second device: one-device meshes, the HLO parser.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -34,17 +39,47 @@ from tests.frontends import requires_torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _worker(out: Path, group: str, env: dict) -> tuple[dict | None, str]:
+    """({name: case}, "") from ``python -m benchmarks.dist_workers jax --group GROUP`` in a subprocess, or
+    (None, why) when it did not exit normally. With two devices or more here it runs on this process's
+    platform, else on two host-platform CPU devices."""
+    if jax.device_count() >= 2:
+        env = {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", ""), **env}
+    else:
+        env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+               "CUDA_VISIBLE_DEVICES": "", **env}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **env}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.dist_workers", "jax", "--group", group, "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        code = proc.returncode
+        killed = f" (killed by {signal.Signals(-code).name})" if code < 0 else ""
+        return None, f"exit {code}{killed}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return {c["name"]: c for c in json.loads(out.read_text())}, ""
+
+
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory) -> dict:
     if jax.device_count() >= 2:
         return {c["name"]: c for c in dist_workers.jax_cases(devices=jax.devices()[:2])}
-    out = tmp_path_factory.mktemp("dist_jax") / "jax.json"
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
-           "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.dist_workers", "jax", "--out", str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return {c["name"]: c for c in json.loads(out.read_text())}
+    found, why = _worker(tmp_path_factory.mktemp("dist_jax") / "jax.json", "all", {})
+    assert found is not None, why
+    return found
+
+
+@pytest.fixture(scope="module")
+def hidden_split(tmp_path_factory):
+    """partitioner -> ({name: case}, "") or (None, why the subprocess failed), each run once."""
+    runs = {}
+
+    def run(partitioner: str):
+        if partitioner not in runs:
+            out = tmp_path_factory.mktemp(f"hidden_split_{partitioner}") / "jax.json"
+            runs[partitioner] = _worker(out, "hidden_split",
+                                        {"JAX_USE_SHARDY_PARTITIONER": str(partitioner == "shardy").lower()})
+        return runs[partitioner]
+
+    return run
 
 
 def _check(cases: dict, name: str) -> dict:
@@ -100,9 +135,24 @@ def test_replicated_inputs_on_a_mesh(cases, name):
 
 @pytest.mark.parametrize("name", sorted(dist_workers.JAX_ERROR_EXPECTATIONS))
 def test_sharding_errors(cases, name):
-    """A sharded normalized dimension (Explicit: at trace time; Auto: at compile time), a residual
-    sharded unlike x (Explicit): a clear error naming the placement, before any launch."""
+    """In the inputs' types (Explicit axes): a sharded normalized dimension, a residual sharded unlike x:
+    a clear error naming the placement, before any launch."""
     _check(cases, name)
+
+
+@pytest.mark.parametrize("name", [*dist_workers.JAX_HIDDEN_SPLIT, *dist_workers.JAX_HIDDEN_SPLIT_ERRORS])
+@pytest.mark.parametrize("partitioner", ["shardy", "gspmd"])
+def test_normalized_dimension_split_on_an_auto_mesh(hidden_split, partitioner, name):
+    """x split along its normalized (last) dimension on an Auto mesh, under each partitioner. Under jit
+    (committed so, or constrained so inside the function) the process survives and the op is correct:
+    the partitioner gathers that dimension (outputs and every gradient against the float64 reference
+    and the unsharded run), with a logged warning saying so. Eager, a committed x so placed: a
+    ValueError naming its sharding, before any launch. Under GSPMD an exception from the sharding
+    rule would abort the process: the subprocess must exit normally."""
+    found, why = hidden_split(partitioner)
+    assert found is not None, f"the {partitioner} subprocess did not exit normally: {why}"
+    case = _check(found, name)
+    assert case["partitioner"] == partitioner
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,6 +184,40 @@ def test_one_device_mesh_runs_unsharded(axis_type):
         got = jax.jit(grad)(xs, ws)
     for a, b, reduced_over in zip(got, ref, (1, 8)):
         assert_close(np.asarray(a), np.asarray(b), "float32", "gradient", reduced_over)
+
+
+def test_the_sharding_rule_answers_whatever_it_is_handed():
+    """XLA's partitioner calls the rule while it compiles, where an exception from
+    ``infer_sharding_from_operands`` aborts the process under GSPMD, so the rule answers every
+    proposal: x's leading dimensions as proposed and its normalized dimension whole; an operand with
+    no sharding yet as replicated; without a mesh (x placed by a ``GSPMDSharding``; a one-device
+    ``SingleDeviceSharding`` stands in for it here) every buffer whole on x's devices."""
+    from jax_frontend import _custom_partitioning, _xla
+    from jax_frontend._rows import COLUMN, LAYOUT, ROW, STAT, Pass
+    from normkit.ops import LAYER_NORM, Grads
+
+    opts = LAYER_NORM.options(eps=LAYER_NORM.default_eps)
+    grads = Grads(dx=True, dw=True, db=True)
+    passes = (Pass(_xla, LAYER_NORM, opts, ("x", "weight", "bias"), store_stats=True),
+              Pass(_xla, LAYER_NORM, opts, ("x", "weight", "dy", "mean", "rstd"), grads=grads, b_dtype="float32"))
+    mesh = jax.make_mesh((1, 1), ("data", "sp"), axis_types=(AxisType.Auto,) * 2)
+    no_mesh = jax.sharding.Mesh(np.empty((), dtype=object), ())
+    assert no_mesh.empty
+    proposals = [  # (mesh, x's proposed sharding, the row spec answered, the statistics' spec)
+        (mesh, NamedSharding(mesh, P("data", None, "sp")), P("data", None, None), P("data", None)),
+        (mesh, NamedSharding(mesh, P(None, None, ("data", "sp"))), P(None, None, None), P(None, None)),
+        (mesh, None, P(None, None, None), P(None, None)),
+        (no_mesh, jax.sharding.SingleDeviceSharding(jax.devices()[0]), P(), P()),
+    ]
+    for pass_ in passes:
+        for mesh_in, proposed, row, stat in proposals:
+            x = jax.ShapeDtypeStruct((2, 4, 16), jnp.float32, sharding=proposed)
+            want = {ROW: row, STAT: stat, COLUMN: P()}
+            inferred = _custom_partitioning._infer(pass_, mesh_in, [x], None)
+            mesh_out, _, outs, ins = _custom_partitioning._partition(pass_, None, mesh_in, [x], None)
+            assert not mesh_out.empty
+            for name, sharding in [*zip(pass_.outputs, inferred), *zip(pass_.outputs, outs), *zip(pass_.inputs, ins)]:
+                assert sharding.mesh == mesh_out and sharding.spec == want[LAYOUT[name]], (proposed, name, sharding)
 
 
 def test_failures_read_the_hlo():
