@@ -270,7 +270,8 @@ def check(row: dict, ref: dict | None, cfg: Config) -> None:
         rel = lambda key: abs(row[key] - ref[key]) / max(abs(ref[key]), 1e-30)  # noqa: E731
         row["loss_rel_diff_vs_flax"], row["grad_rel_diff_vs_flax"] = rel("loss_first"), rel("lora_grad_norm_first")
         if not row["loss_rel_diff_vs_flax"] <= loss_rtol:
-            notes.append(f"first loss differs from flax's by {row['loss_rel_diff_vs_flax']:.3g} (relative) > {loss_rtol}")
+            notes.append(f"first loss differs from flax's by {row['loss_rel_diff_vs_flax']:.3g} (relative) "
+                         f"> {loss_rtol}")
         if not row["grad_rel_diff_vs_flax"] <= grad_rtol:
             notes.append(f"the LoRA gradient norm differs from flax's by {row['grad_rel_diff_vs_flax']:.3g} "
                          f"(relative) > {grad_rtol}")

@@ -23,7 +23,7 @@ from flax.nnx.nn import dtypes, initializers
 from jax.sharding import PartitionSpec as P
 
 from jax_frontend import functional
-from normkit.ops import FUSED_ADD_RMS_NORM, LAYER_NORM, MAX_N, RMS_NORM, X_DTYPES
+from normkit.ops import LAYER_NORM, MAX_N, RMS_NORM, X_DTYPES
 
 __all__ = ["RMSNorm", "LayerNorm", "FusedAddRMSNorm", "unsupported"]
 
@@ -160,9 +160,10 @@ def _value(param):
     return None if param is None else param[...]
 
 
-def set_options(module, **options) -> None:
-    """Set ``module``'s normkit options (exactly its class's ``OPTIONS``), as static attributes."""
-    assert set(options) == set(type(module).OPTIONS), (sorted(options), type(module).OPTIONS)
+def set_options(module, cls: type, **options) -> None:
+    """Set ``module``'s normkit options (exactly ``cls.OPTIONS``, normkit's class of the module), as
+    static attributes."""
+    assert set(options) == set(cls.OPTIONS), (sorted(options), cls.OPTIONS)
     for name, value in options.items():
         setattr(module, name, value)
 
@@ -217,12 +218,13 @@ class RMSNorm(nnx.RMSNorm, _Call):
         _check_options(RMS_NORM, epsilon=epsilon, offset=offset, casting_mode=casting_mode,
                        implementation=implementation)
         # flax's constructor, named rather than super(): FusedAddRMSNorm shares this __init__.
+        scale_init = _identity_scale(offset) if scale_init is None else scale_init
         nnx.RMSNorm.__init__(self, num_features, epsilon=epsilon, dtype=dtype, param_dtype=param_dtype,
-                             use_scale=use_scale, scale_init=_identity_scale(offset) if scale_init is None else scale_init,
+                             use_scale=use_scale, scale_init=scale_init,
                              reduction_axes=reduction_axes, feature_axes=feature_axes, axis_name=axis_name,
                              axis_index_groups=axis_index_groups, use_fast_variance=use_fast_variance,
                              promote_dtype=promote_dtype, rngs=rngs, scale_metadata=scale_metadata)
-        set_options(self, offset=float(offset), casting_mode=casting_mode, implementation=implementation)
+        set_options(self, type(self), offset=float(offset), casting_mode=casting_mode, implementation=implementation)
 
     def __call__(self, x, mask=None):
         """``(..., num_features)`` in, the same shape out, in the promoted dtype."""
@@ -260,7 +262,7 @@ class LayerNorm(nnx.LayerNorm, _Call):
                          axis_index_groups=axis_index_groups, use_fast_variance=use_fast_variance,
                          promote_dtype=promote_dtype, rngs=rngs, bias_metadata=bias_metadata,
                          scale_metadata=scale_metadata)
-        set_options(self, implementation=implementation)
+        set_options(self, type(self), implementation=implementation)
 
     def __call__(self, x, *, mask=None):
         """``(..., num_features)`` in, the same shape out, in the promoted dtype."""

@@ -155,8 +155,9 @@ def patch_model(model: nnx.Module, *, rms_norm: bool = True, layer_norm: bool = 
         if reason is not None:
             report.skipped.append((name, cls, reason))
             continue
+        # The options first: setting an attribute is what fails inside a transform, before the class changes.
+        modules.set_options(module, new_cls, **new_cls.FLAX_OPTIONS, implementation=implementation)
         _set_class(module, new_cls)
-        modules.set_options(module, **new_cls.FLAX_OPTIONS, implementation=implementation)
         report.patched.append((name, cls, new_cls))
     return report
 

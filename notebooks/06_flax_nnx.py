@@ -87,11 +87,11 @@ print(report)
 assert {id(v) for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)} == params_before
 assert jax.tree.structure(nnx.state(model)) == jax.tree.structure(state_before)
 assert len(report) == 2 * CFG.layers + 1 and not report.skipped
-modules = dict(nnx.iter_modules(model))
+modules = {".".join(map(str, path)): m for path, m in nnx.iter_modules(model)}
 display(table([{"path": path, "was": f"flax.nnx.{old.__name__}", "now": f"jax_frontend.nnx.{new.__name__}",
-                "epsilon": m.epsilon, "dtype": None if m.dtype is None else jnp.dtype(m.dtype).name, "casting_mode": m.casting_mode, "offset": m.offset}
-               for path, old, new in report.patched
-               for m in [modules[tuple(int(k) if k.isdigit() else k for k in path.split("."))]]]))
+                "epsilon": modules[path].epsilon, "scale dtype": modules[path].scale.get_value().dtype.name,
+                "casting_mode": modules[path].casting_mode, "offset": modules[path].offset}
+               for path, old, new in report.patched]))
 
 # %% [markdown]
 # ## LoRA training, normkit against `nnx.RMSNorm`
@@ -105,7 +105,8 @@ display(table([{"path": path, "was": f"flax.nnx.{old.__name__}", "now": f"jax_fr
 # when the step is traced (its first call).
 
 # %%
-batches = [jax.random.randint(k, (CFG.batch, CFG.seq), 0, CFG.vocab) for k in jax.random.split(jax.random.key(1), STEPS)]
+batches = [jax.random.randint(k, (CFG.batch, CFG.seq), 0, CFG.vocab)
+           for k in jax.random.split(jax.random.key(1), STEPS)]
 optimizer = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.LoRAParam)
 
 
@@ -147,7 +148,8 @@ ax_l.plot(STEPS_TABLE["step"], STEPS_TABLE["loss (flax)"], "o-", lw=3, alpha=0.4
 ax_l.plot(STEPS_TABLE["step"], STEPS_TABLE["loss (normkit)"], "x--", color="black", label="normkit (patched)")
 ax_l.set(xlabel="step", ylabel="loss (nats)", title="training loss, same parameters each step")
 ax_l.legend()
-ax_g.semilogy(STEPS_TABLE["step"], STEPS_TABLE["max relative L2 difference of a LoRA gradient"], "o-", label="max over leaves")
+ax_g.semilogy(STEPS_TABLE["step"], STEPS_TABLE["max relative L2 difference of a LoRA gradient"], "o-",
+              label="max over leaves")
 ax_g.semilogy(STEPS_TABLE["step"], STEPS_TABLE["median"], "s--", label="median over leaves")
 ax_g.set(xlabel="step", ylabel="‖g_normkit − g_flax‖ / ‖g_flax‖",
          title="LoRA gradients: normkit against flax (float32)")
@@ -220,8 +222,8 @@ else:
         ok = [r for r in doc["rows"] if r.get("step_ms")]
         fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 3.4))
         names = [r["variant"] for r in ok]
-        ax_t.bar(names, [r["step_ms"]["median"] for r in ok], color=["tab:gray" if n.startswith("flax") else "tab:blue"
-                                                                     for n in names])
+        colors = ["tab:gray" if n.startswith("flax") else "tab:blue" for n in names]
+        ax_t.bar(names, [r["step_ms"]["median"] for r in ok], color=colors)
         ax_t.set(ylabel="median step (ms)", title="LoRA step time")
         ax_m.bar(names, [(r.get("memory_bytes") or {}).get("temp", 0) / 2**30 for r in ok], color="tab:green")
         ax_m.set(ylabel="temporaries (GiB)", title="compiled step: memory_analysis()")

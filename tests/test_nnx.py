@@ -147,6 +147,20 @@ def test_outputs_and_dtypes_as_flax(name, case, implementation):
     assert log and {launch.implementation for launch in log} == {implementation or jax_frontend_auto()}
 
 
+@pytest.mark.parametrize("name,kwargs", [("RMSNorm", dict(use_scale=False)),
+                                         ("LayerNorm", dict(use_scale=False)),
+                                         ("LayerNorm", dict(use_bias=False)),
+                                         ("LayerNorm", dict(use_scale=False, use_bias=False))])
+def test_modules_without_parameters(name, kwargs):
+    flax_cls, ours = PAIRS[name]
+    theirs, mine = randomize(flax_cls(D, rngs=nnx.Rngs(0), **kwargs)), ours(D, rngs=nnx.Rngs(0), **kwargs)
+    nnx.update(mine, nnx.state(theirs))
+    assert jax.tree.structure(nnx.state(mine)) == jax.tree.structure(nnx.state(theirs))
+    x = normal((3, D))
+    ref = _reference(name, np.asarray(x, np.float64), values(theirs), theirs.epsilon)
+    assert_close(mine(x), ref, "float32", f"{name} {kwargs}")
+
+
 def jax_frontend_auto():
     import jax_frontend
 
@@ -395,13 +409,17 @@ def _pair(make, implementation=None):
     return model, flax_model
 
 
+def _flat(state) -> dict:
+    """An nnx.State's leaves as float64 NumPy arrays by path."""
+    return {jax.tree_util.keystr(path): np.asarray(leaf, np.float64)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]}
+
+
 def _close_trees(got, want, rows, what):
-    got, want = nnx.to_pure_dict(got), nnx.to_pure_dict(want)
-    flat_got = dict(jax.tree_util.tree_flatten_with_path(got)[0])
-    for path, w in jax.tree_util.tree_flatten_with_path(want)[0]:
-        assert_close(np.asarray(flat_got[path], np.float64), np.asarray(w, np.float64), "float32",
-                     f"{what} {jax.tree_util.keystr(path)}", reduced_over=rows)
-    assert len(flat_got) == len(jax.tree_util.tree_flatten_with_path(want)[0])
+    got, want = _flat(got), _flat(want)
+    assert got.keys() == want.keys()
+    for path, w in want.items():
+        assert_close(got[path], w, "float32", f"{what} {path}", reduced_over=rows)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -499,10 +517,9 @@ def mesh_worker(out: str) -> None:
                 with normkit.record_launches() as log:
                     loss, grads = step(model, x)
                 want_loss, want = step(flax_model, x)
+                got_flat, want_flat = _flat(grads), _flat(want)
                 res[filt] = {"loss": [float(loss), float(want_loss)],
-                             "grads": {jax.tree_util.keystr(p): [np.asarray(g).tolist(), np.asarray(w).tolist()]
-                                       for (p, g), (_, w) in zip(jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(grads))[0],
-                                                                 jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(want))[0])},
+                             "grads": {k: [got_flat[k].tolist(), w.tolist()] for k, w in want_flat.items()},
                              "compute_dw": [bool(b.flags["COMPUTE_DW"]) for b in bwd_launches(log)],
                              "partials": sum(launch.partial_bytes for launch in log),
                              "rows_per_launch": sorted({launch.flags.get("M", -1) for launch in log})}
@@ -556,7 +573,7 @@ def test_benchmark_smoke_run(tmp_path):
     pytest.importorskip("pandas")  # its Markdown table (not in the [jax] install)
     from benchmarks import nnx_lora_step
 
-    with jax.numpy_dtype_promotion("standard"):
+    with jax.numpy_dtype_promotion("standard"):  # optax's AdamW mixes its int32 step count with Python floats
         assert nnx_lora_step.main(["--smoke", "--variants", "flax,normkit", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "nnx_lora_step_smoke.json").read_text())
     assert doc["schema"] == nnx_lora_step.SCHEMA
