@@ -31,7 +31,7 @@ SOURCES = build.sources()
 COMMITTED_RESULTS = ROOT / "benchmarks" / "results" / "h200.json"
 # Figures each notebook draws at smoke size on a CPU (most from the committed GPU results).
 FIGURES = {"01_frozen_vs_full": 3, "02_performance": 5, "03_lora_finetune": 3, "04_triton_vs_pallas": 4,
-           "05_multi_gpu_collectives": 1}
+           "05_multi_gpu_collectives": 1, "06_flax_nnx": 1}
 # stderr a notebook may print: JAX's note, on a machine with an NVIDIA driver but CPU jaxlib, that it
 # falls back to the CPU (the same line pyproject.toml's filterwarnings lets through).
 ALLOWED_STDERR = re.compile(r"An NVIDIA GPU may be present on this machine")
