@@ -37,7 +37,10 @@ class Implementation(Protocol):
 
     def backward(self, op: Op, x: jax.Array, weight: jax.Array | None, dy: jax.Array, dres: jax.Array | None,
                  mean: jax.Array | None, rstd: jax.Array, *, opts: Options, grads: Grads,
-                 b_dtype: str | None) -> dict[str, jax.Array]:
+                 b_dtype: str | None, bias: jax.Array | None = None,
+                 from_output: bool = False) -> dict[str, jax.Array]:
         """DX (plus ``dres`` for the fused add), DW and DB as ``grads`` asks. ``x`` is what the forward
-        normalized (the fused add's sum); dW takes the weight's dtype and dB ``b_dtype``."""
+        normalized (the fused add's sum); dW takes the weight's dtype and dB ``b_dtype``.
+        ``from_output``: ``x`` is the forward's output y instead, ``bias`` the bias, weight and bias
+        frozen (dx alone, ``mean`` not read; see ``normkit.driver.backward``)."""
         ...

@@ -31,7 +31,7 @@ LAYOUT = {
     "weight": COLUMN, "bias": COLUMN, "DW": COLUMN, "DB": COLUMN,
 }
 FWD_INPUTS = ("x", "residual", "weight", "bias")
-BWD_INPUTS = ("x", "weight", "dy", "dres", "mean", "rstd")
+BWD_INPUTS = ("x", "weight", "bias", "dy", "dres", "mean", "rstd")  # x: what the forward kept (x or y)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,8 @@ class Pass:
     inputs: tuple[str, ...]  # the inputs present, in FWD_INPUTS / BWD_INPUTS order
     store_stats: bool = False  # forward: also write MEAN/RSTD for a backward
     grads: Grads | None = None  # backward: which gradients
-    b_dtype: str | None = None  # backward: dB's dtype (the bias is not an input of the backward)
+    b_dtype: str | None = None  # backward: dB's dtype
+    from_output: bool = False  # backward: "x" is the forward's output y (and the bias an input), dx alone
 
     @staticmethod
     def present(names: tuple[str, ...], arrays: tuple) -> tuple[tuple[str, ...], list]:
@@ -93,7 +94,7 @@ class Pass:
         else:
             out = self.base.backward(self.op, rows["x"], rows.get("weight"), rows["dy"], rows.get("dres"),
                                      rows.get("mean"), rows["rstd"], opts=self.opts, grads=self.grads,
-                                     b_dtype=self.b_dtype)
+                                     b_dtype=self.b_dtype, bias=rows.get("bias"), from_output=self.from_output)
         assert set(out) == set(self.outputs), (tuple(out), self.outputs)
         return [out[name].reshape(self.shape(name, lead, N)) for name in self.outputs]
 

@@ -151,9 +151,10 @@ class ShardedImpl:
         return self.run(Pass(self.base, op, opts, names, store_stats=store_stats), arrays)
 
     def backward(self, op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: Grads,
-                 b_dtype: str | None) -> dict:
-        names, arrays = Pass.present(_rows.BWD_INPUTS, (x, weight, dy, dres, mean, rstd))
-        return self.run(Pass(self.base, op, opts, names, grads=grads, b_dtype=b_dtype), arrays)
+                 b_dtype: str | None, bias=None, from_output: bool = False) -> dict:
+        names, arrays = Pass.present(_rows.BWD_INPUTS, (x, weight, bias if from_output else None, dy, dres, mean,
+                                                        rstd))
+        return self.run(Pass(self.base, op, opts, names, grads=grads, b_dtype=b_dtype, from_output=from_output), arrays)
 
     def run(self, pass_: Pass, arrays: list) -> dict:
         """``pass_``'s outputs by name, each device running it on its own rows."""

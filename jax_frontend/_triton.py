@@ -71,11 +71,13 @@ class BwdSpec:
     has_w: bool
     has_dres: bool
     b_dtype: str | None
+    from_output: bool = False  # X is the forward's output y (dx alone; no mean; the bias read if has_b)
+    has_b: bool = False
 
     @property
     def inputs(self) -> tuple[str, ...]:
-        return (("X",) + ("W",) * self.has_w + ("DY",) + ("DRES",) * self.has_dres + ("MEAN",) * self.op.saves_mean
-                + ("RSTD",))
+        return (("X",) + ("W",) * self.has_w + ("B",) * self.has_b + ("DY",) + ("DRES",) * self.has_dres
+                + ("MEAN",) * (self.op.saves_mean and not self.from_output) + ("RSTD",))
 
     @property
     def outputs(self) -> tuple[str, ...]:
@@ -142,7 +144,7 @@ def _bwd_impl(*args, spec: BwdSpec, platform: str | None = None):
     backend = _launch.backend(platform or _platform_of(args))
     a = dict(zip(spec.inputs, args))
     outs = driver.backward(backend, spec.op, a["X"], a.get("W"), a["DY"], a.get("DRES"), a.get("MEAN"), a["RSTD"],
-                           spec.opts, spec.grads, spec.b_dtype)
+                           spec.opts, spec.grads, spec.b_dtype, a.get("B"), spec.from_output)
     return [t for t in outs if t is not None]
 
 
@@ -237,10 +239,13 @@ def forward(op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bo
     return dict(zip(spec.outputs, norm_fwd_p.bind(*args, spec=spec)))
 
 
-def backward(op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: Grads, b_dtype: str | None) -> dict:
+def backward(op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: Grads, b_dtype: str | None,
+             bias=None, from_output: bool = False) -> dict:
     """The backward's results by name (op.bwd_buffers): DX, DW, DB as ``grads`` asks (dW in the weight's
-    dtype, dB in ``b_dtype``)."""
+    dtype, dB in ``b_dtype``); ``from_output``: x is the forward's output y (``Implementation``)."""
+    has_b = from_output and bias is not None
     spec = BwdSpec(op=op, opts=opts, grads=grads, has_w=weight is not None, has_dres=dres is not None,
-                   b_dtype=b_dtype if grads.db else None)
-    args = [x] + [weight] * spec.has_w + [dy] + [dres] * spec.has_dres + [mean] * op.saves_mean + [rstd]
+                   b_dtype=b_dtype if grads.db else None, from_output=from_output, has_b=has_b)
+    args = ([x] + [weight] * spec.has_w + [bias] * has_b + [dy] + [dres] * spec.has_dres
+            + [mean] * (op.saves_mean and not from_output) + [rstd])
     return dict(zip(spec.outputs, norm_bwd_p.bind(*args, spec=spec)))

@@ -25,10 +25,12 @@ from jax.custom_derivatives import SymbolicZero
 
 from jax_frontend import _custom_partitioning, _launch, _shard_map, _triton
 from jax_frontend._implementation import Implementation
-from normkit import checks
+from normkit import checks, norm_math
 from normkit.ops import FUSED_ADD_RMS_NORM, LAYER_NORM, RMS_NORM, Grads, Op, Options
 
 __all__ = ["rms_norm", "layer_norm", "fused_add_rms_norm", "IMPLEMENTATIONS", "resolve_implementation"]
+
+SAVES = ("auto", "input", "output")
 
 # ---------------------------------------------------------------------------------------------
 # Implementations: the same op, its frozen semantics and its custom_vjp, over three sets of kernels.
@@ -97,6 +99,7 @@ class _Config:
     op: Op
     opts: Options
     impl: Implementation  # over arrays of the caller's shape: _shard_map.ShardedImpl or _custom_partitioning's
+    save: str = "auto"  # what the backward keeps: "auto", "input" or "output" (_saves_output)
 
 
 @jax.tree_util.register_static
@@ -109,6 +112,7 @@ class _Needs:
     weight: bool
     bias: bool
     b_dtype: str | None
+    from_output: bool = False  # the residuals hold y (and the bias), not x: weight and bias frozen
 
     @property
     def grads(self) -> Grads:  # the fused op's x and residual share one gradient
@@ -123,8 +127,10 @@ def _forward(cfg: _Config, x, residual, weight, bias, *, store_stats: bool) -> d
     return cfg.impl.forward(cfg.op, x, residual, weight, bias, opts=cfg.opts, store_stats=store_stats)
 
 
-def _backward(cfg: _Config, x, weight, dy, dres, mean, rstd, *, grads: Grads, b_dtype) -> dict:
-    return cfg.impl.backward(cfg.op, x, weight, dy, dres, mean, rstd, opts=cfg.opts, grads=grads, b_dtype=b_dtype)
+def _backward(cfg: _Config, x, weight, bias, dy, dres, mean, rstd, *, grads: Grads, b_dtype,
+              from_output: bool) -> dict:
+    return cfg.impl.backward(cfg.op, x, weight, dy, dres, mean, rstd, opts=cfg.opts, grads=grads, b_dtype=b_dtype,
+                             bias=bias, from_output=from_output)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -141,6 +147,37 @@ def _perturbed(p) -> bool:
     return p is not None and p.perturbed
 
 
+def _saves_output(cfg: _Config, needs: "_Needs", x, weight, bias) -> bool:
+    """Whether the residuals hold the output y rather than the input: ``save`` (``rms_norm``'s docstring)
+    for a call whose weight and bias are not differentiated. Where their values are known (not
+    traced) "auto" checks that x_hat can be recovered from y (``normkit.norm_math``); traced, it keeps
+    y but for a LayerNorm with a bias (whose trained values often exceed the weight's in some
+    column), and the kernels' dx is NaN where a weight turns out unsafe."""
+    op, save = cfg.op, cfg.save
+    if save == "input" or not (needs.x or needs.residual):
+        return False
+    trained = [n for n in ("weight", "bias") if getattr(needs, n)]
+    if trained:
+        if save == "output":
+            raise ValueError(f"normkit: save='output' needs every parameter of {op.name} frozen, but "
+                             f"{' and '.join(trained)} {'is' if len(trained) == 1 else 'are'} differentiated (dW "
+                             "needs the input); pass save='auto' or 'input', or stop its gradient (freeze)")
+        return False
+    if weight is None and bias is None:
+        return True
+    if any(isinstance(p, jax.core.Tracer) for p in (weight, bias) if p is not None):
+        return save == "output" or bias is None
+    reason = norm_math.output_unsafe_reason(np.asarray(weight, np.float32) if weight is not None else None,
+                                            np.asarray(bias, np.float32) if bias is not None else None,
+                                            cfg.opts.offset, cfg.opts.casting, _launch.dtype_name(x.dtype))
+    if reason is None:
+        return True
+    if save == "output":
+        raise ValueError(f"normkit: save='output' cannot recover x_hat from the output with this weight: {reason}; "
+                         "pass save='auto' or 'input'")
+    return False
+
+
 def _norm_fwd(cfg: _Config, x, residual, weight, bias):
     b = _value(bias)
     needs = _Needs(x=_perturbed(x), residual=_perturbed(residual), weight=_perturbed(weight), bias=_perturbed(bias),
@@ -148,9 +185,12 @@ def _norm_fwd(cfg: _Config, x, residual, weight, bias):
     store = needs.grads.any
     out = _forward(cfg, _value(x), _value(residual), _value(weight), b, store_stats=store)
     if not store:  # nothing will be differentiated: keep nothing alive
-        return _outputs(cfg, out), (None, None, None, None, needs)
+        return _outputs(cfg, out), (None, None, None, None, None, needs)
+    if _saves_output(cfg, needs, _value(x), _value(weight), b):
+        needs = dataclasses.replace(needs, from_output=True)
+        return _outputs(cfg, out), (out["Y"], _value(weight), b, None, out["RSTD"], needs)
     saved_x = out["S"] if cfg.op.has_residual else _value(x)  # the fused op normalized s = x + residual
-    return _outputs(cfg, out), (saved_x, _value(weight), out.get("MEAN"), out["RSTD"], needs)
+    return _outputs(cfg, out), (saved_x, _value(weight), None, out.get("MEAN"), out["RSTD"], needs)
 
 
 def _zero(ct):
@@ -158,7 +198,7 @@ def _zero(ct):
 
 
 def _norm_bwd(cfg: _Config, res, ct):
-    x, w, mean, rstd, needs = res
+    x, w, b, mean, rstd, needs = res
     dy, ds = ct if cfg.op.has_residual else (ct, None)
     dy = None if _zero(dy) else dy
     ds = None if _zero(ds) else ds  # residual_out unused: the kernel reads no DRES
@@ -167,7 +207,8 @@ def _norm_bwd(cfg: _Config, res, ct):
         return None, None, None, None
     if dy is None:  # only residual_out was used: y's gradient is exactly zero
         dy = jnp.zeros_like(x)
-    out = _backward(cfg, x, w, dy, ds, mean, rstd, grads=grads, b_dtype=needs.b_dtype)
+    out = _backward(cfg, x, w, b, dy, ds, mean, rstd, grads=grads, b_dtype=needs.b_dtype,
+                    from_output=needs.from_output)
     assert set(out) == set(cfg.op.bwd_buffers(1, 1, "float32", grads, "float32", "float32")), out.keys()
     dx = out.get("DX")
     return (dx if needs.x else None, dx if needs.residual else None, out.get("DW"), out.get("DB"))
@@ -189,7 +230,7 @@ def _as_array(a, name: str):
 
 
 def _call(op: Op, x, residual=None, weight=None, bias=None, *, eps, offset=0.0, casting_mode="llama",
-          implementation=None):
+          implementation=None, save="auto"):
     """Validate at trace time, before any launch; run the op over rows and restore the shape."""
     x, residual, weight, bias = (_as_array(a, n) for a, n in ((x, "x"), (residual, "residual"),
                                                                 (weight, "weight"), (bias, "bias")))
@@ -197,6 +238,8 @@ def _call(op: Op, x, residual=None, weight=None, bias=None, *, eps, offset=0.0, 
     checks.check(op, x_shape=tuple(x.shape), x_dtype=_launch.dtype_name(x.dtype), residual=spec(residual),
                  weight=spec(weight), bias=spec(bias))
     opts = op.options(eps=eps, offset=offset, casting_mode=casting_mode)
+    if not isinstance(save, str) or save not in SAVES:
+        raise ValueError(f"normkit: save must be one of {SAVES}; got {save!r}")
     base = _implementation_module(resolve_implementation(implementation, x))
     # Distributed (jax_frontend/_shard_map.py, _custom_partitioning.py): inside a caller's shard_map,
     # inputs varying alike; a parameter sharded over Explicit mesh axes gathered; x sharded over
@@ -206,11 +249,11 @@ def _call(op: Op, x, residual=None, weight=None, bias=None, *, eps, offset=0.0, 
     weight, bias = _shard_map.whole_params(weight, bias)
     impl = (_shard_map.sharded_impl(op, base, x, residual, weight, bias)
             or _custom_partitioning.PartitionedImpl(base))
-    return _norm(_Config(op, opts, impl), x, residual, weight, bias)
+    return _norm(_Config(op, opts, impl, save), x, residual, weight, bias)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None = None, eps: float = 1e-6, *, offset: float = 0.0,
-             casting_mode: str = "llama", implementation: str | None = None) -> jax.Array:
+             casting_mode: str = "llama", implementation: str | None = None, save: str = "auto") -> jax.Array:
     """RMSNorm over the last axis: ``x / sqrt(mean(x**2) + eps) * (weight + offset)``.
 
     Backward: with ``x_hat = x * rstd`` and ``g = dy * (weight + offset)``,
@@ -228,6 +271,13 @@ def rms_norm(x: jax.Array, weight: jax.Array | None = None, eps: float = 1e-6, *
         implementation: ``None`` (auto), ``"triton"``, ``"pallas"`` or ``"xla"``; see
             ``resolve_implementation``. Every one computes the same function with the same frozen
             semantics; the launch record names the one that ran.
+        save: what the backward keeps in its residuals (static): ``"auto"`` keeps the output y instead of
+            x where the weight and bias are not differentiated (frozen) and x_hat can be recovered from
+            y: by value where the weight is known when the rule is traced (not a tracer), else always
+            but for a LayerNorm with a bias (the kernels then give a NaN dx where a column's weight is
+            too small to divide by). ``"input"`` keeps x; ``"output"`` keeps y, and raises where a
+            parameter is differentiated or its known values are unsafe. Keeping y frees x, which a
+            LoRA step otherwise holds for the norm alone.
 
     Returns:
         ``(..., D)`` in x.dtype. The math is in ``normkit.reference.rms_norm``.
@@ -236,11 +286,11 @@ def rms_norm(x: jax.Array, weight: jax.Array | None = None, eps: float = 1e-6, *
         TypeError, ValueError: at trace time, naming the argument, for a bad dtype, shape or option.
     """
     return _call(RMS_NORM, x, weight=weight, eps=eps, offset=offset, casting_mode=casting_mode,
-                 implementation=implementation)
+                 implementation=implementation, save=save)
 
 
 def layer_norm(x: jax.Array, weight: jax.Array | None = None, bias: jax.Array | None = None,
-               eps: float = 1e-5, *, implementation: str | None = None) -> jax.Array:
+               eps: float = 1e-5, *, implementation: str | None = None, save: str = "auto") -> jax.Array:
     """LayerNorm over the last axis: ``(x - mean) / sqrt(var + eps) * weight + bias``, computed in fp32.
 
     Backward: with ``x_hat = (x - mean) * rstd`` and ``g = dy * weight``,
@@ -251,7 +301,7 @@ def layer_norm(x: jax.Array, weight: jax.Array | None = None, bias: jax.Array | 
         x: ``(..., D)`` float32, bfloat16 or float16.
         weight, bias: ``(D,)`` of any float dtype, or None.
         eps: added to the variance; a Python number (static).
-        implementation: as in ``rms_norm``.
+        implementation, save: as in ``rms_norm``.
 
     Returns:
         ``(..., D)`` in x.dtype. The math is in ``normkit.reference.layer_norm``.
@@ -259,12 +309,12 @@ def layer_norm(x: jax.Array, weight: jax.Array | None = None, bias: jax.Array | 
     Raises:
         TypeError, ValueError: at trace time, naming the argument, for a bad dtype, shape or option.
     """
-    return _call(LAYER_NORM, x, weight=weight, bias=bias, eps=eps, implementation=implementation)
+    return _call(LAYER_NORM, x, weight=weight, bias=bias, eps=eps, implementation=implementation, save=save)
 
 
 def fused_add_rms_norm(x: jax.Array, residual: jax.Array, weight: jax.Array | None = None, eps: float = 1e-6, *,
-                       offset: float = 0.0, casting_mode: str = "llama",
-                       implementation: str | None = None) -> tuple[jax.Array, jax.Array]:
+                       offset: float = 0.0, casting_mode: str = "llama", implementation: str | None = None,
+                       save: str = "auto") -> tuple[jax.Array, jax.Array]:
     """``s = x + residual`` (rounded to x.dtype) and ``y = rms_norm(s)``, in one pass.
 
     Backward: x and residual both receive ``ds + drms_norm(s; dy)``, where dy and ds are the
@@ -273,7 +323,7 @@ def fused_add_rms_norm(x: jax.Array, residual: jax.Array, weight: jax.Array | No
 
     Args:
         x, residual: ``(..., D)`` of the same shape and dtype (float32, bfloat16 or float16).
-        weight, eps, offset, casting_mode, implementation: as in ``rms_norm``.
+        weight, eps, offset, casting_mode, implementation, save: as in ``rms_norm``.
 
     Returns:
         ``(y, residual_out)`` where ``residual_out = s``; both ``(..., D)`` in x.dtype.
@@ -282,4 +332,4 @@ def fused_add_rms_norm(x: jax.Array, residual: jax.Array, weight: jax.Array | No
         TypeError, ValueError: at trace time, naming the argument, for a bad dtype, shape or option.
     """
     return _call(FUSED_ADD_RMS_NORM, x, residual, weight, eps=eps, offset=offset, casting_mode=casting_mode,
-                 implementation=implementation)
+                 implementation=implementation, save=save)

@@ -1,0 +1,239 @@
+"""A frozen norm keeps its output, not its input, for the backward (``save=``), in Torch.
+
+With the weight and bias frozen, the backward recovers x_hat from the output y, so the norm's saved x
+(often the only reference left to that activation in a LoRA model) is freed. These tests watch what
+autograd saves (``saved_tensors_hooks``) on every Torch route, check the choice ``save="auto"`` makes
+and the errors of ``save="output"``, and the gradients against the float64 reference, down to the
+smallest weights from which x_hat can be recovered. The JAX side is in tests/test_jax.py.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import normkit
+import torch_frontend as tf
+from normkit.ops import OPS, OUTPUT_BIAS_RATIO, OUTPUT_W_MIN
+from normkit.testing import assert_close
+from tests.frontend_torch import DEVICE
+
+D = 32
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def randn(*shape, seed, dtype=torch.float32, scale=1.0, shift=0.1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale + shift).to(DEVICE, dtype)
+
+
+def np64(t):
+    return t.detach().double().cpu().numpy()
+
+
+def safe_params(op: str, seed: int, dtype=torch.float32) -> dict:
+    """A weight from which x_hat can be recovered (|w| in [1, 2)) and a bias smaller than it."""
+    spec = OPS[op]
+    out = {}
+    if "weight" in spec.params:
+        out["weight"] = (randn(D, seed=seed, dtype=torch.float64).abs() % 1.0 + 1.0).to(dtype)
+    if "bias" in spec.params:
+        out["bias"] = randn(D, seed=seed + 1, scale=0.3, shift=0.0, dtype=dtype)
+    return out
+
+
+def call(op: str, inputs: dict, **kw):
+    out = getattr(tf, op)(*(inputs.get(name) for name in OPS[op].inputs), **kw)
+    return out if OPS[op].has_residual else (out,)
+
+
+@contextlib.contextmanager
+def saved_tensors():
+    """The tensors autograd saves while the block runs (as packed, before any unpacking)."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield saved
+
+
+def _rows_sized(saved, like) -> list:
+    return [t for t in saved if t.numel() == like.numel() and t.dim() >= 2]
+
+
+@pytest.mark.parametrize("attempt", ["first", "repeated"])
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_a_frozen_norm_keeps_its_output_not_its_input(op, attempt):
+    """save="auto", weight and bias frozen: of the row-sized tensors the norm saves, the only one is its
+    output y (the very tensor returned), on a signature's first call and on a repeated (bound) one; dx
+    comes from the backward variant that reads y (FROM_Y) and matches the float64 reference."""
+    spec = OPS[op]
+    for call_no in range(1 if attempt == "first" else 2):
+        inputs = {name: randn(4, D, seed=10 * call_no + i).requires_grad_() for i, name in enumerate(spec.row_inputs)}
+        inputs.update(safe_params(op, seed=20))
+        with saved_tensors() as saved, normkit.record_launches() as log:
+            outs = call(op, inputs)
+        rows = _rows_sized(saved, inputs["x"])
+        assert len(rows) == 1 and rows[0].data_ptr() == outs[0].data_ptr(), \
+            f"{op}: saved {[tuple(t.shape) for t in saved]}, not y alone"
+        assert all(t.data_ptr() != inputs["x"].data_ptr() for t in saved)
+        dy = randn(4, D, seed=30 + call_no)
+        with normkit.record_launches() as log:
+            grads = torch.autograd.grad(outs[0], [inputs[n] for n in spec.row_inputs], dy)
+        (bwd,) = log.of("norm_bwd_kernel")
+        assert bwd.flags["FROM_Y"] and not bwd.flags["COMPUTE_DW"], bwd.flags
+        _, ref = spec.run_reference({k: np64(v) for k, v in inputs.items()}, spec.options(eps=spec.default_eps),
+                                    {"y": np64(dy)})
+        for name, g in zip(spec.row_inputs, grads):
+            assert_close(np64(g), ref[name], "float32", f"{op} ({attempt}): d{name}")
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_save_input_and_trained_parameters_keep_the_input(op):
+    """save="input", and any trained parameter under "auto", keep x (the fused add: s) as before."""
+    spec = OPS[op]
+    for how in ("save_input", "trained"):
+        inputs = {name: randn(4, D, seed=40 + i).requires_grad_() for i, name in enumerate(spec.row_inputs)}
+        inputs.update({k: v.requires_grad_(how == "trained") for k, v in safe_params(op, seed=45).items()})
+        with saved_tensors() as saved, normkit.record_launches():
+            outs = call(op, inputs, save="input" if how == "save_input" else "auto")
+        kept = outs[1] if spec.has_residual else inputs["x"]
+        rows = _rows_sized(saved, inputs["x"])
+        assert [t.data_ptr() for t in rows] == [kept.data_ptr()], (op, how)
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_save_output_raises_for_a_trained_parameter_or_an_unsafe_weight(op):
+    spec = OPS[op]
+    x = randn(4, D, seed=50).requires_grad_()
+    inputs = {"x": x, "residual": randn(4, D, seed=51), **safe_params(op, seed=52)}
+    trained = dict(inputs, weight=inputs["weight"].clone().requires_grad_())
+    with normkit.record_launches() as log, pytest.raises(ValueError, match="save='output' needs every parameter"):
+        call(op, trained, save="output")
+    assert log.kernels() == []
+    unsafe = dict(inputs, weight=inputs["weight"].clone())
+    unsafe["weight"][7] = 0.0
+    with normkit.record_launches() as log, pytest.raises(ValueError, match="column 7"):
+        call(op, unsafe, save="output")
+    assert log.kernels() == []
+    with pytest.raises(ValueError, match="save must be one of"):
+        call(op, inputs, save="outputs")
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_auto_keeps_the_input_where_the_weight_is_unsafe_and_rechecks_a_changed_weight(op):
+    """A weight with a zero column (or, for LayerNorm, a bias over OUTPUT_BIAS_RATIO times the weight)
+    cannot give x_hat back: "auto" keeps the input there, with the reason in ``save_decision``. The
+    decision is made once per version of the weight: changing the frozen weight in place (a new
+    ``_version``) decides again, and the gradients stay right throughout."""
+    spec = OPS[op]
+    params = safe_params(op, seed=60)
+    for state in ("safe", "unsafe", "safe again"):
+        if state == "unsafe":
+            with torch.no_grad():
+                params["weight"][3] = 0.0
+        elif state == "safe again":
+            with torch.no_grad():
+                params["weight"][3] = 1.5
+        inputs = {name: randn(4, D, seed=61 + i).requires_grad_() for i, name in enumerate(spec.row_inputs)}
+        inputs.update(params)
+        with saved_tensors() as saved:
+            outs = call(op, inputs)
+        keeps_output = any(t.data_ptr() == outs[0].data_ptr() for t in _rows_sized(saved, inputs["x"]))
+        assert keeps_output == (state != "unsafe"), (op, state)
+        decision = tf.save_decision(params["weight"], params.get("bias"), dtype=torch.float32)
+        assert decision.saves_output == (state != "unsafe") and (state != "unsafe" or "column 3" in decision.reason)
+        dy = randn(4, D, seed=65)
+        grads = torch.autograd.grad(outs[0], [inputs[n] for n in spec.row_inputs], dy)
+        _, ref = spec.run_reference({k: np64(v) for k, v in inputs.items()}, spec.options(eps=spec.default_eps),
+                                    {"y": np64(dy)})
+        for name, g in zip(spec.row_inputs, grads):
+            assert_close(np64(g), ref[name], "float32", f"{op} ({state}): d{name}")
+
+
+def test_save_decision_names_the_reason():
+    w = torch.ones(D)
+    assert tf.save_decision(w, dtype=torch.bfloat16).saves_output
+    small = w.clone()
+    small[5] = OUTPUT_W_MIN["float16"] / 2
+    assert tf.save_decision(small, dtype=torch.float32).saves_output  # fine in fp32's range
+    d = tf.save_decision(small, dtype=torch.float16)
+    assert not d.saves_output and "column 5" in d.reason and "float16" in d.reason
+    b = torch.zeros(D)
+    b[9] = 1.01 * OUTPUT_BIAS_RATIO
+    d = tf.save_decision(w, b, dtype=torch.float32)
+    assert not d.saves_output and "column 9" in d.reason and "bias" in d.reason
+    gemma = torch.full((D,), -1.0)  # offset 1: weight + offset == 0
+    assert not tf.save_decision(gemma, dtype=torch.float32, offset=1.0).saves_output
+    assert not tf.save_decision(w.clone().requires_grad_(), dtype=torch.float32).saves_output
+    assert tf.save_decision(dtype=torch.float32).saves_output  # no parameters at all
+    with pytest.raises(TypeError, match="dtype must be"):
+        tf.save_decision(w, dtype=torch.int32)
+
+
+# --- precision ------------------------------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None)
+@given(op=st.sampled_from(sorted(OPS)), dtype=st.sampled_from(sorted(DTYPES)),
+       casting=st.sampled_from(["llama", "gemma", "none"]), offset=st.sampled_from([0.0, 1.0]),
+       magnitude=st.sampled_from(["one", "small", "threshold"]), has_bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_dx_from_the_output_is_within_the_tolerance_table(op, dtype, casting, offset, magnitude, has_bias, seed):
+    """dx from the output against float64, across dtypes, casting modes, offsets, and weights down to
+    the smallest |weight + offset| from which x_hat is recovered (``OUTPUT_W_MIN`` of x's dtype), with
+    biases up to ``OUTPUT_BIAS_RATIO`` times the weight: within the tolerance table, like dx from the
+    input. The float64 reference sees the inputs as stored (rounded to their dtype)."""
+    spec = OPS[op]
+    tdt = DTYPES[dtype]
+    g = torch.Generator().manual_seed(seed)
+    scale = {"one": 1.0, "small": 1e-3, "threshold": 2.0 * OUTPUT_W_MIN[dtype]}[magnitude]
+    sign = torch.where(torch.rand(D, generator=g) < 0.5, -1.0, 1.0).double()
+    w_eff = sign * scale * (1.0 + torch.rand(D, generator=g).double())  # |w_eff| in [scale, 2 scale)
+    if dtype == "float16":
+        w_eff = w_eff.clamp(-60000.0, 60000.0)
+    inputs = {name: (torch.randn(5, D, generator=g).double() + 0.1).to(tdt) for name in spec.row_inputs}
+    if "weight" in spec.params:
+        inputs["weight"] = (w_eff - (offset if spec.has_offset else 0.0)).to(tdt)
+    if "bias" in spec.params and has_bias:
+        w_stored = inputs["weight"].double()
+        inputs["bias"] = (torch.rand(D, generator=g).double() * OUTPUT_BIAS_RATIO * 0.9 * w_stored.abs()).to(tdt)
+    kw = {"offset": offset, "casting_mode": casting} if spec.has_offset else {}
+    decision = tf.save_decision(inputs.get("weight"), inputs.get("bias"), dtype=tdt,
+                                **({"offset": offset, "casting_mode": casting} if spec.has_offset else {}))
+    if not decision.saves_output:  # rounding the weight to its dtype put a column under the bound
+        return
+    leaves = {k: v.to(DEVICE).requires_grad_(k in spec.row_inputs) for k, v in inputs.items()}
+    dy = (torch.randn(5, D, generator=g).double()).to(tdt).to(DEVICE)
+    with normkit.record_launches() as log:
+        y = call(op, leaves, save="output", **kw)[0]
+        grads = torch.autograd.grad(y, [leaves[n] for n in spec.row_inputs], dy)
+    assert log.of("norm_bwd_kernel")[0].flags["FROM_Y"]
+    _, ref = spec.run_reference({k: np64(v) for k, v in leaves.items()}, spec.options(eps=spec.default_eps, **kw),
+                                {"y": np64(dy)})
+    for name, got in zip(spec.row_inputs, grads):
+        assert_close(np64(got), ref[name], dtype, f"{op} {dtype} {casting} off={offset} |w|~{scale:.3g}: d{name}")
+
+
+# --- patch_model ------------------------------------------------------------------------------------
+
+
+def test_patch_report_says_what_each_norm_keeps():
+    model = torch.nn.Sequential(torch.nn.LayerNorm(D), torch.nn.Linear(D, D), torch.nn.RMSNorm(D))
+    with torch.no_grad():
+        model[0].bias[2] = 5.0  # larger than OUTPUT_BIAS_RATIO x its weight of 1: the input is kept
+    report = tf.patch_model(model)
+    decisions = dict(report.saves)
+    assert not decisions["0"].saves_output and "column 2" in decisions["0"].reason
+    assert decisions["2"].saves_output
+    text = str(report)
+    assert "backward keeps the output (not the input) in 1 of 2 patched norm(s)" in text and "column 2" in text
+    assert all(m.save == "auto" for m in (model[0], model[2]))
+    report = tf.patch_model(torch.nn.Sequential(torch.nn.RMSNorm(D)), save="input")
+    assert report.saves[0][1].reason == "save='input'"
