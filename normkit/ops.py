@@ -9,18 +9,19 @@ A frontend adds only what is framework-specific (autograd / custom_vjp, modules,
     >>> op.inputs, op.outputs, op.fwd_flags
     (('x', 'weight', 'bias'), ('y',), {'IS_RMS': False, 'HAS_RESIDUAL': False})
 
-Adding a row-wise op is: a kernel variant (a constexpr flag), one ``Op`` entry below, its reference
-in ``normkit.reference``, and one public function per frontend (docs/ADDING_AN_OP.md).
+Adding a row-wise op is: a kernel variant (a constexpr flag), one ``Op`` entry below, its math in
+``normkit.norm_math`` (with its float64 reference in ``normkit.reference``), and one public function
+per frontend (docs/ADDING_AN_OP.md).
 """
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 import numbers
 from typing import Callable
 
 from normkit import reference
+from normkit.norm_math import Casting  # where the forward rounds to x's dtype: defined beside the math
 
 # ---------------------------------------------------------------------------------------------
 # Vocabulary.
@@ -29,14 +30,6 @@ X_DTYPES = ("float32", "bfloat16", "float16")  # activations: x, residual, dy
 PARAM_DTYPES = X_DTYPES + ("float64",)  # weight and bias (their gradients keep their dtype)
 MAX_N = 65536  # longest supported row: one row must fit one program's registers
 ELEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
-
-
-class Casting(enum.IntEnum):
-    """Where the forward rounds to x's dtype (the kernels' ``CASTING`` constexpr)."""
-
-    INPUT_DTYPE = 0  # every product rounded to x.dtype, as eager low-precision math does
-    ROUND_NORMALIZED = 1  # normalize in fp32, round x_hat to x.dtype, then scale (HF Llama)
-    FP32 = 2  # everything in fp32, one rounding at the end (HF Gemma; LayerNorm always)
 
 
 # The public ``casting_mode`` names (the ones Liger and HF users know) and what they mean.

@@ -11,7 +11,7 @@ disappear.
 
 A gradient that will itself be differentiated (``create_graph=True``: gradient penalties, Hessian
 products) is computed with differentiable torch operations instead of the kernels: the float64 math
-of ``normkit.reference`` on the saved tensors, rounded to the inputs' dtypes. Every route of
+of ``normkit.norm_math`` on the saved tensors, rounded to the inputs' dtypes. Every route of
 autograd then sees the right second-order terms (``.backward()``, ``autograd.grad`` with
 ``inputs``, ``backward(inputs=...)``). Without ``create_graph`` the kernels compute every gradient.
 
@@ -21,9 +21,10 @@ gradient) would receive two views of one buffer, and their ``.grad`` would alias
 """
 from __future__ import annotations
 
+import array_api_compat.torch as _xp  # named, not looked up: dynamo warns on array_namespace's lru_cache
 import torch
 
-from normkit import reference
+from normkit import norm_math
 from normkit.ops import Grads, Op, Options
 from torch_frontend import _ops
 
@@ -165,18 +166,15 @@ def _kernel_backward(op: Op, opts: Options, bound, b_dtype: torch.dtype, flags: 
 
 
 def differentiable_backward(op: Op, opts: Options, x, weight, dy, ds, grads: Grads, b_dtype: torch.dtype) -> tuple:
-    """``(dx, dweight, dbias)`` as differentiable torch operations: the reference's float64 math on
-    ``x`` (the fused add's saved sum), rounded to the inputs' dtypes. The statistics are recomputed
-    from ``x`` rather than read from the forward's, so that they are differentiated too."""
+    """``(dx, dweight, dbias)`` as differentiable torch operations: the float64 math of
+    ``normkit.norm_math.input_backward`` on ``x`` (the fused add's saved sum), rounded to the inputs'
+    dtypes. The statistics are recomputed from ``x`` rather than read from the forward's, so that they
+    are differentiated too."""
     f64 = lambda t: None if t is None else t.double()  # noqa: E731
     if dy is None:
         dy = torch.zeros_like(x)
-    if op.is_rms:
-        dx, dw = reference.rms_norm_bwd(f64(x), f64(weight), f64(dy), opts.eps, opts.offset)
-        db = None
-    else:
-        dx, dw, db = reference.layer_norm_bwd(f64(x), f64(weight), True if grads.db else None, f64(dy), opts.eps)
-    if ds is not None:
-        dx = dx + f64(ds)
+    dx, dw, db = norm_math.input_backward(f64(x), f64(weight), f64(dy), f64(ds), is_rms=op.is_rms, eps=opts.eps,
+                                          offset=opts.offset, compute_dx=grads.dx, compute_dw=grads.dw,
+                                          compute_db=grads.db, xp=_xp)
     return (dx.to(x.dtype) if grads.dx else None, dw.to(weight.dtype) if grads.dw else None,
             db.to(b_dtype) if grads.db else None)

@@ -14,18 +14,20 @@ A norm with a trained weight or bias keeps normkit's kernels under compile: thei
 fp32-partial dW/dB reduction is where they beat Inductor's. Tensor subclasses (DTensor) keep the
 custom ops. ``compile_frozen_with("kernels")`` sends frozen norms to the kernels too.
 
-The math and rounding points follow ``normkit.kernels.norm`` for each casting mode (as
-``jax_frontend/_xla.py`` does). Inductor may keep an intermediate in fp32 where the eager code
-rounds to x.dtype (its ``emulate_precision_casts`` is off by default), as it does for the model's
-own norm, so results agree with the kernels to ``normkit.testing``'s tolerances, not bitwise.
+The math is ``normkit.norm_math``'s, with the rounding points of ``normkit.kernels.norm`` for each
+casting mode (as ``jax_frontend/_xla.py`` has them). Inductor may keep an intermediate in fp32 where
+the eager code rounds to x.dtype (its ``emulate_precision_casts`` is off by default), as it does for
+the model's own norm, so results agree with the kernels to ``normkit.testing``'s tolerances, not
+bitwise.
 """
 from __future__ import annotations
 
 from typing import Literal
 
-import torch
+import array_api_compat.torch as _xp  # the namespace, named here: dynamo warns on array_namespace's lru_cache
 
-from normkit.ops import Casting, Op, Options
+from normkit import norm_math
+from normkit.ops import Op, Options
 
 _ROUTES = ("inductor", "kernels")
 _route = "inductor"
@@ -51,33 +53,8 @@ def applies(x, residual, weight, bias) -> bool:
             and not (weight is not None and weight.requires_grad) and not (bias is not None and bias.requires_grad))
 
 
-def _rounded(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return v if dtype == torch.float32 else v.to(dtype).float()
-
-
 def apply(op: Op, opts: Options, x, residual, weight, bias):
     """The op's outputs as ``functional`` returns them: y, or ``(y, residual_out)`` for the fused add."""
-    dt = x.dtype
-    s = None
-    x32 = x.float()
-    if op.has_residual:  # the sum rounded to x.dtype, as torch's `x + residual`, and normalized as stored
-        s = (x32 + residual.float()).to(dt)
-        x32 = s.float()
-    if op.is_rms:
-        xc = x32
-    else:
-        xc = x32 - x32.mean(-1, keepdim=True)
-    rstd = torch.rsqrt((xc * xc).mean(-1, keepdim=True) + opts.eps)
-    if opts.casting == Casting.INPUT_DTYPE:  # every product rounded to x.dtype
-        y = _rounded(xc * _rounded(rstd, dt), dt)
-    elif opts.casting == Casting.ROUND_NORMALIZED:
-        y = _rounded(xc * rstd, dt)
-    else:
-        y = xc * rstd
-    if weight is not None:
-        w = weight.float() + opts.offset if opts.offset else weight.float()
-        y = y * (_rounded(w, dt) if opts.casting == Casting.INPUT_DTYPE else w)
-    if bias is not None:
-        y = y + bias.float()
-    y = y.to(dt)
+    y, s, _, _ = norm_math.forward(x, residual, weight, bias, is_rms=op.is_rms, eps=opts.eps, offset=opts.offset,
+                                   casting=opts.casting, xp=_xp)
     return (y, s) if op.has_residual else y
