@@ -40,12 +40,16 @@ as the forward multiplied by it)::
 and dx as above. ``c1`` equals ``mean(g * x_hat)`` in real arithmetic and needs no division; no
 mean is needed. It is safe only where x_hat can be recovered. y holds x_hat * w_eff + b with a
 relative error u (the unit roundoff of x's dtype: 2^-8 bf16, 2^-11 fp16, 2^-24 fp32) and an
-absolute one of the dtype's smallest subnormal, so the recovered x_hat is off by about::
+absolute one of TINY, the dtype's smallest subnormal (2^-24 fp16) or, where that is an fp32
+subnormal, fp32's smallest normal 2^-126 (XLA on CPU, like any flush-to-zero mode, flushes fp32
+subnormals to 0), so the recovered x_hat is off by about::
 
-    u * (|x_hat| + |b / w_eff|) + smallest_subnormal / |w_eff|
+    u * (|x_hat| + |b / w_eff|) + TINY / |w_eff|
 
-which stays a few u where ``|w_eff| >= W_MIN = smallest_subnormal / (4 u)`` (half the dtype's
-smallest normal: 2^-15 fp16, 2^-127 bf16 and fp32) and ``|b| <= OUTPUT_BIAS_RATIO * |w_eff|``.
+which stays a few u where ``|w_eff| >= W_MIN = TINY / (4 u)`` (2^-15 fp16, 2^-120 bf16, 2^-104
+fp32) and ``|b| <= OUTPUT_BIAS_RATIO * |w_eff|``. In dx it becomes an error of about
+``rstd * (e_j |c1| + |x_hat_j| mean(|g| e))`` for an x_hat error e: as small as dx's own rounding to
+x's dtype, except in a row where dy is nearly parallel to x_hat (always when N = 1) and dx cancels.
 A column is unsafe where ``w_eff`` is not finite, ``|w_eff| < W_MIN``, or (with a bias) ``b`` is
 not finite or ``|b| > OUTPUT_BIAS_RATIO * |w_eff|``. ``output_backward_safe`` answers on the host
 (one reduction, one bool) for the caller that picks a backward; ``output_backward`` itself, whose
@@ -70,8 +74,11 @@ class Casting(enum.IntEnum):
 # The unit roundoff u and the smallest subnormal of each dtype x can have (exact powers of two).
 UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 SMALLEST_SUBNORMAL = {"float64": 2.0**-1074, "float32": 2.0**-149, "bfloat16": 2.0**-133, "float16": 2.0**-24}
-# The smallest |w_eff| from which the output-saving backward recovers x_hat: smallest_subnormal / (4 u).
-W_MIN = {name: SMALLEST_SUBNORMAL[name] / (4 * UNIT_ROUNDOFF[name]) for name in UNIT_ROUNDOFF}
+# The smallest |y| the output-saving backward can count on: x's smallest subnormal, but no less than the
+# compute dtype's smallest normal, as XLA on CPU (and any flush-to-zero mode) flushes fp32 subnormals to 0.
+TINY = {name: max(SMALLEST_SUBNORMAL[name], 2.0**-1022 if name == "float64" else 2.0**-126) for name in UNIT_ROUNDOFF}
+# The smallest |w_eff| from which the output-saving backward recovers x_hat: TINY / (4 u).
+W_MIN = {name: TINY[name] / (4 * UNIT_ROUNDOFF[name]) for name in UNIT_ROUNDOFF}
 # The largest |b / w_eff| at which the output-saving backward is used: y - b cancels beyond it.
 OUTPUT_BIAS_RATIO = 2.0
 
@@ -255,7 +262,9 @@ def output_backward(y, weight, bias, dy, dres, rstd, *, is_rms: bool, offset: fl
                     casting: Casting = Casting.FP32, xp=None):
     """dx, in the compute dtype, from the forward's output ``y`` (stored in x's dtype), its saved
     ``rstd`` and the frozen weight and bias (``dres``: the fused add's d_residual_out, or None).
-    NaN everywhere if any column is unsafe (see the module docstring and ``output_backward_safe``)."""
+    NaN everywhere if any column is unsafe (see the module docstring and ``output_backward_safe``).
+    Under ``torch.compile`` pass ``xp`` (``array_api_compat.torch``): dynamo warns on the lru_cache of
+    ``array_namespace``."""
     xp = _namespace(xp, y, weight, bias, dy, dres)
     dt = y.dtype
     f = _compute_dtype(xp, dt)
