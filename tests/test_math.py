@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from normkit import norm_math, reference
 from normkit.norm_math import OUTPUT_BIAS_RATIO, W_MIN, Casting
 from normkit.ops import OPS, X_DTYPES
-from normkit.testing import TOLERANCES, rounded
+from normkit.testing import TOLERANCES, assert_close, rounded
 
 NP_DTYPES = {"float64": np.float64, "float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 HAS_TORCH = importlib.util.find_spec("torch") is not None
@@ -79,23 +79,30 @@ def test_thresholds_are_the_documented_powers_of_two():
 
 @st.composite
 def _examples(draw):
+    """Hypothesis picks the op, dtypes, casting, offset and parameter set, and a seed; the magnitudes and
+    the row length come from the seed's generator, in proportions chosen here (Hypothesis' own draws
+    crowd at the ends of their ranges)."""
     op = draw(st.sampled_from(sorted(OPS)))
     spec = OPS[op]
     dtype = draw(st.sampled_from(X_DTYPES + ("float64",)))
-    casting = draw(st.sampled_from(list(Casting))) if spec.has_offset else Casting.FP32
-    offset = draw(st.sampled_from([0.0, 1.0])) if spec.has_offset else 0.0
-    has_w = draw(st.booleans())
-    has_b = "bias" in spec.params and draw(st.booleans())
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    lo, R = math.log2(W_MIN[dtype]), OUTPUT_BIAS_RATIO
+    gamma_exp = [0.0, rng.uniform(lo + 2, 0.0), lo + rng.uniform(0.0, 2.0), lo - rng.uniform(0.6, 3.0)][
+        rng.choice(4, p=[0.2, 0.3, 0.3, 0.2])]  # 1, between, near W_MIN, below W_MIN
+    bias_ratio = [0.0, rng.uniform(0.0, R), R, R * rng.uniform(1.05, 2.0)][
+        rng.choice(4, p=[0.2, 0.4, 0.2, 0.2])]  # none, within, at, above the ratio
+    N = [1, int(rng.integers(2, 17)), int(rng.integers(17, 97))][rng.choice(3, p=[0.1, 0.3, 0.6])]
+    bad_column = [None, math.inf, -math.inf, math.nan][rng.choice(4, p=[0.85, 0.05, 0.05, 0.05])]
     return dict(
-        op=op, dtype=dtype, casting=casting, offset=offset, has_w=has_w, has_b=has_b,
+        op=op, dtype=dtype,
+        casting=draw(st.sampled_from(list(Casting))) if spec.has_offset else Casting.FP32,
+        offset=draw(st.sampled_from([0.0, 1.0])) if spec.has_offset else 0.0,
+        has_w=draw(st.booleans()), has_b="bias" in spec.params and draw(st.booleans()),
         param_dtype=draw(st.sampled_from([dtype, "float32", "float64"])),
-        M=draw(st.integers(1, 6)), N=draw(st.integers(1, 80)),
-        # |w_eff| ~ 2**gamma_exp: from 1 down to a few binades below W_MIN (unsafe there)
-        gamma_exp=draw(st.floats(math.log2(W_MIN[dtype]) - 3, 0.0)),
-        bias_ratio=draw(st.floats(0.0, 1.5 * OUTPUT_BIAS_RATIO)),
-        bad_column=draw(st.sampled_from([None, None, None, math.inf, -math.inf, math.nan])),
+        M=draw(st.integers(1, 6)), N=N, gamma_exp=gamma_exp, bias_ratio=bias_ratio,
+        bad_column=bad_column,
         dres=spec.has_residual and draw(st.booleans()),
-        seed=draw(st.integers(0, 2**31 - 1)))
+        seed=int(rng.integers(2**31)))
 
 
 def _check(ex: dict) -> None:
@@ -149,27 +156,30 @@ def _check(ex: dict) -> None:
 
 def _model_error(op, xs, w, b, dy, offset, dtype) -> np.ndarray:
     """The output-saving backward's extra error per element (the module docstring's analysis, in
-    float64 from the reference's own quantities): x_hat comes back off by
-    e = 3u|x_hat| + u|b/w| + TINY/|w| (the forward's roundings of x_hat under "llama" and
-    "none", and y's storage), plus a few fp32 roundings; under "none" g uses w rounded to x's dtype
-    (u|g|). Through dx = (g - c2 - x_hat c1) rstd that is rstd (u|g| + e|c1| + |x_hat| mean(|g|(e + u|x_hat|)))
-    (+ mean(u|g|) for LayerNorm): as small as dx's own rounding unless dy is nearly parallel to x_hat
-    in a row (always for N = 1), where dx cancels."""
+    float64 from the reference's own quantities). x_hat comes back off by
+    e = 3u|x_hat| + u|b/w| + TINY/|w| (the forward's roundings of x_hat under "llama" and "none", and
+    y's storage), plus a few roundings of the compute dtype; g = dy * w_eff is off by r|g|, with
+    r = u (w_eff rounded to x's dtype under "none") + uc (|weight| + |offset|) / |w_eff| (weight + offset
+    in the compute dtype, as the kernels take it: it cancels where w_eff is small against the offset,
+    for the input-saving backward alike). Through dx = (g - c2 - x_hat c1) rstd that is
+    rstd (r|g| + e|c1| + |x_hat| mean(|g|(e + r|x_hat|))) (+ mean(r|g|) for LayerNorm): as small as dx's
+    own rounding unless dy is nearly parallel to x_hat in a row (always for N = 1), where dx cancels."""
     u, tiny = norm_math.UNIT_ROUNDOFF[dtype], norm_math.TINY[dtype]
     uc = norm_math.UNIT_ROUNDOFF["float64" if dtype == "float64" else "float32"]
     N = xs.shape[-1]
     xc = xs if op.is_rms else xs - xs.mean(-1, keepdims=True)
     rstd = 1 / np.sqrt((xc * xc).mean(-1, keepdims=True) + op.default_eps)
-    x_hat = xc * rstd
-    w = np.ones(N) if w is None else _f64(w) + offset
-    b = np.zeros(N) if b is None else _f64(b)
-    ratio = np.abs(b / w)
-    e = 3 * u * np.abs(x_hat) + u * ratio + tiny / np.abs(w) + 8 * uc * (np.abs(x_hat) + ratio)
-    g = np.abs(_f64(dy) * w)
-    c1 = np.abs((g * x_hat).mean(-1, keepdims=True))
-    err = u * g + e * c1 + np.abs(x_hat) * (g * (e + u * np.abs(x_hat))).mean(-1, keepdims=True)
+    weight = np.ones(N) if w is None else _f64(w)
+    w_eff = weight + (offset if w is not None else 0.0)
+    c1 = np.abs((_f64(dy) * w_eff * xc * rstd).mean(-1, keepdims=True))
+    x_hat, w_eff = np.abs(xc * rstd), np.abs(w_eff)
+    r = u + uc * (np.abs(weight) + abs(offset)) / w_eff
+    ratio = np.zeros(N) if b is None else np.abs(_f64(b)) / w_eff
+    e = 3 * u * x_hat + u * ratio + tiny / w_eff + 8 * uc * (x_hat + ratio)
+    g = np.abs(_f64(dy)) * w_eff
+    err = r * g + e * c1 + x_hat * (g * (e + r * x_hat)).mean(-1, keepdims=True)
     if not op.is_rms:
-        err = err + u * g.mean(-1, keepdims=True)
+        err = err + (r * g).mean(-1, keepdims=True)
     return rstd * err
 
 
@@ -191,6 +201,49 @@ def test_output_backward_property(n):
     ones: NaN everywhere; the predicate as defined, either way."""
     with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf weights are among the examples
         _run_property(n)
+
+
+# ---------------------------------------------------------------------------------------------
+# Both backwards are the gradient of the forward (float64 autograd through torch).
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch (a JAX-only install)")
+@pytest.mark.parametrize("params", ["none", "weight", "all"])
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_backwards_are_the_gradient_of_the_forward(op, params):
+    """float64: the input-saving backward's dx, dw, db and the output-saving backward's dx against
+    torch.autograd through the forward, with an offset where the op takes one."""
+    import torch
+
+    spec = OPS[op]
+    names = {"none": (), "weight": ("weight",), "all": spec.params}[params]
+    offset = 0.5 if spec.has_offset else 0.0
+    g = torch.Generator().manual_seed(zlib.crc32(f"{op} {params}".encode()))
+    M, N = 5, 24
+    t = {"x": torch.randn(M, N, generator=g, dtype=torch.float64) * 1.5 + 0.3}
+    if spec.has_residual:
+        t["residual"] = torch.randn(M, N, generator=g, dtype=torch.float64)
+    if "weight" in names:
+        t["weight"] = torch.rand(N, generator=g, dtype=torch.float64) + 0.5
+    if "bias" in names:  # |b| <= OUTPUT_BIAS_RATIO |w_eff|: the output-saving backward applies
+        t["bias"] = torch.rand(N, generator=g, dtype=torch.float64) - 0.5
+    leaves = {k: v.clone().requires_grad_(True) for k, v in t.items()}
+    dy, ds = (torch.randn(M, N, generator=g, dtype=torch.float64) for _ in range(2))
+    kw = dict(is_rms=spec.is_rms, offset=offset)
+    y, s, mean, rstd = norm_math.forward(leaves["x"], leaves.get("residual"), leaves.get("weight"),
+                                         leaves.get("bias"), eps=spec.default_eps, **kw)
+    loss = (y * dy).sum() + ((s * ds).sum() if s is not None else 0)
+    want = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+    with torch.no_grad():
+        xs = s if s is not None else t["x"]
+        dres = ds if s is not None else None
+        dx, dw, db = norm_math.input_backward(xs, t.get("weight"), dy, dres, is_rms=spec.is_rms, eps=spec.default_eps,
+                                              offset=offset, compute_dw="weight" in t, compute_db="bias" in t)
+        dx_out = norm_math.output_backward(y, t.get("weight"), t.get("bias"), dy, dres, rstd, **kw)
+    for name, got in (("x", dx), ("x", dx_out), ("residual", dx if s is not None else None), ("weight", dw),
+                      ("bias", db)):
+        if name in want and got is not None:
+            assert_close(got.numpy(), want[name].numpy(), "float64", f"{op} d{name}", reduced_over=M)
+    assert (dw is None) == ("weight" not in t) and (db is None) == ("bias" not in t)
 
 
 # ---------------------------------------------------------------------------------------------
