@@ -167,15 +167,19 @@ def _saves_output(cfg: _Config, needs: "_Needs", x, weight, bias) -> bool:
         return True
     if any(isinstance(p, jax.core.Tracer) for p in (weight, bias) if p is not None):
         return save == "output" or bias is None
-    reason = norm_math.output_unsafe_reason(np.asarray(weight, np.float32) if weight is not None else None,
-                                            np.asarray(bias, np.float32) if bias is not None else None,
-                                            cfg.opts.offset, cfg.opts.casting, _launch.dtype_name(x.dtype))
+    reason = norm_math.unsafe_reason(_host(weight), _host(bias), x_dtype=_launch.dtype_name(x.dtype),
+                                     offset=cfg.opts.offset, casting=cfg.opts.casting)
     if reason is None:
         return True
     if save == "output":
         raise ValueError(f"normkit: save='output' cannot recover x_hat from the output with this weight: {reason}; "
                          "pass save='auto' or 'input'")
     return False
+
+
+def _host(a):
+    """A parameter's values on the host, as float32 NumPy (exact for every parameter dtype but float64)."""
+    return None if a is None else np.asarray(jnp.asarray(a, jnp.float32))
 
 
 def _norm_fwd(cfg: _Config, x, residual, weight, bias):

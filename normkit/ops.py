@@ -9,18 +9,20 @@ A frontend adds only what is framework-specific (autograd / custom_vjp, modules,
     >>> op.inputs, op.outputs, op.fwd_flags
     (('x', 'weight', 'bias'), ('y',), {'IS_RMS': False, 'HAS_RESIDUAL': False})
 
-Adding a row-wise op is: a kernel variant (a constexpr flag), one ``Op`` entry below, its reference
-in ``normkit.reference``, and one public function per frontend (docs/ADDING_AN_OP.md).
+Adding a row-wise op is: a kernel variant (a constexpr flag), one ``Op`` entry below, its math in
+``normkit.norm_math`` (with its float64 reference in ``normkit.reference``), and one public function
+per frontend (docs/ADDING_AN_OP.md).
 """
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 import numbers
 from typing import Callable
 
 from normkit import reference
+from normkit.norm_math import OUTPUT_BIAS_RATIO, W_MIN
+from normkit.norm_math import Casting  # where the forward rounds to x's dtype: defined beside the math
 
 # ---------------------------------------------------------------------------------------------
 # Vocabulary.
@@ -32,20 +34,9 @@ ELEM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 # The output-saving backward (a frozen norm keeps y, not x, and recovers x_hat = (y - b) / w_eff) is
 # exact enough where dividing by w_eff loses nothing: column j is safe when w_eff_j is finite with
-# |w_eff_j| >= OUTPUT_W_MIN[x's dtype], and |b_j| <= OUTPUT_BIAS_RATIO * |w_eff_j|. The recovered x_hat's
-# error is about u * (|x_hat| + |b / w_eff|) + (x.dtype's smallest subnormal) / |w_eff|, u its unit
-# roundoff: the bound keeps the last term within 4u (2^-15 for float16; float32 and bfloat16 share
-# float32's exponent range, 2^-127), the ratio keeps the cancellation in y - b within a few u.
-OUTPUT_W_MIN = {"float32": 2.0 ** -127, "bfloat16": 2.0 ** -127, "float16": 2.0 ** -15}
-OUTPUT_BIAS_RATIO = 2.0
-
-
-class Casting(enum.IntEnum):
-    """Where the forward rounds to x's dtype (the kernels' ``CASTING`` constexpr)."""
-
-    INPUT_DTYPE = 0  # every product rounded to x.dtype, as eager low-precision math does
-    ROUND_NORMALIZED = 1  # normalize in fp32, round x_hat to x.dtype, then scale (HF Llama)
-    FP32 = 2  # everything in fp32, one rounding at the end (HF Gemma; LayerNorm always)
+# |w_eff_j| >= OUTPUT_W_MIN[x's dtype], and b_j is finite with |b_j| <= OUTPUT_BIAS_RATIO * |w_eff_j|
+# (normkit.norm_math derives both; the kernels receive them as constexprs).
+OUTPUT_W_MIN = {name: W_MIN[name] for name in X_DTYPES}
 
 
 # The public ``casting_mode`` names (the ones Liger and HF users know) and what they mean.

@@ -24,14 +24,16 @@ gradients ``dy`` of y and ``ds`` of s, both x and residual receive ``ds + drms_n
 The casting modes change only where results are rounded to low precision, so the reference has
 none: it is exact arithmetic, to which every mode converges.
 
-The functions take NumPy arrays (and anything ``np.asarray`` reads) or torch tensors, and compute in
-float64 with the arrays' own methods: on torch tensors the result is differentiable, which is how
-the Torch frontend differentiates its gradient (``torch_frontend._autograd``, under
-``create_graph=True``).
+The functions take NumPy arrays (and anything ``np.asarray`` reads) or torch tensors and compute in
+float64: they are the float64 layer over ``normkit.norm_math``, where the math is written once for
+NumPy, torch and JAX (with the kernels' rounding points for low-precision inputs). The statistics
+are recomputed from x in every backward, so on torch tensors every result is differentiable.
 """
 from __future__ import annotations
 
 import numpy as np
+
+from normkit import norm_math
 
 
 def _f64(a):
@@ -50,70 +52,38 @@ def _copy(a):
     return a.clone() if _is_torch(a) else a.copy()
 
 
-def _mean(a):
-    return a.mean(axis=-1, keepdims=True)
-
-
-def _rows(x):
-    return x.reshape(-1, x.shape[-1])
-
-
 def rms_norm(x, weight=None, eps=1e-6, offset=0.0):
     """y = x / sqrt(mean(x**2) + eps) * (weight + offset)."""
-    x = _f64(x)
-    rstd = (_mean(x * x) + eps) ** -0.5
-    y = x * rstd
-    if weight is not None:
-        y = y * (_f64(weight) + offset)
-    return y
+    return norm_math.forward(_f64(x), None, _f64(weight), None, is_rms=True, eps=eps, offset=offset)[0]
 
 
 def rms_norm_bwd(x, weight, dy, eps=1e-6, offset=0.0):
     """(dx, dw) of rms_norm for the output gradient dy; dw is None without a weight."""
-    x, dy = _f64(x), _f64(dy)
-    rstd = (_mean(x * x) + eps) ** -0.5
-    x_hat = x * rstd
-    g = dy if weight is None else dy * (_f64(weight) + offset)
-    dx = rstd * (g - x_hat * _mean(g * x_hat))
-    dw = None if weight is None else _rows(dy * x_hat).sum(axis=0)
+    dx, dw, _ = norm_math.input_backward(_f64(x), _f64(weight), _f64(dy), is_rms=True, eps=eps, offset=offset,
+                                         compute_dw=weight is not None)
     return dx, dw
 
 
 def layer_norm(x, weight=None, bias=None, eps=1e-5):
     """y = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias."""
-    x = _f64(x)
-    xc = x - _mean(x)
-    y = xc * (_mean(xc * xc) + eps) ** -0.5
-    if weight is not None:
-        y = y * _f64(weight)
-    if bias is not None:
-        y = y + _f64(bias)
-    return y
+    return norm_math.forward(_f64(x), None, _f64(weight), _f64(bias), is_rms=False, eps=eps)[0]
 
 
 def layer_norm_bwd(x, weight, bias, dy, eps=1e-5):
     """(dx, dw, db) of layer_norm; dw and db are None where the parameter is absent."""
-    x, dy = _f64(x), _f64(dy)
-    xc = x - _mean(x)
-    rstd = (_mean(xc * xc) + eps) ** -0.5
-    x_hat = xc * rstd
-    g = dy if weight is None else dy * _f64(weight)
-    dx = rstd * (g - _mean(g) - x_hat * _mean(g * x_hat))
-    dw = None if weight is None else _rows(dy * x_hat).sum(axis=0)
-    db = None if bias is None else _rows(dy).sum(axis=0)
-    return dx, dw, db
+    return norm_math.input_backward(_f64(x), _f64(weight), _f64(dy), is_rms=False, eps=eps,
+                                    compute_dw=weight is not None, compute_db=bias is not None)
 
 
 def fused_add_rms_norm(x, residual, weight=None, eps=1e-6, offset=0.0):
     """(y, s) with s = x + residual and y = rms_norm(s, weight, eps, offset)."""
-    s = _f64(x) + _f64(residual)
-    return rms_norm(s, weight, eps, offset), s
+    y, s, _, _ = norm_math.forward(_f64(x), _f64(residual), _f64(weight), None, is_rms=True, eps=eps, offset=offset)
+    return y, s
 
 
 def fused_add_rms_norm_bwd(x, residual, weight, dy, ds=None, eps=1e-6, offset=0.0):
     """(dx, dresidual, dw) for the gradients dy of y and ds of s (None means zero)."""
     s = _f64(x) + _f64(residual)
-    dx, dw = rms_norm_bwd(s, weight, dy, eps, offset)
-    if ds is not None:
-        dx = dx + _f64(ds)
+    dx, dw, _ = norm_math.input_backward(s, _f64(weight), _f64(dy), _f64(ds), is_rms=True, eps=eps, offset=offset,
+                                         compute_dw=weight is not None)
     return dx, _copy(dx), dw

@@ -14,7 +14,7 @@ recovers x_hat; then the input need not stay alive.
 
 A gradient that will itself be differentiated (``create_graph=True``: gradient penalties, Hessian
 products) is computed with differentiable torch operations instead of the kernels: the float64 math
-of ``normkit.reference`` on the saved input, rounded to the inputs' dtypes, so that every route of
+of ``normkit.norm_math`` on the saved input, rounded to the inputs' dtypes, so that every route of
 autograd sees the right second-order terms. A norm that kept its output cannot be differentiated
 twice (the statistics it would need are gone): that raises, naming ``save="input"``. A batched output
 gradient (``autograd.grad(..., is_grads_batched=True)``, a vectorized ``autograd.functional.jacobian``)
@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import array_api_compat.torch as _xp  # named, not looked up: dynamo warns on array_namespace's lru_cache
 import torch
 
-from normkit import reference
+from normkit import norm_math
 from normkit.ops import Grads, Op, Options
 from torch_frontend import _library_ops
 from torch_frontend._backend import resolve_neg
@@ -219,40 +220,21 @@ def _kernel_backward(route, flags: tuple, saved, weight, bias, dy, ds, mean, rst
 
 def differentiable_backward(route, saved, weight, bias, dy, ds, rstd, grads: Grads) -> tuple:
     """``(dx, dweight, dbias)`` as differentiable torch operations in float64, rounded to the inputs'
-    dtypes: the reference's math on the saved input (its statistics recomputed from it, so that they
-    are differentiated too), or, for a norm that kept its output, ``reference.output_backward``."""
+    dtypes: ``normkit.norm_math.input_backward`` on the saved input (its statistics recomputed from it,
+    so that they are differentiated too), or, for a norm that kept its output,
+    ``norm_math.output_backward`` (first order only: its statistics are the forward's)."""
     op, opts = route.op, route.opts
     f64 = lambda t: None if t is None else t.double()  # noqa: E731
     if dy is None:
         dy = torch.zeros_like(saved)
     if route.from_output:
-        dx = _from_output64(op, f64(saved), f64(weight), f64(bias), f64(dy), rstd, opts.offset)
+        dx = norm_math.output_backward(f64(saved), f64(weight), f64(bias), f64(dy), f64(ds), rstd.double(),
+                                       is_rms=op.is_rms, offset=opts.offset, casting=opts.casting, xp=_xp)
         dw = db = None
-    elif op.is_rms:
-        dx, dw = reference.rms_norm_bwd(f64(saved), f64(weight), f64(dy), opts.eps, opts.offset)
-        db = None
     else:
-        dx, dw, db = reference.layer_norm_bwd(f64(saved), f64(weight), True if grads.db else None, f64(dy), opts.eps)
-    if ds is not None:
-        dx = dx + f64(ds)
+        dx, dw, db = norm_math.input_backward(f64(saved), f64(weight), f64(dy), f64(ds), is_rms=op.is_rms,
+                                              eps=opts.eps, offset=opts.offset, compute_dx=grads.dx,
+                                              compute_dw=grads.dw, compute_db=grads.db, xp=_xp)
+    b_dtype = route.b_dtype if isinstance(route.b_dtype, torch.dtype) else getattr(torch, route.b_dtype)
     return (dx.to(saved.dtype) if grads.dx else None, dw.to(weight.dtype) if grads.dw else None,
-            db.to(route_b_dtype(route)) if grads.db else None)
-
-
-def _from_output64(op: Op, y, weight, bias, dy, rstd, offset: float):
-    """dx from the output y (float64), the kernels' formula: with w = weight + offset and b the bias,
-    ``x_hat = (y - b) / w``, ``g = dy * w``, ``dx = (g - [mean(g)] - x_hat * mean(dy * (y - b))) * rstd``
-    (``mean(g)`` for LayerNorm only)."""
-    yc = y - bias if bias is not None else y
-    w = weight + offset if weight is not None else None
-    x_hat = yc / w if w is not None else yc
-    g = dy * w if w is not None else dy
-    dx = g - x_hat * (dy * yc).mean(-1, keepdim=True)
-    if not op.is_rms:
-        dx = dx - g.mean(-1, keepdim=True)
-    return dx * rstd.double().reshape(*rstd.shape, 1)
-
-
-def route_b_dtype(route) -> torch.dtype:
-    b = route.b_dtype
-    return b if isinstance(b, torch.dtype) else getattr(torch, b)
+            db.to(b_dtype) if grads.db else None)

@@ -7,25 +7,33 @@ copy LoRA's A reads after it, and in the backward the sum of the gradients arriv
 their LoRA branches), where a kernel it cannot see needs each of those materialized first. A frozen
 norm's backward is dx alone, which Inductor's generated kernel computes at the memory bound too, so
 the kernels have nothing left to win there. So under ``torch.compile``, a call whose weight and bias
-(where present) need no gradient runs as the operations below, with no ``autograd.Function``:
-autograd (AOTAutograd, when compiling) derives the backward and Inductor fuses it.
+(where present) need no gradient runs as the operations below, and Inductor fuses them.
+
+What its backward keeps follows ``save`` (``_save.traced_saves_output``: the weight's values are not
+seen while tracing). Keeping the output, the call is ``_FromOutput``, an ``autograd.Function`` of
+torch operations whose backward reads y and the per-row rstd alone (``norm_math.output_backward``,
+NaN where the weight turns out unsafe), so AOTAutograd keeps no x for it. Keeping the input, it is
+plain operations, whose backward AOTAutograd derives.
 
 A norm with a trained weight or bias keeps normkit's kernels under compile: their deterministic
 fp32-partial dW/dB reduction is where they beat Inductor's. Tensor subclasses (DTensor) keep the
 custom ops. ``compile_frozen_with("kernels")`` sends frozen norms to the kernels too.
 
-The math and rounding points follow ``normkit.kernels.norm`` for each casting mode (as
-``jax_frontend/_xla.py`` does). Inductor may keep an intermediate in fp32 where the eager code
-rounds to x.dtype (its ``emulate_precision_casts`` is off by default), as it does for the model's
-own norm, so results agree with the kernels to ``normkit.testing``'s tolerances, not bitwise.
+The math is ``normkit.norm_math``'s, with the rounding points of ``normkit.kernels.norm`` for each
+casting mode (as ``jax_frontend/_xla.py`` has them). Inductor may keep an intermediate in fp32 where
+the eager code rounds to x.dtype (its ``emulate_precision_casts`` is off by default), as it does for
+the model's own norm, so results agree with the kernels to ``normkit.testing``'s tolerances, not
+bitwise.
 """
 from __future__ import annotations
 
 from typing import Literal
 
+import array_api_compat.torch as _xp  # the namespace, named here: dynamo warns on array_namespace's lru_cache
 import torch
 
-from normkit.ops import Casting, Op, Options
+from normkit import norm_math
+from normkit.ops import Op, Options
 
 _ROUTES = ("inductor", "kernels")
 _route = "inductor"
@@ -51,33 +59,31 @@ def applies(x, residual, weight, bias) -> bool:
             and not (weight is not None and weight.requires_grad) and not (bias is not None and bias.requires_grad))
 
 
-def _rounded(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return v if dtype == torch.float32 else v.to(dtype).float()
-
-
 def apply(op: Op, opts: Options, x, residual, weight, bias, from_output: bool = False):
     """The op's outputs as ``functional`` returns them: y, or ``(y, residual_out)`` for the fused add."""
-    dt = x.dtype
-    s = None
-    x32 = x.float()
-    if op.has_residual:  # the sum rounded to x.dtype, as torch's `x + residual`, and normalized as stored
-        s = (x32 + residual.float()).to(dt)
-        x32 = s.float()
-    if op.is_rms:
-        xc = x32
-    else:
-        xc = x32 - x32.mean(-1, keepdim=True)
-    rstd = torch.rsqrt((xc * xc).mean(-1, keepdim=True) + opts.eps)
-    if opts.casting == Casting.INPUT_DTYPE:  # every product rounded to x.dtype
-        y = _rounded(xc * _rounded(rstd, dt), dt)
-    elif opts.casting == Casting.ROUND_NORMALIZED:
-        y = _rounded(xc * rstd, dt)
-    else:
-        y = xc * rstd
-    if weight is not None:
-        w = weight.float() + opts.offset if opts.offset else weight.float()
-        y = y * (_rounded(w, dt) if opts.casting == Casting.INPUT_DTYPE else w)
-    if bias is not None:
-        y = y + bias.float()
-    y = y.to(dt)
+    if from_output and (x.requires_grad or (residual is not None and residual.requires_grad)):
+        return _FromOutput.apply(op, opts, x, residual, weight, bias)
+    y, s, _, _ = norm_math.forward(x, residual, weight, bias, is_rms=op.is_rms, eps=opts.eps, offset=opts.offset,
+                                   casting=opts.casting, xp=_xp)
     return (y, s) if op.has_residual else y
+
+
+class _FromOutput(torch.autograd.Function):
+    """A frozen norm in torch operations whose backward reads its output: x_hat = (y - b) / w."""
+
+    @staticmethod
+    def forward(ctx, op: Op, opts: Options, x, residual, weight, bias):
+        y, s, _, rstd = norm_math.forward(x, residual, weight, bias, is_rms=op.is_rms, eps=opts.eps,
+                                          offset=opts.offset, casting=opts.casting, xp=_xp)
+        ctx.op, ctx.opts = op, opts
+        ctx.save_for_backward(y, weight, bias, rstd)
+        return (y, s) if op.has_residual else y
+
+    @staticmethod
+    def backward(ctx, dy, ds=None):
+        y, weight, bias, rstd = ctx.saved_tensors
+        op, opts = ctx.op, ctx.opts
+        dx = norm_math.output_backward(y, weight, bias, dy, ds, rstd, is_rms=op.is_rms, offset=opts.offset,
+                                       casting=opts.casting, xp=_xp).to(y.dtype)
+        needs = ctx.needs_input_grad  # (op, opts, x, residual, weight, bias)
+        return None, None, dx if needs[2] else None, dx if needs[3] else None, None, None

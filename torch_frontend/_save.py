@@ -29,7 +29,8 @@ from typing import Literal, Optional
 
 import torch
 
-from normkit.ops import CASTING_MODES, OUTPUT_BIAS_RATIO, OUTPUT_W_MIN, Casting, Op
+from normkit import norm_math
+from normkit.ops import CASTING_MODES, Casting, Op
 
 SAVES = ("auto", "input", "output")
 Save = Literal["auto", "input", "output"]
@@ -59,27 +60,10 @@ def _trained_error(op: Op, names) -> ValueError:
 
 def _unsafe_column(weight, bias, offset: float, casting: Casting, x_dtype: torch.dtype) -> str | None:
     """Why x_hat cannot be recovered from y with this weight (the first column that fails), or None."""
-    name = str(x_dtype).removeprefix("torch.")
-    w_min, ratio = OUTPUT_W_MIN[name], OUTPUT_BIAS_RATIO
     with torch.no_grad():
-        w = torch.ones((), dtype=torch.float32, device=(weight if weight is not None else bias).device)
-        if weight is not None:
-            w = weight.detach().float() + offset
-            if casting == Casting.INPUT_DTYPE:  # the forward multiplies by the weight rounded to x's dtype
-                w = w.to(x_dtype).float()
-        unsafe = ~torch.isfinite(w) | (w.abs() < w_min)
-        if bias is not None:
-            b = bias.detach().float()
-            unsafe = unsafe | torch.isnan(b) | (b.abs() > ratio * w.abs())
-        if not bool(unsafe.any()):  # the one host synchronization
-            return None
-        j = int(unsafe.reshape(-1).nonzero()[0, 0])
-        wj = float(w.reshape(-1)[j if w.dim() else 0])
-        if bias is not None and abs(float(bias.reshape(-1)[j])) > ratio * abs(wj):
-            return (f"column {j}: |bias| = {abs(float(bias.reshape(-1)[j])):.3g} exceeds {ratio:g} x |weight| = "
-                    f"{abs(wj):.3g}, so y - bias cancels and x_hat cannot be recovered in {name}")
-        return (f"column {j}: weight{' + offset' if offset else ''} = {wj:.3g}, below {w_min:.3g} in magnitude or not "
-                f"finite, so x_hat = y / weight cannot be recovered in {name}")
+        return norm_math.unsafe_reason(None if weight is None else weight.detach(),
+                                       None if bias is None else bias.detach(), x_dtype=x_dtype, offset=offset,
+                                       casting=casting)
 
 
 _SAFETY: dict = {}

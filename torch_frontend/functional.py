@@ -88,7 +88,7 @@ def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode, save):
                                          ((x, "x"), (residual, "residual"), (weight, "weight"), (bias, "bias")))
         from_output = store_stats and save != "input" and _save.saves_output(
             op, save, x, weight, bias, offset, CASTING_MODES.get(casting_mode))
-        k = _bound.key(op, eps, offset, casting_mode, store_stats, from_output, x, residual, weight, bias)
+        k = _bound.key(op, eps, offset, casting_mode, store_stats, from_output, x, residual, weight, bias, save)
         bound = _bound.BOUND.get(k)  # hashes the key: raises TypeError for an unhashable option
     except (AttributeError, TypeError, RuntimeError, KeyError):  # not a tensor, an unhashable or unknown option, a
         # tensor without strides or sizes (sparse, mkldnn, nested): the checks below name it

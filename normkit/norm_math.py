@@ -1,0 +1,352 @@
+r"""The norms' math, written once over an array namespace: NumPy, torch and JAX alike.
+
+Every function takes arrays of one library and computes with its namespace ``xp``
+(``array_api_compat.array_namespace``; pass ``xp=`` to skip the lookup, e.g. inside a traced
+region). Rows are the last axis: arrays have shape ``(..., N)``, per-row statistics ``(...)``.
+The float64 reference (``normkit.reference``), the XLA implementation (``jax_frontend._xla``),
+the frozen norm under ``torch.compile`` (``torch_frontend._composite``) and the differentiable
+double backward (``torch_frontend._autograd``) all call these functions; the Triton and Pallas
+kernels (``normkit.kernels``) are the only other copies of the math.
+
+Precision. Float64 inputs are computed in float64 with no rounding at all: that is the reference,
+exact arithmetic, to which every casting mode converges. fp32, bf16 and fp16 inputs are computed in
+fp32 with the kernels' rounding points (``Casting``): ``w_eff = weight + offset`` (1 without a
+weight), ``b`` the bias (0 without one), ``mean(v) = sum(v) * (1/N)`` over a row::
+
+    s = round(x + residual)                                   (fused add: what is normalized and stored)
+    mu = mean(x);  xc = x - mu  (RMSNorm: xc = x);  rstd = 1 / sqrt(mean(xc * xc) + eps)
+    INPUT_DTYPE:       x_hat = round(xc * round(rstd));  y = x_hat * round(w_eff) + b
+    ROUND_NORMALIZED:  x_hat = round(xc * rstd);         y = x_hat * w_eff + b
+    FP32:              x_hat = xc * rstd;                y = x_hat * w_eff + b
+
+with ``round`` to x's dtype and y stored in x's dtype. Rounding is the one piece that depends on
+the library (``_round``).
+
+Backward from the saved input (``input_backward``; statistics as the forward saved them, or
+recomputed from x, and then differentiated too on torch tensors)::
+
+    g = dy * w_eff;   c1 = mean(g * x_hat);   c2 = mean(g)
+    dx = (g - x_hat * c1) * rstd  (RMSNorm)   dx = (g - c2 - x_hat * c1) * rstd  (LayerNorm)
+    dx += d_residual_out (fused add);   dw = sum over rows of dy * x_hat;   db = sum over rows of dy
+
+(under ROUND_NORMALIZED, dw sees x_hat rounded to x's dtype, as the forward used it).
+
+Backward from the saved output (``output_backward``, x's gradient only, weight and bias frozen).
+A frozen norm need not keep x alive: x_hat comes back from y (``w_eff`` rounded under INPUT_DTYPE,
+as the forward multiplied by it)::
+
+    x_hat = (y - b) / w_eff;   g = dy * w_eff;   c1 = mean(dy * (y - b));   c2 = mean(g)
+
+and dx as above. ``c1`` equals ``mean(g * x_hat)`` in real arithmetic and needs no division; no
+mean is needed. It is safe only where x_hat can be recovered. y holds x_hat * w_eff + b with a
+relative error u (the unit roundoff of x's dtype: 2^-8 bf16, 2^-11 fp16, 2^-24 fp32) and an
+absolute one of TINY, the dtype's smallest subnormal (2^-24 fp16) or, where that is an fp32
+subnormal, fp32's smallest normal 2^-126 (XLA on CPU, like any flush-to-zero mode, flushes fp32
+subnormals to 0), so the recovered x_hat is off by about::
+
+    u * (|x_hat| + |b / w_eff|) + TINY / |w_eff|
+
+which stays a few u where ``|w_eff| >= W_MIN = TINY / (4 u)`` (2^-15 fp16, 2^-120 bf16, 2^-104
+fp32) and ``|b| <= OUTPUT_BIAS_RATIO * |w_eff|``. In dx it becomes an error of about
+``rstd * (e_j |c1| + |x_hat_j| mean(|g| e))`` for an x_hat error e: as small as dx's own rounding to
+x's dtype, except in a row where dy is nearly parallel to x_hat (always when N = 1) and dx cancels.
+A column is unsafe where ``w_eff`` is not finite, ``|w_eff| < W_MIN``, or (with a bias) ``b`` is
+not finite or ``|b| > OUTPUT_BIAS_RATIO * |w_eff|``. ``output_backward_safe`` answers on the host
+(one reduction, one bool) for the caller that picks a backward; ``output_backward`` itself, whose
+traced callers (``jax.jit``, ``torch.compile``) cannot look at the weight's values, returns dx NaN
+everywhere if any column is unsafe: loud, never a quietly wrong gradient.
+"""
+from __future__ import annotations
+
+import enum
+
+from array_api_compat import array_namespace, is_jax_namespace
+
+
+class Casting(enum.IntEnum):
+    """Where the forward rounds to x's dtype (the kernels' ``CASTING`` constexpr)."""
+
+    INPUT_DTYPE = 0  # every product rounded to x.dtype, as eager low-precision math does
+    ROUND_NORMALIZED = 1  # normalize in fp32, round x_hat to x.dtype, then scale (HF Llama)
+    FP32 = 2  # everything in fp32, one rounding at the end (HF Gemma; LayerNorm always)
+
+
+# The unit roundoff u and the smallest subnormal of each dtype x can have (exact powers of two).
+UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
+SMALLEST_SUBNORMAL = {"float64": 2.0**-1074, "float32": 2.0**-149, "bfloat16": 2.0**-133, "float16": 2.0**-24}
+# The smallest |y| the output-saving backward can count on: x's smallest subnormal, but no less than the
+# compute dtype's smallest normal, as XLA on CPU (and any flush-to-zero mode) flushes fp32 subnormals to 0.
+TINY = {name: max(SMALLEST_SUBNORMAL[name], 2.0**-1022 if name == "float64" else 2.0**-126) for name in UNIT_ROUNDOFF}
+# The smallest |w_eff| from which the output-saving backward recovers x_hat: TINY / (4 u).
+W_MIN = {name: TINY[name] / (4 * UNIT_ROUNDOFF[name]) for name in UNIT_ROUNDOFF}
+# The largest |b / w_eff| at which the output-saving backward is used: y - b cancels beyond it. At this
+# ratio (and |w_eff| at W_MIN) its dx, stored in x's dtype, is as accurate as the input-saving one's
+# to within 10% (tests/test_math.py asserts it); the loss grows with the ratio past it.
+OUTPUT_BIAS_RATIO = 2.0
+
+
+# ---------------------------------------------------------------------------------------------
+# The library-specific piece: rounding, and the dtypes.
+
+def _round(xp, v, dtype):
+    """``v`` (fp32, or float64) rounded to the values of ``dtype`` (round to nearest even), kept in
+    v's dtype; the identity where ``dtype`` is v's own (fp32 inputs, and the exact float64 math).
+
+    JAX uses ``lax.reduce_precision`` rather than ``astype(dtype).astype(f32)``: XLA:GPU's default
+    ``xla_allow_excess_precision`` lets its simplify-fp-conversions pass delete ``f32 -> bf16 -> f32``
+    round trips, which would silently turn the INPUT_DTYPE and ROUND_NORMALIZED modes into FP32.
+    ``reduce_precision`` flushes what would be an fp16 subnormal to zero, so those (|v| < 2**-14) are
+    rounded on the 2**-24 grid explicitly. torch and NumPy round by the conversion itself.
+    """
+    if v.dtype == dtype:
+        return v
+    if is_jax_namespace(xp):
+        import jax.numpy as jnp
+        from jax import lax
+
+        fi = jnp.finfo(dtype)
+        r = lax.reduce_precision(v, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+        if fi.nexp < 8:  # subnormals of a narrower exponent range (fp16): multiples of its smallest subnormal
+            tiny = float(fi.smallest_subnormal)
+            r = jnp.where(jnp.abs(v) < float(fi.smallest_normal), jnp.round(v / tiny) * tiny, r)
+        return r
+    return xp.astype(xp.astype(v, dtype), v.dtype)
+
+
+def _compute_dtype(xp, dtype):
+    """float64 for float64 inputs (exact, no rounding), fp32 for everything else."""
+    return xp.float64 if dtype == xp.float64 else xp.float32
+
+
+def _to(xp, a, dtype):
+    return xp.astype(a, dtype, copy=False)
+
+
+def dtype_name(dtype) -> str:
+    """``"float32"``, ``"bfloat16"``, ... for a dtype of NumPy (ml_dtypes), torch or JAX, or a name."""
+    if isinstance(dtype, str):
+        name = dtype
+    elif str(dtype).startswith("torch."):
+        name = str(dtype).removeprefix("torch.")
+    else:  # NumPy (ml_dtypes' bfloat16 included) and JAX dtypes and scalar types
+        import numpy as np
+
+        name = np.dtype(dtype).name
+    if name not in UNIT_ROUNDOFF:
+        raise TypeError(f"normkit: x's dtype must be one of {sorted(UNIT_ROUNDOFF)}; got {dtype!r}")
+    return name
+
+
+def _namespace_dtype(xp, dtype):
+    """``dtype`` (a name, or a dtype) as a dtype of ``xp``."""
+    if not isinstance(dtype, str):
+        return dtype
+    name = dtype_name(dtype)
+    if name == "bfloat16" and not hasattr(xp, "bfloat16"):  # NumPy: bfloat16 comes from ml_dtypes
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return getattr(xp, name)
+
+
+def _namespace(xp, *arrays):
+    return xp if xp is not None else array_namespace(*(a for a in arrays if a is not None))
+
+
+# ---------------------------------------------------------------------------------------------
+# The pieces the forward and both backwards share.
+
+def _mean(xp, v, keepdims=False):
+    """The row mean as the kernels take it: the sum times 1/N."""
+    return xp.sum(v, axis=-1, keepdims=keepdims) * (1.0 / v.shape[-1])
+
+
+def _statistics(xp, v, *, is_rms: bool, eps: float):
+    """``(mean, xc, rstd)`` of rows ``v`` in the compute dtype; mean is None for RMSNorm."""
+    if is_rms:
+        mean, xc = None, v
+    else:
+        mean = _mean(xp, v)
+        xc = v - mean[..., None]
+    rstd = 1.0 / xp.sqrt(_mean(xp, xc * xc) + eps)
+    return mean, xc, rstd
+
+
+def _w_eff(xp, weight, offset: float, casting, x_dtype, f):
+    """``weight + offset`` in the compute dtype ``f``, rounded to x's dtype under INPUT_DTYPE (the
+    forward multiplies by that); None without a weight (w_eff = 1)."""
+    if weight is None:
+        return None
+    w = _to(xp, weight, f) + offset
+    return _round(xp, w, x_dtype) if casting == Casting.INPUT_DTYPE else w
+
+
+def _dx(xp, g, x_hat, c1, rstd, *, is_rms: bool, dres, f):
+    """dx from ``g = dy * w_eff``, x_hat, ``c1 = mean(g * x_hat)`` and rstd (plus d_residual_out)."""
+    r = rstd[..., None]
+    if is_rms:
+        dx = (g - x_hat * c1) * r
+    else:
+        dx = (g - _mean(xp, g, keepdims=True) - x_hat * c1) * r
+    if dres is not None:
+        dx = dx + _to(xp, dres, f)
+    return dx
+
+
+def _column_sum(xp, v):
+    """Sum over every row of ``(..., N)``: a gradient of a per-column parameter."""
+    return xp.sum(xp.reshape(v, (-1, v.shape[-1])), axis=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The forward and the two backwards.
+
+def forward(x, residual=None, weight=None, bias=None, *, is_rms: bool, eps: float, offset: float = 0.0,
+            casting: Casting = Casting.FP32, xp=None) -> tuple:
+    """``(y, s, mean, rstd)`` of rows ``x`` (``(..., N)``): y in x's dtype; s = round(x + residual) in
+    x's dtype for the fused add (else None); the statistics in the compute dtype (fp32, or float64
+    for float64 x), mean None for RMSNorm. The offset applies to a present weight only."""
+    xp = _namespace(xp, x, residual, weight, bias)
+    dt = x.dtype
+    f = _compute_dtype(xp, dt)
+    v = _to(xp, x, f)
+    s = None
+    if residual is not None:  # the sum is rounded to x.dtype, as torch's `x + residual`, and normalized as stored
+        v = _round(xp, v + _to(xp, residual, f), dt)
+        s = _to(xp, v, dt)
+    mean, xc, rstd = _statistics(xp, v, is_rms=is_rms, eps=eps)
+    if casting == Casting.INPUT_DTYPE:  # every product rounded to x.dtype
+        x_hat = _round(xp, xc * _round(xp, rstd, dt)[..., None], dt)
+    elif casting == Casting.ROUND_NORMALIZED:
+        x_hat = _round(xp, xc * rstd[..., None], dt)
+    else:
+        x_hat = xc * rstd[..., None]
+    y = x_hat
+    if weight is not None:
+        y = y * _w_eff(xp, weight, offset, casting, dt, f)
+    if bias is not None:
+        y = y + _to(xp, bias, f)
+    return _to(xp, y, dt), s, mean, rstd
+
+
+def input_backward(x, weight, dy, dres=None, mean=None, rstd=None, *, is_rms: bool, eps: float | None = None,
+                   offset: float = 0.0, casting: Casting = Casting.FP32, compute_dx: bool = True,
+                   compute_dw: bool = False, compute_db: bool = False, xp=None) -> tuple:
+    """``(dx, dw, db)`` from the saved input ``x`` (the fused add's sum s), in the compute dtype; None
+    where not asked (the kernels' COMPUTE_DX/DW/DB). ``dres``: the fused add's d_residual_out, added
+    to dx. ``mean``/``rstd``: the forward's statistics; when rstd is None they are recomputed from x
+    (with ``eps``), so that on torch tensors they are differentiated too."""
+    xp = _namespace(xp, x, weight, dy, dres)
+    f = _compute_dtype(xp, x.dtype)
+    dy32 = _to(xp, dy, f)
+    dx = dw = db = None
+    if compute_dx or compute_dw:
+        v = _to(xp, x, f)
+        if rstd is None:
+            if eps is None:
+                raise ValueError("normkit: input_backward needs eps to recompute the statistics (rstd is None)")
+            mean, _, rstd = _statistics(xp, v, is_rms=is_rms, eps=eps)
+        r = rstd[..., None]
+        x_hat = v * r if is_rms else (v - mean[..., None]) * r
+    if compute_dx:
+        g = dy32 if weight is None else dy32 * (_to(xp, weight, f) + offset)
+        c1 = _mean(xp, g * x_hat, keepdims=True)
+        dx = _dx(xp, g, x_hat, c1, rstd, is_rms=is_rms, dres=dres, f=f)
+    if compute_dw:
+        xw = _round(xp, x_hat, x.dtype) if casting == Casting.ROUND_NORMALIZED else x_hat  # as the forward used it
+        dw = _column_sum(xp, dy32 * xw)
+    if compute_db:
+        db = _column_sum(xp, dy32)
+    return dx, dw, db
+
+
+def output_backward(y, weight, bias, dy, dres, rstd, *, is_rms: bool, offset: float = 0.0,
+                    casting: Casting = Casting.FP32, xp=None):
+    """dx, in the compute dtype, from the forward's output ``y`` (stored in x's dtype), its saved
+    ``rstd`` and the frozen weight and bias (``dres``: the fused add's d_residual_out, or None).
+    NaN everywhere if any column is unsafe (see the module docstring and ``output_backward_safe``).
+    Under ``torch.compile`` pass ``xp`` (``array_api_compat.torch``): dynamo warns on the lru_cache of
+    ``array_namespace``."""
+    xp = _namespace(xp, y, weight, bias, dy, dres)
+    dt = y.dtype
+    f = _compute_dtype(xp, dt)
+    w = _w_eff(xp, weight, offset, casting, dt, f)
+    b = None if bias is None else _to(xp, bias, f)
+    dy32 = _to(xp, dy, f)
+    yc = _to(xp, y, f)
+    if b is not None:
+        yc = yc - b
+    if w is None:
+        x_hat, g = yc, dy32
+    else:
+        x_hat, g = yc / w, dy32 * w
+    c1 = _mean(xp, dy32 * yc, keepdims=True)
+    dx = _dx(xp, g, x_hat, c1, rstd, is_rms=is_rms, dres=dres, f=f)
+    unsafe = _unsafe_columns(xp, w, b, dt)
+    if unsafe is not None:
+        dx = xp.where(xp.any(unsafe), float("nan"), dx)
+    return dx
+
+
+# ---------------------------------------------------------------------------------------------
+# The safety predicate of the output-saving backward.
+
+def _unsafe_columns(xp, w, b, x_dtype):
+    """Per column, whether x_hat cannot be recovered from y; None when every column is safe by
+    construction (no weight and no bias: w_eff = 1). ``w`` is w_eff as the forward used it."""
+    if w is None and b is None:
+        return None
+    unsafe = None
+    if w is not None:
+        unsafe = xp.logical_or(xp.logical_not(xp.isfinite(w)), xp.abs(w) < W_MIN[dtype_name(x_dtype)])
+    if b is not None:
+        w_abs = 1.0 if w is None else xp.abs(w)
+        bad_b = xp.logical_or(xp.logical_not(xp.isfinite(b)), xp.abs(b) > OUTPUT_BIAS_RATIO * w_abs)
+        unsafe = bad_b if unsafe is None else xp.logical_or(unsafe, bad_b)
+    return unsafe
+
+
+def unsafe_columns(weight, bias, *, x_dtype, offset: float = 0.0, casting: Casting = Casting.FP32):
+    """``(w_eff, unsafe)``: the weight as the forward multiplied by it (fp32; None without a weight) and,
+    per column, whether ``output_backward`` cannot recover x_hat there (None when no column can be
+    unsafe: no weight and no bias), for this weight and bias (NumPy or torch arrays, or None) and x's
+    dtype (a name such as ``"bfloat16"``, or the arrays' library's dtype)."""
+    if weight is None and bias is None:
+        return None, None
+    xp = _namespace(None, weight, bias)
+    dt = _namespace_dtype(xp, x_dtype)
+    f = _compute_dtype(xp, dt)
+    w = _w_eff(xp, weight, offset, casting, dt, f)
+    b = None if bias is None else _to(xp, bias, f)
+    return w, _unsafe_columns(xp, w, b, dt)
+
+
+def output_backward_safe(weight, bias, *, x_dtype, offset: float = 0.0, casting: Casting = Casting.FP32) -> bool:
+    """Whether ``output_backward`` recovers x_hat in every column (``unsafe_columns``): a host-side
+    check, one reduction and one bool, for the caller that picks the backward."""
+    _, unsafe = unsafe_columns(weight, bias, x_dtype=x_dtype, offset=offset, casting=casting)
+    if unsafe is None:
+        return True
+    xp = _namespace(None, unsafe)
+    return not bool(xp.any(unsafe))
+
+
+def unsafe_reason(weight, bias, *, x_dtype, offset: float = 0.0, casting: Casting = Casting.FP32) -> str | None:
+    """Why ``output_backward`` cannot recover x_hat with this weight and bias, naming the first unsafe
+    column, or None where it can (the host-side check of ``output_backward_safe``)."""
+    w, unsafe = unsafe_columns(weight, bias, x_dtype=x_dtype, offset=offset, casting=casting)
+    if unsafe is None:
+        return None
+    xp = _namespace(None, unsafe)
+    if not bool(xp.any(unsafe)):
+        return None
+    name = dtype_name(_namespace_dtype(xp, x_dtype))
+    j = int(xp.nonzero(xp.reshape(unsafe, (-1,)))[0][0])
+    wj = 1.0 if w is None else float(w[j])
+    if bias is not None:
+        bj = float(bias[j])
+        if not abs(bj) <= OUTPUT_BIAS_RATIO * abs(wj):
+            return (f"column {j}: |bias| = {abs(bj):.3g} exceeds {OUTPUT_BIAS_RATIO:g} x |weight| = {abs(wj):.3g} (or "
+                    f"is not finite), so y - bias cancels and x_hat cannot be recovered in {name}")
+    return (f"column {j}: the weight{' + offset' if offset else ''} is {wj:.3g}, below {W_MIN[name]:.3g} in magnitude "
+            f"or not finite, so x_hat = y / weight cannot be recovered in {name}")
