@@ -151,8 +151,9 @@ def _saves_output(cfg: _Config, needs: "_Needs", x, weight, bias) -> bool:
     """Whether the residuals hold the output y rather than the input: ``save`` (``rms_norm``'s docstring)
     for a call whose weight and bias are not differentiated. Where their values are known (not
     traced) "auto" checks that x_hat can be recovered from y (``normkit.norm_math``); traced, it keeps
-    y but for a LayerNorm with a bias (whose trained values often exceed the weight's in some
-    column), and the kernels' dx is NaN where a weight turns out unsafe."""
+    y where only an exactly zero weight could prevent that (no bias, no offset: a LayerNorm's trained
+    bias often exceeds its weight in some column, and Gemma's ``1 + w`` vanishes where a 16-bit w is
+    -1), and the kernels' dx is NaN where a weight turns out unsafe."""
     op, save = cfg.op, cfg.save
     if save == "input" or not (needs.x or needs.residual):
         return False
@@ -166,7 +167,7 @@ def _saves_output(cfg: _Config, needs: "_Needs", x, weight, bias) -> bool:
     if weight is None and bias is None:
         return True
     if any(isinstance(p, jax.core.Tracer) for p in (weight, bias) if p is not None):
-        return save == "output" or bias is None
+        return save == "output" or (bias is None and cfg.opts.offset == 0.0)
     reason = norm_math.unsafe_reason(_host(weight), _host(bias), x_dtype=_launch.dtype_name(x.dtype),
                                      offset=cfg.opts.offset, casting=cfg.opts.casting)
     if reason is None:

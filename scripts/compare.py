@@ -2,14 +2,18 @@
 
 On a CUDA GPU the kernels run compiled at a training-sized shape; on a CPU they run in Triton's
 interpreter at a small one. For each op of the op table (``normkit.ops.OPS``) and each frontend it
-prints which backward variant ran, the bytes of fp32 partial buffers it allocated, the gradients'
-agreement with the float64 reference (and x.grad of frozen vs full), and median times.
+prints which backward variant ran, what the forward kept for it, the bytes of fp32 partial buffers
+it allocated, the gradients' agreement with the float64 reference (and x.grad of frozen vs full),
+and median times.
 
 *full* trains every input of the op; *frozen* only its row inputs (x, and the fused add's residual):
-the weight and bias are frozen, as in LoRA fine-tuning. Each run is also checked: the backward launch
-must carry exactly the variant's gradient flags, and every gradient must be within the tolerance
-table (``normkit.testing``) of the reference; the exit status is 1 if a check fails. Every column of
-the table is explained, with its unit, in the legend printed under it.
+the weight and bias are frozen, as in LoRA fine-tuning. A frozen norm runs twice: keeping its input
+x for the backward (``save="input"``), and as ``save="auto"`` (the default) chooses, which keeps the
+output y instead where the weight allows recovering x from it, and so frees x (column ``kept``).
+Each run is also checked: the backward launch must carry exactly the variant's gradient flags,
+every gradient must be within the tolerance table (``normkit.testing``) of the reference, and the
+frozen dx kept from x must be bitwise the full one's; the exit status is 1 if a check fails. Every column of the
+table is explained, with its unit, in the legend printed under it.
 
     python scripts/compare.py [--shape MxN] [--dtype bfloat16] [--frontends torch,jax] [--reps N]
 """
@@ -35,14 +39,15 @@ CUDA = torch.cuda.is_available()
 CASTING_NAMES = {casting: name for name, casting in CASTING_MODES.items()}
 
 
-def variants(op: Op) -> dict[str, frozenset]:
-    """Backward variant -> the inputs it trains."""
-    return {"full": frozenset(op.inputs), "frozen": frozenset(op.row_inputs)}
+def variants(op: Op) -> dict[str, tuple[frozenset, str]]:
+    """Backward variant -> (the inputs it trains, what the forward keeps: the ``save`` argument)."""
+    return {"full": (frozenset(op.inputs), "input"), "frozen": (frozenset(op.row_inputs), "input"),
+            "frozen, auto": (frozenset(op.row_inputs), "auto")}
 
 
-def call_kwargs(op: Op, opts: Options) -> dict:
-    """The public functions' keyword options for ``opts``."""
-    kw = {"eps": opts.eps}
+def call_kwargs(op: Op, opts: Options, save: str = "auto") -> dict:
+    """The public functions' keyword options for ``opts`` and ``save``."""
+    kw = {"eps": opts.eps, "save": save}
     if op.has_offset:
         kw.update(offset=opts.offset, casting_mode=CASTING_NAMES[opts.casting])
     return kw
@@ -59,7 +64,7 @@ def timed(fn, reps):
     return statistics.median(Timer.each(fn, reps, torch_sync))
 
 
-def torch_runner(op: Op, arrays: dict, dtype: str, opts: Options, trained: frozenset):
+def torch_runner(op: Op, arrays: dict, dtype: str, opts: Options, trained: frozenset, save: str):
     """``(run, to_numpy)``: ``run()`` computes the gradients through torch autograd (what is timed);
     ``to_numpy(run())`` is ``{input name: gradient as float64 NumPy, or None}``."""
     import torch_frontend as tf
@@ -67,7 +72,7 @@ def torch_runner(op: Op, arrays: dict, dtype: str, opts: Options, trained: froze
     dev = "cuda" if CUDA else "cpu"
     tdt = getattr(torch, dtype)
     t = {k: torch.from_numpy(v).to(dev, tdt) for k, v in arrays.items()}
-    fn, kw = getattr(tf, op.name), call_kwargs(op, opts)
+    fn, kw = getattr(tf, op.name), call_kwargs(op, opts, save)
     cotangents = [t["dy"]] + ([t["ds"]] if op.has_residual else [])
 
     def run():
@@ -82,7 +87,7 @@ def torch_runner(op: Op, arrays: dict, dtype: str, opts: Options, trained: froze
     return run, to_numpy
 
 
-def jax_runner(op: Op, arrays: dict, dtype: str, opts: Options, trained: frozenset):
+def jax_runner(op: Op, arrays: dict, dtype: str, opts: Options, trained: frozenset, save: str):
     """The same through ``jax.vjp`` under jit, the untrained inputs frozen with ``jax_frontend.freeze``."""
     import jax
     import jax.numpy as jnp
@@ -91,7 +96,7 @@ def jax_runner(op: Op, arrays: dict, dtype: str, opts: Options, trained: frozens
 
     jdt = getattr(jnp, dtype)
     a = {k: jnp.asarray(v.astype(np.float32)).astype(jdt) for k, v in arrays.items()}
-    fn, kw = getattr(jf, op.name), call_kwargs(op, opts)
+    fn, kw = getattr(jf, op.name), call_kwargs(op, opts, save)
     mask = {name: name in trained for name in op.inputs}
     primals = {name: a[name] for name in op.inputs}
     cot = (a["dy"], a["ds"]) if op.has_residual else a["dy"]
@@ -153,13 +158,18 @@ def legend(reps: int) -> dict[str, str]:
         "op": "the op (normkit.ops.OPS)",
         "frontend": "torch: torch_frontend through torch.autograd; jax: jax_frontend through jax.vjp under jit",
         "backward": "full: every input trained; frozen: the weight and bias frozen (x and the residual trained), "
-                    "as in LoRA",
+                    "as in LoRA, with save='input'; 'frozen, auto': the same with save='auto' (the default)",
+        "kept": "what the forward kept for the backward: x (the fused add: x + residual), or the output y, "
+                "from which the backward recovers x_hat = (y - bias) / weight, so x is freed; 'auto' keeps y "
+                "where the weight allows (torch_frontend.save_decision says why not)",
         "kernels": "the kernels one forward + backward launched, in order (normkit.record_launches)",
         "partials (B)": "bytes of the fp32 per-program dW/dB partial buffers the backward allocated",
         "dx err": "relative error ||dx - ref|| / ||ref|| against the float64 reference (normkit/reference.py)",
         "dW err": "the same for the weight's gradient; '-' where the weight is frozen (no gradient computed)",
-        "dx frozen==full": "whether the frozen backward's dx is bitwise equal to the full one's (it must be: "
-                           "freezing changes only which gradients are computed)",
+        "dx frozen==full": "whether the frozen backward's dx is bitwise equal to the full one's: it must be "
+                           "where x is kept (freezing changes only which gradients are computed); from y, x_hat "
+                           "is recovered as (y - bias) / weight, rounded differently, so dx is not bitwise the "
+                           "same but within the tolerance table (see dx err)",
         "fwd+bwd us": timing,
     }
 
@@ -187,24 +197,29 @@ def main(argv=None) -> int:
         for name in args.frontends.split(","):
             try:
                 results = {}
-                for variant, trained in variants(op).items():
-                    run, to_numpy = RUNNERS[name](op, arrays, args.dtype, opts, trained)
+                for variant, (trained, save) in variants(op).items():
+                    run, to_numpy = RUNNERS[name](op, arrays, args.dtype, opts, trained, save)
                     with normkit.record_launches() as log:
                         grads = to_numpy(run())
                     t = timed(run, args.reps)
                     results[variant] = (grads, op.grads(trained), log, t)
             except Exception as e:  # report the frontend as unavailable, keep the table going
-                rows.append([op.name, name, None, f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:60]}"])
+                rows.append([op.name, name, None, None, f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:60]}"])
                 continue
-            dx_same = np.array_equal(results["frozen"][0]["x"], results["full"][0]["x"])
+            full_dx = results["full"][0]["x"]
             for variant, (grads, flags, log, t) in results.items():
                 dw = grads.get("weight")
-                rows.append([op.name, name, variant,
+                same = np.array_equal(grads["x"], full_dx)
+                kept = "y" if any(b.flags.get("FROM_Y") for b in log.of("norm_bwd_kernel")) else "x"
+                if kept == "x" and variant != "full" and not same:
+                    problems.append(f"{op.name} {name} {variant}: dx is not bitwise the full backward's")
+                rows.append([op.name, name, variant, kept,
                              ",".join(k.replace("_kernel", "") for k in dict.fromkeys(log.kernels())),
                              sum(launch.partial_bytes for launch in log), rel_err(grads["x"], want["x"]),
-                             None if dw is None else rel_err(dw, want["weight"]), "yes" if dx_same else "no", t])
+                             None if dw is None else rel_err(dw, want["weight"]),
+                             "-" if variant == "full" else "yes" if same else "no", t])
                 problems += check(op, args.dtype, M, grads, want, flags, log, f"{op.name} {name} {variant}")
-    print(tabulate(rows, headers=list(columns), floatfmt=("", "", "", "", "d", ".1e", ".1e", "", ".1f"),
+    print(tabulate(rows, headers=list(columns), floatfmt=("", "", "", "", "", "d", ".1e", ".1e", "", ".1f"),
                    missingval="-"))
     print("\nColumns:")
     for column, meaning in columns.items():

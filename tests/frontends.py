@@ -22,7 +22,7 @@ def apply_op(module, case: Case, args: dict) -> dict:
     """The case's op from ``module`` (torch_frontend or jax_frontend) on named arrays; outputs by name.
     Every public function takes the op's inputs positionally in ``op.inputs`` order."""
     out = getattr(module, case.op)(*(args.get(name) for name in case.spec.row_inputs + ("weight", "bias")
-                                     if name in case.spec.inputs), **case.kwargs)
+                                     if name in case.spec.inputs), **case.call_kwargs)
     return dict(zip(case.spec.outputs, out if case.spec.has_residual else (out,)))
 
 

@@ -27,6 +27,7 @@ class Case:
     offset: float = 0.0
     trainable: frozenset = frozenset({"x", "weight", "bias", "residual"})
     eps: float = 1e-6
+    save: str = "auto"  # what the backward keeps (the public functions' save=)
 
     @property
     def spec(self) -> Op:
@@ -46,17 +47,35 @@ class Case:
 
     @property
     def kwargs(self) -> dict:
+        """The op's options (as ``Op.options`` takes them)."""
         kw = {"eps": self.eps}
         if self.spec.has_offset:
             kw.update(offset=self.offset, casting_mode=self.casting)
         return kw
+
+    @property
+    def call_kwargs(self) -> dict:
+        """The public functions' keyword arguments: the options, and ``save`` where not the default."""
+        return self.kwargs if self.save == "auto" else {**self.kwargs, "save": self.save}
 
     def __str__(self) -> str:
         frozen = ",".join(sorted(set(self.inputs) - self.trained)) or "none"
         parts = [self.op, self.shape.name, self.dtype, f"w={self.w_dtype or self.has_w}", f"b={self.has_b}"]
         if self.spec.has_offset:
             parts += [self.casting, f"off={self.offset}"]
-        return "-".join(str(p) for p in parts) + f"-frozen={frozen}"
+        return "-".join(str(p) for p in parts) + f"-frozen={frozen}" + ("" if self.save == "auto" else
+                                                                         f"-save={self.save}")
+
+
+def same_save(case: Case) -> Case:
+    """``case`` with ``save`` made explicit, as both frontends must run it to compare bit for bit: what
+    ``"auto"`` keeps where the weight's values are unseen (a jitted JAX call): the output where every
+    parameter is frozen and no bias and no offset could make the weight unsafe. An eager Torch call decides by the values, and may keep
+    the output in more cases (``torch_frontend._save``)."""
+    if case.save != "auto":
+        return case
+    frozen = not (case.trained & set(case.params))
+    return dataclasses.replace(case, save="output" if frozen and not case.has_b and case.offset == 0.0 else "input")
 
 
 def make_inputs(case: Case, rng: np.random.Generator) -> dict[str, np.ndarray]:

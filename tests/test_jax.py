@@ -25,7 +25,7 @@ from normkit.shapes import Shape, shapes
 from tests.frontend_jax import JaxFrontend
 from tests.frontends import requires_torch
 from tests import test_errors
-from tests.harness import check_against_reference, check_launch_flags, make_inputs, parity_cases
+from tests.harness import check_against_reference, check_launch_flags, make_inputs, parity_cases, same_save
 from normkit.ops import OPS
 from normkit.testing import assert_close, random_inputs
 
@@ -494,6 +494,7 @@ def _compare(case, a, b, exact):
 def _run_both(case):
     from tests.frontend_torch import TorchFrontend
 
+    case = same_save(case)
     inp = make_inputs(case, np.random.default_rng(zlib.crc32(str(case).encode())))
     res_jax = JaxFrontend().call(case, inp)
     res_torch = TorchFrontend().call(case, inp)

@@ -18,9 +18,10 @@ Safety is read from the weight's values once per version of it (its data pointer
 per call. ``save_decision`` answers the same question for a weight, with the reason.
 
 Where the values cannot be read (``torch.compile`` traces fake tensors), ``"auto"`` keeps the output
-of an RMSNorm and of a LayerNorm without a bias, and the input of a LayerNorm with one (a trained
-LayerNorm's bias is often larger than its weight in some columns). A weight that turns out unsafe
-there makes the kernels' dx NaN (never a quietly wrong gradient); ``save="input"`` avoids it.
+where no column can be unsafe but for a weight of exactly zero: no bias and no offset. A LayerNorm's
+trained bias is often larger than its weight in some column, and ``weight + offset`` (Gemma's
+``1 + w``) vanishes where a 16-bit w is -1; those keep the input there. A weight that turns out
+unsafe makes the kernels' dx NaN (never a quietly wrong gradient); ``save="input"`` avoids it.
 """
 from __future__ import annotations
 
@@ -110,7 +111,7 @@ def saves_output(op: Op, save: str, x, weight, bias, offset: float, casting: Cas
     return False
 
 
-def traced_saves_output(op: Op, save: str, weight, bias) -> bool:
+def traced_saves_output(op: Op, save: str, weight, bias, offset: float) -> bool:
     """Traced (``torch.compile``), where the weight's values are unseen: the rule of the module
     docstring. Raises for ``save="output"`` with a trained parameter."""
     if save == "input":
@@ -120,7 +121,13 @@ def traced_saves_output(op: Op, save: str, weight, bias) -> bool:
         if save == "output":
             raise _trained_error(op, trained)
         return False
-    return save == "output" or bias is None
+    return save == "output" or traced_auto(bias, offset)
+
+
+def traced_auto(bias, offset: float) -> bool:
+    """``"auto"`` where the weight's values are unseen: the output where only an exactly zero weight
+    could make it unsafe (no bias, no offset)."""
+    return bias is None and offset == 0.0
 
 
 def save_decision(weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, *,
