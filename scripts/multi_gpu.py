@@ -2,7 +2,7 @@
 
 Torch part (``torch``, one process per GPU under torchrun, NCCL):
 
-1. the cases of ``tests/test_distributed_torch.py`` (``benchmarks/dist_workers.py``) at a larger shape:
+1. the cases of ``tests/test_distributed_torch.py`` (``tests/dist_workers.py``) at a larger shape:
    each op on DTensors (``Shard(1)``, ``Shard(0)``, uneven, replicated) with trained and frozen
    parameters against the single-GPU result, collectives counted per phase with ``CommDebugMode``;
    the placement errors; a ``SequenceParallel`` module; DDP and FSDP2 with frozen norm parameters;
@@ -23,7 +23,7 @@ JAX part (``jax``, one process with 2 GPUs):
    collectives;
 2. sharded RMSNorm forward and forward+backward, normkit against XLA's jnp norm under the same
    sharding (sequence axis over 2 GPUs), weight trained and frozen: median times and the compiled
-   collectives (``benchmarks.hlo.collectives``: count and bytes of the all-reduces).
+   collectives (``tests.hlo.collectives``: count and bytes of the all-reduces).
 
 Usage (repository root)::
 
@@ -54,8 +54,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import dist_workers  # noqa: E402
-from benchmarks.hlo import collectives  # noqa: E402
+from tests import dist_workers  # noqa: E402
+from tests.hlo import collectives  # noqa: E402
 from benchmarks.models import llama_lora  # noqa: E402
 from benchmarks.timing import Timer  # noqa: E402
 

@@ -327,34 +327,3 @@ def test_cells_selects_exactly_the_table():
     assert sorted(pairs) == sorted(report.CELL_SHAPES)
     assert args.modes == list(report.CELL_MODES) and args.peers == list(report.TORCH_PEERS)
     assert len(args.ops) * len(args.modes) * len(pairs) == 81
-
-
-# ---------------------------------------------------------------------------------------------
-# The HLO collectives parser (benchmarks/hlo.py).
-
-
-def test_hlo_counts_each_async_all_reduce_once_by_what_it_reduces():
-    from benchmarks.hlo import collectives
-
-    hlo = """
-  %sync = f32[16]{0} all-reduce(f32[16]{0} %a), channel_id=1, replica_groups={{0,1}}, to_apply=%add
-  %merged = (f32[16]{0}, bf16[16]{0}) all-reduce(%b, %c), channel_id=2, to_apply=%add
-  %s = (f32[16]{0}, f32[16]{0}) all-reduce-start(f32[16]{0} %d), channel_id=3, to_apply=%add
-  %s2 = ((f32[4]{0}, f32[8]{0}), (f32[4]{0}, f32[8]{0})) all-reduce-start(%e, %f), to_apply=%add
-  %s3 = (f32[16]{0}, f32[16]{0}) all-reduce-start(%g, %h), to_apply=%add
-  %d = (f32[16]{0}, f32[16]{0}) all-reduce-done(%s3)
-  %d2 = f32[16]{0} all-reduce-done(%s)
-  %ag = f32[32]{0} all-gather-start(f32[16]{0} %i), dimensions={0}
-  ROOT %agd = f32[32]{0} all-gather-done(%ag)
-"""
-    got = collectives(hlo, (16,))
-    # async starts typed (operands, results) count their operands once; the -done lines not at all
-    assert got["all_reduce_ops"] == 5 and got["all_gather"] == 1, got
-    assert got["all_reduce_elements"] == [16, 32, 16, 12, 32], got
-    assert got["all_reduce_arrays"] == ["f32[16]", "f32[16]", "bf16[16]", "f32[16]", "f32[4]", "f32[8]",
-                                        "f32[16]", "f32[16]"]
-    assert got["all_reduce_bytes"] == 4 * 16 + (4 * 16 + 2 * 16) + 4 * 16 + 4 * 12 + 4 * 32
-    assert got["param_reductions"] == 6 and len(got["all_reduce_lines"]) == 5
-    assert got["all_reduce_lines"][1].startswith("%merged = (f32[16]{0}, bf16[16]{0}) all-reduce(")
-    none = collectives("%x = f32[16]{0} add(%a, %b)")
-    assert none["all_reduce_ops"] == 0 and none["all_reduce_bytes"] == 0 and "param_reductions" not in none

@@ -9,7 +9,7 @@ placement errors; a ``SequenceParallel`` module; DDP and FSDP2 on a small model 
 JAX (``jax_cases``): in one process with 2 devices, every op through every implementation under
 ``jit`` on inputs sharded over a mesh of Auto axes and one of Explicit axes, placed three ways,
 trained and with frozen parameters; against the float64 reference and the unsharded run, reading
-the compiled HLO's collectives (``benchmarks.hlo``). Also a weight sharded FSDP-style, vmap, eager
+the compiled HLO's collectives (``tests.hlo``). Also a weight sharded FSDP-style, vmap, eager
 calls, the GSPMD partitioner, the caller's own shard_map, replicated inputs and the placement errors.
 
 Every case is a JSON-able dict; ``torch_failures`` / ``jax_failures`` list what is wrong with one
@@ -17,8 +17,8 @@ Every case is a JSON-able dict; ``torch_failures`` / ``jax_failures`` list what 
 
 Command line (each in its own process; the tests run these with a timeout)::
 
-    python -m benchmarks.dist_workers torch --out results.json     # spawns 2 gloo ranks on CPU
-    python -m benchmarks.dist_workers jax --out results.json       # 2 host-platform CPU devices
+    python -m tests.dist_workers torch --out results.json     # spawns 2 gloo ranks on CPU
+    python -m tests.dist_workers jax --out results.json       # 2 host-platform CPU devices
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.hlo import collectives  # noqa: E402
+from tests.hlo import collectives  # noqa: E402
 from normkit.ops import OPS  # noqa: E402
 from normkit.testing import assert_close  # noqa: E402
 
@@ -897,7 +897,7 @@ def jax_cases(shape=TINY, devices=None) -> list[dict]:
 
 
 def _moves_activation(h: dict, N: int, reduced: int) -> bool:
-    """Whether the collectives ``h`` (``benchmarks.hlo.collectives``) move more than N-element parameter
+    """Whether the collectives ``h`` (``tests.hlo.collectives``) move more than N-element parameter
     vectors and their gradients (``reduced`` of them all-reduced; XLA on GPU may merge dW and dB into
     one all-reduce of 2N elements, so elements are counted): an activation gathered, permuted, or
     all-reduced."""
