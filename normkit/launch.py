@@ -17,7 +17,6 @@ import functools
 from typing import Any
 
 from normkit import record
-from normkit.kernels import norm_bwd_kernel, norm_fwd_kernel, partial_sum_kernel
 from normkit.ops import ELEM_BYTES, Grads, Op, Options
 
 FWD_INPUTS = ("X", "R", "W", "B")
@@ -29,6 +28,15 @@ BWD_OUTPUTS = ("DX", "DW_PART", "DB_PART")
 RED_INPUTS = ("DW_PART", "DB_PART")
 RED_SCALARS = ("G",)
 RED_OUTPUTS = ("DW", "DB")
+
+
+@functools.cache
+def kernels():
+    """``normkit.kernels.norm``, the Triton kernels, imported by the first plan that launches one: the
+    Pallas implementation reads this module's heuristics without the triton package installed."""
+    from normkit.kernels import norm
+
+    return norm
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -199,7 +207,7 @@ def plan_forward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_dt
         {"B"} if has_b else set())
     rows_contiguous = _rows_contiguous(M, N, [(stride_xm, x_col)] + ([(stride_rm, r_col)] if op.has_residual else []))
     return KernelCall(
-        kernel=norm_fwd_kernel,
+        kernel=kernels().norm_fwd_kernel,
         grid=(grid,),
         num_warps=num_warps,
         num_stages=1,
@@ -262,7 +270,7 @@ def plan_backward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_d
         # LayerNorm's dx = rstd * (g - mean(g) - ...): contracting g = dy * w into an FMA with the
         # subtraction leaves g's rounding error amplified by rstd where it should cancel exactly.
         fp_fusion=op.is_rms,
-        kernel=norm_bwd_kernel,
+        kernel=kernels().norm_bwd_kernel,
         grid=(grid,),
         num_warps=num_warps,
         num_stages=1,
@@ -314,7 +322,7 @@ def _plan_reduce(N: int, G: int, w_dtype: str | None, b_dtype: str | None) -> Ke
         out_specs["DB"] = ((N,), b_dtype)
     present = ({"DW_PART"} if has_dw else set()) | ({"DB_PART"} if has_db else set())
     return KernelCall(
-        kernel=partial_sum_kernel,
+        kernel=kernels().partial_sum_kernel,
         grid=(-(-N // block_n),),
         num_warps=num_warps,
         num_stages=1,
