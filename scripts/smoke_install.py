@@ -11,8 +11,8 @@ tested; ``--require-installed`` fails if normkit was imported from anywhere but 
 
 Exits 0 when every result is within tolerance, 1 on any mismatch, error or warning (warnings are
 errors here), except normkit's ``NormkitInterpreterWarning``: pip may pick a Triton newer than the
-one normkit's interpreter patches were written for, which normkit allows with that warning; it is
-printed as a note, and the results must still match the reference.
+ones normkit's interpreter path is tested with (``normkit._interpreter.TESTED_TRITON``), which normkit
+allows with that warning; it is printed as a note, and the results must still match the reference.
 """
 from __future__ import annotations
 
