@@ -22,16 +22,27 @@ unknown constexpr is ever passed. Modes: ``fwd`` (inference forward), ``bwd_froz
 results, and the best per (op, mode, dtype, shape) is printed with its bandwidth under
 ``benchmarks/bytemodel.py`` as a share of a device-to-device copy measured in the same run.
 
+``--write-tiles`` (CUDA, RMSNorm and the fused add, forward): the sweep's answer goes to
+``normkit/tiles.json``, the table ``normkit.launch`` reads its RMSNorm forward tiles from. Per key
+(residual, element bytes, BLOCK_N) the fastest one-program-per-tile variant is written, with its time,
+``tile_config``'s tile and time as the baseline, the device, the date and the commit, when it beats
+that baseline by more than ``ADOPT``; otherwise the key's entry is removed (``tile_config`` is then
+within ``ADOPT`` of the best). Where several swept shapes share a key, the one with the most elements
+decides.
+
 ``--dry-run`` (CPU, Triton's interpreter): a tiny shape; every variant is launched once and its
 results are checked against the float64 reference (``op.run_reference``); nothing is timed.
 
     python scripts/tune.py [--shapes 8192x8192,32768x4096] [--ops rms_norm,layer_norm] [--dtypes bfloat16]
+    python scripts/tune.py --modes fwd --ops rms_norm,fused_add_rms_norm --write-tiles
     python scripts/tune.py --dry-run [--shapes 72x48] [--ops ...]
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
+import json
 import sys
 from pathlib import Path
 
@@ -45,7 +56,7 @@ import torch  # noqa: E402
 from benchmarks import bytemodel  # noqa: E402
 from benchmarks.timing import Timer, tbps  # noqa: E402
 from normkit import driver  # noqa: E402
-from normkit.launch import KernelCall  # noqa: E402
+from normkit.launch import KernelCall, tile_config  # noqa: E402
 from normkit.ops import ELEM_BYTES, OPS, Grads, Op  # noqa: E402
 from normkit.shapes import parse_list  # noqa: E402
 from normkit.testing import TOLERANCES, assert_close, poisoned_outputs, random_inputs  # noqa: E402
@@ -55,6 +66,8 @@ MODES = tuple(m for m in bytemodel.MODES if m != "fwd_bwd")
 DEFAULT_SHAPES = "8192x8192,32768x4096,65536x2048,4096x1024"
 DRY_RUN_SHAPES = "72x48"  # 3-9 tiles, a ragged row: masks, persistent loops with prefetch, partials
 WARPS = (4, 8, 16)
+TILES = ROOT / "normkit" / "tiles.json"
+ADOPT = 0.02  # --write-tiles: a tile other than tile_config's must be this much faster
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,7 +125,7 @@ class Config:
 
 
 def configs(call: KernelCall, mode: str) -> list[Config]:
-    """The sweep around ``call``'s own configuration (as in benchmarks/NOTES.md)."""
+    """The sweep around ``call``'s own configuration (as in docs/PERFORMANCE_RECORD.md)."""
     base_m, block_n = call.constexprs["BLOCK_M"], call.constexprs["BLOCK_N"]
     largest = max(1, 16384 // block_n)  # tiles of at most 16384 elements
     bms = sorted({max(1, base_m // 2), base_m, min(2 * base_m, largest)})
@@ -140,6 +153,45 @@ def base_config(call: KernelCall, num_sms: int) -> Config:
     grid = call.grid[0]
     per_sm = 0 if grid == tiles and call.constexprs["LOOP_STAGES"] <= 1 else -(-grid // num_sms)
     return Config(bm, call.num_warps, per_sm, call.constexprs["LOOP_STAGES"], call.constexprs.get("CHUNK_N", 0))
+
+
+def default_config(call: KernelCall) -> Config:
+    """tile_config's tile for ``call``'s rows: one program per tile, the row read once."""
+    block_m, _, num_warps = tile_config(1, call.constexprs["BLOCK_N"])
+    return Config(block_m, num_warps, 0, 0)
+
+
+def tile_choice(op: Op, dtype: str, M: int, N: int, call: KernelCall, results: list) -> tuple | None:
+    """(key, measured entry) for tiles.json from one forward sweep's (us, Config) results, or None
+    when tile_config's tile did not run. The candidates are the forward's grid: one program per tile."""
+    default = default_config(call)
+    timed = {cfg: us for us, cfg in results if cfg.per_sm == 0}
+    if default not in timed:
+        return None
+    best = min(timed, key=timed.get)
+    key = (op.has_residual, ELEM_BYTES[dtype], call.constexprs["BLOCK_N"])
+    return key, {"tile": [best.block_m, best.num_warps, best.chunk], "M": M, "N": N, "dtype": dtype,
+                 "us": round(timed[best], 1), "baseline": [default.block_m, default.num_warps, 0],
+                 "baseline_us": round(timed[default], 1)}
+
+
+def write_tiles(path: Path, choices: dict, device: str, commit: str, date: str) -> dict:
+    """Update the tiles.json at ``path`` with ``choices`` ({key: tile_choice's entry}); returns the table."""
+    table = json.loads(path.read_text())
+    entries = {(e["residual"], e["elem_bytes"], e["block_n"]): e for e in table["rms_forward"]}
+    for (residual, elem_bytes, block_n), c in choices.items():
+        key = (residual, elem_bytes, block_n)
+        if c["tile"] == c["baseline"] or c["us"] >= (1 - ADOPT) * c["baseline_us"]:
+            entries.pop(key, None)
+            continue
+        measured = {"shape": f"{c['M']}x{c['N']}", "dtype": c["dtype"], "us": c["us"], "baseline": c["baseline"],
+                    "baseline_us": c["baseline_us"], "device": device, "date": date, "commit": commit}
+        entries[key] = {"residual": residual, "elem_bytes": elem_bytes, "block_n": block_n, "tile": c["tile"],
+                        "measured": measured}
+    table["rms_forward"] = [entries[k] for k in sorted(entries)]
+    rows = ",\n".join("    " + json.dumps(e) for e in table["rms_forward"])
+    path.write_text(f'{{\n  "about": {json.dumps(table["about"])},\n  "rms_forward": [\n{rows}\n  ]\n}}\n')
+    return table
 
 
 def build(plan: list, cfg: Config, M: int, num_sms: int) -> list | None:
@@ -290,6 +342,8 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=4, help="configurations listed after the best")
     p.add_argument("--warmup-ms", type=float, default=5.0)
     p.add_argument("--rep-ms", type=float, default=25.0)
+    p.add_argument("--write-tiles", action="store_true",
+                   help=f"write the RMSNorm forward tiles measured to {TILES.relative_to(ROOT)} (CUDA)")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU: launch every variant once in Triton's interpreter and check it against the "
                         "float64 reference; no timing")
@@ -301,6 +355,8 @@ def main(argv=None) -> int:
         bad = [v for v in given if v not in known]
         if bad:
             p.error(f"unknown {name}(s) {bad}; expected some of {list(known)}")
+    if args.write_tiles and args.dry_run:
+        p.error("--write-tiles needs timings: run it on a CUDA GPU, without --dry-run")
     shapes = parse_list(args.shapes or (DRY_RUN_SHAPES if args.dry_run else DEFAULT_SHAPES))
 
     if args.dry_run:
@@ -316,13 +372,22 @@ def main(argv=None) -> int:
         print(f"{torch.cuda.get_device_name()}: copy {copy:.2f} TB/s (2 GiB bf16, read + write), "
               f"{backend.num_sms(torch.empty(0, device=device))} SMs", flush=True)
 
-    failures = run_all(shapes, ops, dtypes, modes, device, np.random.default_rng(0), args, copy)
+    choices = {}
+    failures = run_all(shapes, ops, dtypes, modes, device, np.random.default_rng(0), args, copy, choices)
     if failures:
         print(f"{failures} variant(s) disagreed with the {'reference' if args.dry_run else 'base plan'}", flush=True)
+    elif args.write_tiles:
+        from benchmarks.env import versions
+
+        v = versions()
+        commit = f"{v['git']}-dirty" if v["git_dirty"] else v["git"]
+        table = write_tiles(TILES, choices, torch.cuda.get_device_name(), commit, datetime.date.today().isoformat())
+        print(f"wrote {TILES.relative_to(ROOT)}: {len(table['rms_forward'])} entries; {len(choices)} keys measured",
+              flush=True)
     return 1 if failures else 0
 
 
-def run_all(shapes, ops, dtypes, modes, device, rng, args, copy) -> int:
+def run_all(shapes, ops, dtypes, modes, device, rng, args, copy, choices: dict) -> int:
     failures = 0
     for (M, N) in shapes:
         for op_name in ops:
@@ -337,7 +402,7 @@ def run_all(shapes, ops, dtypes, modes, device, rng, args, copy) -> int:
                 base_plans = plans(op, arrays, opts)
                 for mode in modes:
                     failures += sweep(op, mode, dtype, M, N, base_plans[mode], num_sms, args, copy,
-                                      (ref_outs, ref_grads) if ref_inp is not None else None)
+                                      (ref_outs, ref_grads) if ref_inp is not None else None, choices)
                 del arrays, base_plans
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -345,14 +410,15 @@ def run_all(shapes, ops, dtypes, modes, device, rng, args, copy) -> int:
 
 
 def sweep(op: Op, mode: str, dtype: str, M: int, N: int, base_plan: tuple, num_sms: int, args, copy,
-          reference) -> int:
+          reference, choices: dict) -> int:
     """Run every variant of one base plan; print one summary line. Returns the number of failures."""
     label = f"{op.name:19s} {mode:10s} {dtype:9s} {M}x{N}"
     plan, arrays = base_plan
     check_launches(plan)
     base_cfg = base_config(plan[0], num_sms)
     seen, variants = set(), []
-    for cfg in [base_cfg] + configs(plan[0], mode):
+    defaults = [default_config(plan[0])] if mode == "fwd" else []
+    for cfg in [base_cfg] + defaults + configs(plan[0], mode):
         launches = plan if cfg == base_cfg else build(plan, cfg, M, num_sms)
         if launches is None or key(launches) in seen:
             continue
@@ -393,6 +459,9 @@ def sweep(op: Op, mode: str, dtype: str, M: int, N: int, base_plan: tuple, num_s
     pct = lambda us: 100 * tbps(nbytes, us) / copy  # noqa: E731
     results.sort(key=lambda r: r[0])
     best_us, best = results[0]
+    choice = tile_choice(op, dtype, M, N, plan[0], results) if mode == "fwd" and op.is_rms else None
+    if choice is not None and (choice[0] not in choices or M * N > choices[choice[0]]["M"] * choices[choice[0]]["N"]):
+        choices[choice[0]] = choice[1]
     base_us = next(us for us, cfg in results if cfg == base_cfg) if any(c == base_cfg for _, c in results) else None
     base = f"{base_us:8.1f} us ({pct(base_us):5.1f}%)" if base_us is not None else "did not run"
     print(f"{label} best {best_us:8.1f} us ({pct(best_us):5.1f}% of copy) {best} | plan {base_cfg}: {base} | "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -215,6 +216,46 @@ def test_variants_resize_partials_and_the_reduction(tune):
     tune.check_launches([v, tune.reduce_variant(red, 2)])
     with pytest.raises(ValueError, match="sums"):
         tune.check_launches([v, red])  # the base plan's reduction sums another number of rows
+
+
+def test_tune_writes_the_tiles_it_measured(tune, tmp_path):
+    """--write-tiles: a forward tile faster than tile_config's by more than ADOPT replaces its key's
+    entry, with its measurement; one within ADOPT removes the entry; launch reads what was written."""
+    from normkit.launch import INTERPRETER_NUM_SMS, plan_forward, rms_forward_tiles
+
+    op = OPS["rms_norm"]
+    call = plan_forward(op, 64, 2048, "bfloat16", "bfloat16", None, op.options(eps=1e-6), False,
+                        (2048, 1, 0, 1, 1, 1), INTERPRETER_NUM_SMS)
+    default = tune.default_config(call)
+    assert (default.block_m, default.num_warps) == (2, 4)  # tile_config(1, 2048)
+    results = [(110.0, default), (100.0, tune.Config(1, 8, 0, 0)), (104.0, tune.Config(1, 4, 0, 0, 1024)),
+               (90.0, tune.Config(1, 4, 2, 2))]  # the last persistent: not a tile the forward runs
+    key, won = tune.tile_choice(op, "bfloat16", 65536, 2048, call, results)
+    assert key == (False, 2, 2048) and won["tile"] == [1, 8, 0] and won["baseline"] == [2, 4, 0], won
+    _, tie = tune.tile_choice(op, "float32", 8192, 8192, call, [(100.0, default), (99.0, tune.Config(1, 8, 0, 0))])
+    shipped = json.loads(tune.TILES.read_text())
+    path = tmp_path / "tiles.json"
+    path.write_text(tune.TILES.read_text())
+    table = tune.write_tiles(path, {key: won, (False, 4, 8192): tie}, "Some GPU", "abc1234", "2031-01-02")
+    assert json.loads(path.read_text()) == table
+    got = rms_forward_tiles(table)
+    assert got[key] == (1, 8, 0) and (False, 4, 8192) not in got  # 1% faster: tile_config's tile is kept
+    assert {k: v for k, v in got.items() if k != key} == {
+        k: v for k, v in rms_forward_tiles(shipped).items() if k not in (key, (False, 4, 8192))}
+    (entry,) = [e for e in table["rms_forward"] if (e["residual"], e["elem_bytes"], e["block_n"]) == key]
+    assert entry["measured"] == {"shape": "65536x2048", "dtype": "bfloat16", "us": 100.0, "baseline": [2, 4, 0],
+                                 "baseline_us": 110.0, "device": "Some GPU", "date": "2031-01-02", "commit": "abc1234"}
+
+
+def test_shipped_tiles_name_their_measurement():
+    table = json.loads((ROOT / "normkit" / "tiles.json").read_text())
+    assert table["rms_forward"]
+    for e in table["rms_forward"]:
+        block_m, warps, chunk = e["tile"]
+        assert chunk == 0 or (e["block_n"] % chunk == 0 and 16 <= chunk < e["block_n"]), e
+        m = e["measured"]
+        assert m["device"] and m["commit"] and re.fullmatch(r"\d{4}-\d{2}-\d{2}", m["date"]), e
+        assert 0 < m["us"] < m["baseline_us"] and m["baseline"] != e["tile"], e
 
 
 def test_host_parts_times_every_piece():
