@@ -75,7 +75,7 @@ PERSISTENT_LAYER_NORM = True  # LayerNorm's long rows as a persistent grid, wher
 
 def blocks(op: Op, M: int, N: int, dtype, *, backward: bool = False, reduces: bool = False):
     """The launch shape of one pass (``normkit.launch.pallas_blocks``) on the default backend, as
-    ``forward`` and ``backward`` launch it (``scripts/tune_pallas.py`` starts its sweep from it)."""
+    ``forward`` and ``backward`` launch it (the sweeps behind it: docs/PERFORMANCE_RECORD.md)."""
     return pallas_blocks(op, M, N, elem_bytes=jnp.dtype(dtype).itemsize, num_sms=num_sms(), backward=backward,
                          reduces=reduces, persistent=None if PERSISTENT_LAYER_NORM else False)
 

@@ -24,19 +24,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from _nbutil import notebook_size  # noqa: E402  (NORMKIT_NOTEBOOK_SIZE, else full where CUDA is available)
+
 SMOKE_OUT = ROOT / "build" / "notebooks"  # where smoke-size builds go by default
-
-
-def resolve_size(size: str | None) -> str:
-    """``size``, else NORMKIT_NOTEBOOK_SIZE, else full where CUDA is available and smoke elsewhere."""
-    size = size or os.environ.get("NORMKIT_NOTEBOOK_SIZE")
-    if size is None:
-        import torch
-
-        size = "full" if torch.cuda.is_available() else "smoke"
-    if size not in ("smoke", "full"):
-        raise ValueError(f"notebook size {size!r}; expected 'smoke' or 'full'")
-    return size
 
 
 def output_dir(size: str, out: Path | None) -> Path:
@@ -53,7 +44,8 @@ def sources(names=()) -> list[Path]:
 
 
 def execute(source: Path, size: str | None = None, timeout: int = 600):
-    """Read a py:percent source, run every cell in a fresh kernel, return the executed notebook.
+    """Read a py:percent source, run every cell in a fresh kernel (the repository root on its
+    PYTHONPATH, NORMKIT_NOTEBOOK_SIZE=``size`` when given), return the executed notebook.
 
     Raises ``nbclient.exceptions.CellExecutionError`` on the first cell that fails.
     """
@@ -64,21 +56,12 @@ def execute(source: Path, size: str | None = None, timeout: int = 600):
     for i, cell in enumerate(nb.cells):  # stable ids, so a rebuild only changes what the outputs change
         cell["id"] = f"cell-{i:02d}"
     nb.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
-    env_backup = {k: os.environ.get(k) for k in ("NORMKIT_NOTEBOOK_SIZE", "PYTHONPATH")}
-    try:
-        if size is not None:
-            os.environ["NORMKIT_NOTEBOOK_SIZE"] = size
-        paths = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-        client = NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
-                                resources={"metadata": {"path": str(source.parent)}})
-        client.execute()
-    finally:
-        for k, v in env_backup.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    paths = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+    if size is not None:
+        env["NORMKIT_NOTEBOOK_SIZE"] = size
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
+                   resources={"metadata": {"path": str(source.parent)}}).execute(env=env)
     return nb
 
 
@@ -99,7 +82,7 @@ def main(argv=None) -> int:
     chosen = sources(args.names)
     if not chosen:
         ap.error(f"no notebook matches {args.names}; have {[p.stem for p in sources()]}")
-    size = "smoke" if args.check else resolve_size(args.size)
+    size = "smoke" if args.check else (args.size or notebook_size())
     out_dir = output_dir(size, args.out)
     failed, start = [], time.perf_counter()
     for src in chosen:

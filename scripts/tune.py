@@ -1,37 +1,19 @@
 """Launch-configuration sweep: variants of normkit's real launch plans, timed on a CUDA GPU.
 
-For each (op, mode, dtype, shape) the base plans are the ones ``normkit.driver`` makes for the
-arrays (captured from its launches through the Torch backend, so the sweep starts from exactly what
-the frontends run). Variants of them change only the launch configuration:
+For each (op, mode, dtype, shape) the base plans are the ones ``normkit.driver`` makes (captured from its
+launches through the Torch backend). Variants change only the launch: ``BLOCK_M`` around the plan's,
+``num_warps`` 4/8/16, one program per tile or a persistent grid of 1-4 programs per SM (the full
+backward's partial buffers and reduction follow its grid), ``LOOP_STAGES`` (prefetch depth), and for
+the RMSNorm forwards ``CHUNK_N`` (the row read in two passes over half or quarter rows). Each variant is a
+``dataclasses.replace`` of the plan's ``KernelCall`` whose constexprs are checked against the kernel's
+``arg_names``. On CUDA every variant is timed (``do_bench``), checked against the base plan's results and
+the best printed with its share of a copy's bandwidth; ``--dry-run`` (CPU, Triton's interpreter) launches
+each variant once and checks it against the base plan.
 
-- ``BLOCK_M``: rows per tile (around the plan's choice);
-- ``num_warps``: 4, 8, 16 (never fewer than one element per thread);
-- the grid: one program per tile, or a persistent grid of 1-4 programs per SM (the full backward
-  is always persistent: its program count is the number of fp32 dW/dB partial rows, so its
-  ``DW_PART``/``DB_PART`` buffers and the reduction's ``G`` follow the grid);
-- ``LOOP_STAGES``: how many tiles the loop prefetches (only with more tiles than programs; the
-  forward's one-program-per-tile grids run without a loop, LOOP_STAGES 0);
-- ``CHUNK_N`` (RMSNorm and the fused add, forward): the row read in two passes over chunks of a half
-  or a quarter of the row (the sum of squares, then the normalization from L2) instead of once.
-
-Each variant is a ``dataclasses.replace`` of the plan's ``KernelCall`` with ``cache={}`` (a fresh
-compiled-kernel cache), and its constexprs are checked against the kernel's ``arg_names``, so no
-unknown constexpr is ever passed. Modes: ``fwd`` (inference forward), ``bwd_frozen`` (dx only),
-``bwd_full`` (dx, dW and dB, with the reduction launch). On CUDA each variant is timed with
-``triton.testing.do_bench`` medians (L2 flushed before each call), checked against the base plan's
-results, and the best per (op, mode, dtype, shape) is printed with its bandwidth under
-``benchmarks/bytemodel.py`` as a share of a device-to-device copy measured in the same run.
-
-``--write-tiles`` (CUDA, RMSNorm and the fused add, forward): the sweep's answer goes to
-``normkit/tiles.json``, the table ``normkit.launch`` reads its RMSNorm forward tiles from. Per key
-(residual, element bytes, BLOCK_N) the fastest one-program-per-tile variant is written, with its time,
-``tile_config``'s tile and time as the baseline, the device, the date and the commit, when it beats
-that baseline by more than ``ADOPT``; otherwise the key's entry is removed (``tile_config`` is then
-within ``ADOPT`` of the best). Where several swept shapes share a key, the one with the most elements
-decides.
-
-``--dry-run`` (CPU, Triton's interpreter): a tiny shape; every variant is launched once and its
-results are checked against the float64 reference (``op.run_reference``); nothing is timed.
+``--write-tiles`` (CUDA, RMSNorm forwards): per key (residual, element bytes, BLOCK_N) the fastest
+one-program-per-tile variant goes to ``normkit/tiles.json`` with its time, ``tile_config``'s tile and time
+as the baseline, the device, date and commit, when it beats that baseline by more than ``ADOPT``;
+otherwise the key's entry is removed. Where several swept shapes share a key, the largest decides.
 
     python scripts/tune.py [--shapes 8192x8192,32768x4096] [--ops rms_norm,layer_norm] [--dtypes bfloat16]
     python scripts/tune.py --modes fwd --ops rms_norm,fused_add_rms_norm --write-tiles
@@ -50,7 +32,6 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks import bytemodel  # noqa: E402
@@ -59,7 +40,7 @@ from normkit import driver  # noqa: E402
 from normkit.launch import KernelCall, tile_config  # noqa: E402
 from normkit.ops import ELEM_BYTES, OPS, Grads, Op  # noqa: E402
 from normkit.shapes import parse_list  # noqa: E402
-from normkit.testing import TOLERANCES, assert_close, poisoned_outputs, random_inputs  # noqa: E402
+from normkit.testing import TOLERANCES, poisoned_outputs  # noqa: E402
 from torch_frontend import backend  # noqa: E402
 
 MODES = tuple(m for m in bytemodel.MODES if m != "fwd_bwd")
@@ -274,27 +255,9 @@ def plans(op: Op, arrays: dict, opts) -> dict:
     return out
 
 
-# What each mode's results are: (kernel buffer, reference name, reduced over M rows).
-RESULTS = {
-    "fwd": (("Y", "y", False), ("S", "residual_out", False)),
-    "bwd_frozen": (("DX", "x", False),),
-    "bwd_full": (("DX", "x", False), ("DW", "weight", True), ("DB", "bias", True)),
-}
-
-
-def _np(t):
-    return t.detach().to(torch.float64).cpu().numpy()
-
-
-def check_reference(out: dict, mode: str, ref_outs: dict, ref_grads: dict, dtype: str, M: int, what: str) -> None:
-    for buf, name, reduced in RESULTS[mode]:
-        if buf in out:
-            want = ref_outs[name] if mode == "fwd" else ref_grads[name]
-            assert_close(_np(out[buf]), want, dtype, f"{what}: {buf}", reduced_over=M if reduced else 1)
-
-
 def agrees(out: dict, base: dict, dtype: str, M: int) -> bool:
-    """On the device: every result within the tolerance table of the base plan's result."""
+    """Every result within the tolerance table of the base plan's result (which the test suite checks
+    against the float64 reference)."""
     tol = TOLERANCES[dtype]
     for name, t in base.items():
         if name.endswith("_PART") or name in ("MEAN", "RSTD"):
@@ -310,13 +273,9 @@ def agrees(out: dict, base: dict, dtype: str, M: int) -> bool:
 # Inputs.
 
 
-def inputs(op: Op, M: int, N: int, dtype: str, device, rng) -> tuple[dict, dict]:
-    """(torch arrays on ``device``, float64 NumPy inputs or None on CUDA, where they are drawn on the device)."""
-    if device.type == "cpu":
-        ref = random_inputs(op, (M, N), dtype, rng)
-        return {k: torch.from_numpy(v).to(getattr(torch, dtype)) for k, v in ref.items()}, ref
-    tdt = getattr(torch, dtype)
-    g = torch.Generator(device=device).manual_seed(0)
+def inputs(op: Op, M: int, N: int, dtype: str, device) -> dict:
+    """Random torch arrays of ``op`` on ``device``: x, dy (and the residual and ds), the parameters."""
+    tdt, g = getattr(torch, dtype), torch.Generator(device=device).manual_seed(0)
     rows = lambda: torch.randn(M, N, device=device, dtype=tdt, generator=g)  # noqa: E731
     arrays = {"x": rows() * 1.5 + 0.3, "dy": rows()}
     if op.has_residual:
@@ -325,7 +284,7 @@ def inputs(op: Op, M: int, N: int, dtype: str, device, rng) -> tuple[dict, dict]
         arrays["weight"] = torch.rand(N, device=device, generator=g).add_(0.5).to(tdt)
     if "bias" in op.params:
         arrays["bias"] = (torch.randn(N, device=device, generator=g) * 0.5).to(tdt)
-    return arrays, None
+    return arrays
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,7 +305,7 @@ def main(argv=None) -> int:
                    help=f"write the RMSNorm forward tiles measured to {TILES.relative_to(ROOT)} (CUDA)")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU: launch every variant once in Triton's interpreter and check it against the "
-                        "float64 reference; no timing")
+                        "base plan; no timing")
     args = p.parse_args(argv)
     ops = args.ops.split(",")
     modes = args.modes.split(",")
@@ -363,7 +322,7 @@ def main(argv=None) -> int:
         device = torch.device("cpu")
         copy = None
         print(f"dry run: Triton interpreter on the CPU ({backend.num_sms(torch.empty(0))} 'SMs'), every variant "
-              "launched once and checked against the float64 reference; nothing timed", flush=True)
+              "launched once and checked against the base plan; nothing timed", flush=True)
     else:
         if not torch.cuda.is_available():
             p.error("no CUDA device: the sweep times compiled kernels (use --dry-run on a CPU)")
@@ -373,9 +332,9 @@ def main(argv=None) -> int:
               f"{backend.num_sms(torch.empty(0, device=device))} SMs", flush=True)
 
     choices = {}
-    failures = run_all(shapes, ops, dtypes, modes, device, np.random.default_rng(0), args, copy, choices)
+    failures = run_all(shapes, ops, dtypes, modes, device, args, copy, choices)
     if failures:
-        print(f"{failures} variant(s) disagreed with the {'reference' if args.dry_run else 'base plan'}", flush=True)
+        print(f"{failures} variant(s) disagreed with the base plan", flush=True)
     elif args.write_tiles:
         from benchmarks.env import versions
 
@@ -387,22 +346,17 @@ def main(argv=None) -> int:
     return 1 if failures else 0
 
 
-def run_all(shapes, ops, dtypes, modes, device, rng, args, copy, choices: dict) -> int:
+def run_all(shapes, ops, dtypes, modes, device, args, copy, choices: dict) -> int:
     failures = 0
     for (M, N) in shapes:
-        for op_name in ops:
-            op = OPS[op_name]
+        for op in (OPS[name] for name in ops):
             opts = op.options(eps=op.default_eps)  # the frontends' defaults (llama casting for the RMS ops)
             for dtype in dtypes:
-                arrays, ref_inp = inputs(op, M, N, dtype, device, rng)
-                num_sms = backend.num_sms(arrays["x"])
-                if ref_inp is not None:
-                    ref_outs, ref_grads = op.run_reference(ref_inp, opts, {"y": ref_inp["dy"],
-                                                                           "residual_out": ref_inp.get("ds")})
+                arrays = inputs(op, M, N, dtype, device)
                 base_plans = plans(op, arrays, opts)
                 for mode in modes:
-                    failures += sweep(op, mode, dtype, M, N, base_plans[mode], num_sms, args, copy,
-                                      (ref_outs, ref_grads) if ref_inp is not None else None, choices)
+                    failures += sweep(op, mode, dtype, M, N, base_plans[mode], backend.num_sms(arrays["x"]), args,
+                                      copy, choices)
                 del arrays, base_plans
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -410,7 +364,7 @@ def run_all(shapes, ops, dtypes, modes, device, rng, args, copy, choices: dict) 
 
 
 def sweep(op: Op, mode: str, dtype: str, M: int, N: int, base_plan: tuple, num_sms: int, args, copy,
-          reference, choices: dict) -> int:
+          choices: dict) -> int:
     """Run every variant of one base plan; print one summary line. Returns the number of failures."""
     label = f"{op.name:19s} {mode:10s} {dtype:9s} {M}x{N}"
     plan, arrays = base_plan
@@ -432,9 +386,7 @@ def sweep(op: Op, mode: str, dtype: str, M: int, N: int, base_plan: tuple, num_s
         try:
             with poisoned_outputs():
                 out = run(launches, arrays)
-            if reference is not None:
-                check_reference(out, mode, *reference, dtype, M, what)
-            elif not agrees(out, base_out, dtype, M):
+            if not agrees(out, base_out, dtype, M):
                 raise AssertionError(f"{what}: results differ from the base plan's beyond the tolerance table")
             us = None if args.dry_run else Timer(args.warmup_ms, args.rep_ms).kernel(
                 lambda launches=launches: run(launches, arrays))
@@ -450,7 +402,7 @@ def sweep(op: Op, mode: str, dtype: str, M: int, N: int, base_plan: tuple, num_s
         results.append((us, cfg))
     if args.dry_run:
         print(f"{label}: {len(results)}/{len(variants)} variants launched, "
-              f"{'all within tolerance of the reference' if not failures else f'{failures} FAILED'}", flush=True)
+              f"{'all within tolerance of the base plan' if not failures else f'{failures} FAILED'}", flush=True)
         return failures
     if not results:
         print(f"{label}: no variant ran", flush=True)
