@@ -237,8 +237,11 @@ def rewrite_readme(readme: Path, d: Data, md_path: Path, json_path: Path) -> boo
         return False
     rel, src = (os.path.relpath(p, readme.parent) for p in (md_path, json_path))
     cells = [r for r in d.records if (r["dtype"], r["shape"]) in CELL_SHAPES and r["mode"] in CELL_MODES]
+    timed = [(nk, best) for op in OPS for mode in CELL_MODES for dtype, shape in CELL_SHAPES
+             for nk, _, best in [d.cell(op, mode, dtype, shape)] if nk and best]
     block = "\n".join([
-        START, "", f"{d.provenance(cells)}", "",
+        START, "", f"{d.provenance(cells)} normkit is at least as fast as the fastest peer in "
+        f"{sum(best >= nk for nk, best in timed)} of the {len(timed)} cells measured.", "",
         "Median µs of one call through `torch.autograd` (fwd: inference forward under `no_grad`; bwd_full, "
         "bwd_frozen: the backward alone, weight and bias trained or frozen), and in brackets the fastest of "
         f"{', '.join(TORCH_PEERS)} over it (≥ 1×: normkit is at least as fast).", "", readme_table(d), "",
