@@ -1,27 +1,10 @@
-"""The byte model: the bytes each op and mode must move at the least.
+"""The byte model: the bytes each op and mode must move at the least (benchmarks/README.md, "Byte model").
 
-Rule: every input is read once and every output is written once, per pass. Achieved bandwidth is
-``bytes / median time``; it is divided by a device-to-device copy's bandwidth (read + write counted)
-measured in the same run.
-
-Sizes, for ``x`` of shape M x N with element size ``s`` and a weight/bias element size ``ws``:
-
-- ``MN``: an activation-sized tensor, ``M * N * s`` bytes (x, residual, y, residual_out, dy, ds, dx);
-- ``N``: a parameter-sized tensor, ``N * ws`` bytes (weight, bias, dweight, dbias);
-- ``M``: a per-row fp32 statistic, ``4 * M`` bytes (rstd; LayerNorm also mean).
-
-What is deliberately NOT counted:
-
-- fp32 partial-dW/dB buffers, written by the backward's programs and read back by the reduction
-  (``G x N x 4`` bytes each way, G <= 2 x SMs): that traffic is the cost of the full backward's
-  design and is reported apart (``partial_bytes`` of normkit's kernel-path records);
-- whatever an implementation chooses to save or recompute beyond the statistics above (XLA's fp32
-  residuals, torch.compile's recomputation): the model describes the op, not one implementation;
-- the second gradient of the fused add: d(residual) equals dx, and the Torch frontends return the
-  same tensor for both, so it is written once.
-
-``fwd`` is the inference forward (no statistics written); ``fwd_bwd`` is the training forward
-(statistics written) followed by the full backward.
+Every input is read once and every output written once, per pass: activation-sized tensors ``M * N * s``
+bytes (s: x's element size), parameter-sized ones ``N * ws``, per-row fp32 statistics ``4 * M``. Not
+counted: the fp32 partial-dW/dB buffers (reported apart, as ``partial_bytes``), what an implementation
+chooses to save or recompute, and the fused add's second gradient (d(residual) is dx, written once).
+``fwd`` is the inference forward (no statistics); ``fwd_bwd`` the training forward, then the full backward.
 """
 from __future__ import annotations
 

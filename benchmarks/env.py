@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DISTRIBUTIONS = ("torch", "triton", "jax", "jaxlib", "numpy", "ml_dtypes", "jax-triton", "liger-kernel", "tokamax",
+DISTRIBUTIONS = ("torch", "triton", "jax", "jaxlib", "numpy", "ml_dtypes", "jax-triton", "liger-kernel",
                  "transformers", "peft", "matplotlib", "pandas", "jax-cuda13-plugin", "jax-cuda12-plugin")
 
 

@@ -1,18 +1,7 @@
-"""Torch-side implementations, their inputs, and how each mode is timed.
-
-Every implementation is a function ``f(*primals) -> tuple of outputs`` over the op's primal
-arguments, in the order of ``normkit.ops.OPS[op].inputs``: ``(x, weight)``, ``(x, weight, bias)`` or
-``(x, residual, weight)``, with the op's ``default_eps``. ``bwd_frozen`` freezes the weight and bias; x (and the residual) stay
-trainable.
-
-- ``normkit``: torch_frontend's public functions (autograd through ``ctx.needs_input_grad``), and,
-  for path ``kernel``, its bare launches (``normkit.driver`` with ``torch_frontend.backend``);
-- ``liger``: Liger-Kernel's autograd Functions, imported from their submodules so that no backend
-  replacement applies (the Triton implementations), with their modules' defaults (RMSNorm
-  ``in_place=True``, which writes dx into dy's buffer; fused add ``in_place=False``);
-- ``torch_eager``: ``F.rms_norm`` / ``F.layer_norm``; the fused add is ``x + r`` then ``F.rms_norm``;
-- ``torch_compile``: ``torch.compile(fullgraph=True, dynamic=False)`` of the plain PyTorch expression
-  (the HF Llama RMSNorm expression; ``F.layer_norm`` as ``nn.LayerNorm`` calls it), compiled per shape.
+"""Torch-side implementations, their inputs, and how each mode is timed (benchmarks/README.md, "How
+each peer is run"). Every implementation is a function ``f(*primals) -> tuple of outputs`` over the op's
+inputs in ``normkit.ops.OPS[op].inputs`` order, with the op's ``default_eps``; ``bwd_frozen`` freezes the
+weight and bias, x (and the residual) stay trainable.
 """
 from __future__ import annotations
 
@@ -82,12 +71,8 @@ def trainable(op: str, mode: str) -> frozenset:
 def normkit_fn(op: str):
     import torch_frontend as tf
 
-    eps = EPS[op]
-    if op == "rms_norm":
-        return lambda x, w: (tf.rms_norm(x, w, eps),)
-    if op == "layer_norm":
-        return lambda x, w, b: (tf.layer_norm(x, w, b, eps),)
-    return lambda x, r, w: tf.fused_add_rms_norm(x, r, w, eps)
+    f, eps = getattr(tf, op), EPS[op]
+    return (lambda *p: tuple(f(*p, eps))) if op == "fused_add_rms_norm" else (lambda *p: (f(*p, eps),))
 
 
 def liger_fn(op: str):
@@ -111,12 +96,7 @@ def eager_fn(op: str):
         return lambda x, w: (F.rms_norm(x, (x.shape[-1],), w, eps),)
     if op == "layer_norm":
         return lambda x, w, b: (F.layer_norm(x, (x.shape[-1],), w, b, eps),)
-
-    def fused(x, r, w):
-        s = x + r
-        return F.rms_norm(s, (s.shape[-1],), w, eps), s
-
-    return fused
+    return lambda x, r, w: (lambda s: (F.rms_norm(s, (s.shape[-1],), w, eps), s))(x + r)  # one add
 
 
 def _rms_expr(x, w, eps):
@@ -222,51 +202,37 @@ def peak_memory(fn, device) -> int | None:
 
 
 def time_e2e(f, inp: TorchInputs, mode: str, timer, device, compiled: Compiled | None = None) -> dict:
-    """Time ``f`` through autograd in ``mode``; returns median_us, peak_mem_bytes and notes."""
-    op = inp.op
-    k = inp.n_sets
-    sync = torch_sync
-    extra = {}
-    if mode == "fwd":
-        inp.set_trainable(frozenset())
-        with torch.no_grad():
-            t0 = time.perf_counter()
-            sync(f(*inp.primals(0)))
-            first_s = time.perf_counter() - t0
-            if compiled is not None:
-                compiled.compile_s += first_s
-                extra["compile"] = compiled.check(needs_backward=False)
-            ctx = compiled.timing() if compiled is not None else contextlib.nullcontext()
-            with ctx:
-                us = timer.loop(lambda i: f(*inp.primals(i)), sync)
-                peak = peak_memory(lambda: f(*inp.primals(0)), device)
-        return {"median_us": us, "peak_mem_bytes": peak, **extra}
-
-    names = trainable(op, mode)
+    """Time ``f`` through autograd in ``mode`` (``fwd`` under no_grad; ``bwd_*`` the backward alone, on
+    graphs built beforehand); returns median_us, peak_mem_bytes and, compiled, the compile evidence."""
+    names = frozenset() if mode == "fwd" else trainable(inp.op, mode)
     inp.set_trainable(names)
+    k, graphs, extra = inp.n_sets, None, {}
+
+    def grads(out, i, **kw):
+        wrt = [t for name, t in zip(OPS[inp.op].inputs, inp.primals(i)) if name in names]
+        return torch.autograd.grad(out, wrt, inp.cotangents(i), **kw)
+
     try:
-        def grad_inputs(i):
-            return [t for name, t in zip(OPS[op].inputs, inp.primals(i)) if name in names]
+        with torch.no_grad() if mode == "fwd" else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            if mode == "fwd":
+                def call(i):
+                    return f(*inp.primals(i))
+            elif mode == "fwd_bwd":
+                def call(i):
+                    return grads(f(*inp.primals(i)), i)
+            else:
+                graphs = [f(*inp.primals(i)) for i in range(k)]
 
-        t0 = time.perf_counter()
-        if mode == "fwd_bwd":
-            def call(i):
-                return torch.autograd.grad(f(*inp.primals(i)), grad_inputs(i), inp.cotangents(i))
-            sync(call(0))
-        else:
-            graphs = [f(*inp.primals(i)) for i in range(k)]
-
-            def call(i):
-                i %= k
-                return torch.autograd.grad(graphs[i], grad_inputs(i), inp.cotangents(i), retain_graph=True)
-            sync(call(0))
-        if compiled is not None:
-            compiled.compile_s += time.perf_counter() - t0
-            extra["compile"] = compiled.check(needs_backward=True)
-        ctx = compiled.timing() if compiled is not None else contextlib.nullcontext()
-        with ctx:
-            us = timer.loop(call, sync)
-            peak = peak_memory(lambda: call(0), device)
+                def call(i):
+                    return grads(graphs[i % k], i, retain_graph=True)
+            torch_sync(call(0))
+            if compiled is not None:
+                compiled.compile_s += time.perf_counter() - t0
+                extra["compile"] = compiled.check(needs_backward=mode != "fwd")
+            with compiled.timing() if compiled is not None else contextlib.nullcontext():
+                us = timer.loop(call, torch_sync)
+                peak = peak_memory(lambda: call(0), device)
         return {"median_us": us, "peak_mem_bytes": peak, **extra}
     finally:
         graphs = None  # noqa: F841 (drop the retained graphs before the inputs)
@@ -274,53 +240,36 @@ def time_e2e(f, inp: TorchInputs, mode: str, timer, device, compiled: Compiled |
 
 
 def time_kernel(inp: TorchInputs, mode: str, timer, device) -> dict:
-    """normkit's bare launches (``normkit.driver`` with the Torch backend), exactly as the frontend issues them."""
+    """normkit's bare launches (``normkit.driver`` with the Torch backend), exactly as the frontend issues
+    them; ``partial_bytes``: the fp32 dW/dB partial buffers (outside the byte model)."""
     import normkit
     from normkit import driver
     from normkit.ops import Grads
     from torch_frontend import backend
 
-    op = OPS[inp.op]
+    op, k, w, b = OPS[inp.op], inp.n_sets, inp.weight, inp.bias
     opts = op.options(eps=EPS[inp.op])  # the frontend's defaults (llama casting for the RMS ops)
-    k = inp.n_sets
-    w, b = inp.weight, inp.bias
-    b_dtype = backend.dtype(b) if b is not None else None
     inp.set_trainable(frozenset())
 
     def fwd(i, stats):
-        i %= k
-        r = inp.residual[i] if inp.residual is not None else None
-        return driver.forward(backend, op, inp.x[i], r, w, b, opts, stats)
+        r = inp.residual[i % k] if inp.residual is not None else None
+        return driver.forward(backend, op, inp.x[i % k], r, w, b, opts, stats)
 
     def bwd(i, saved, full):
-        i %= k
-        y, s, mean, rstd = saved
-        xx = s if op.has_residual else inp.x[i]
-        dres = inp.ds[i] if inp.ds is not None else None
-        grads = Grads(dx=True, dw=full and w is not None, db=full and b is not None)
-        return driver.backward(backend, op, xx, w, inp.dy[i], dres, mean, rstd, opts, grads, b_dtype)
+        _, s, mean, rstd = saved
+        dres = inp.ds[i % k] if inp.ds is not None else None
+        return driver.backward(backend, op, s if op.has_residual else inp.x[i % k], w, inp.dy[i % k], dres, mean,
+                               rstd, opts, Grads(dx=True, dw=full and w is not None, db=full and b is not None),
+                               backend.dtype(b) if b is not None else None)
 
-    counter = [0]
-
-    def rotating(fn):
-        def run():
-            counter[0] += 1
-            return fn(counter[0])
-        return run
-
-    if mode == "fwd":
-        body = lambda i: fwd(i, False)  # noqa: E731
-    elif mode == "fwd_bwd":
-        body = lambda i: bwd(i, fwd(i, True), True)  # noqa: E731
-    else:
-        saved = [fwd(i, True) for i in range(k)]
-        body = lambda i: bwd(i, saved[i % k], mode == "bwd_full")  # noqa: E731
+    saved = [fwd(i, True) for i in range(k)] if mode in ("bwd_full", "bwd_frozen") else None
+    body = {"fwd": lambda i: fwd(i, False), "fwd_bwd": lambda i: bwd(i, fwd(i, True), True)}.get(
+        mode, lambda i: bwd(i, saved[i % k], mode == "bwd_full"))
     with normkit.record_launches() as log:  # also the first call: compiles
         body(0)
     torch_sync()
-    # fp32 partial-buffer bytes (written, then read back by the reduction): outside the byte model.
-    extra = {"launches": [launch.kernel for launch in log],
-             "partial_bytes": int(sum(launch.partial_bytes for launch in log))}
-    us = timer.kernel(rotating(body))
-    peak = peak_memory(lambda: body(0), device)
-    return {"median_us": us, "peak_mem_bytes": peak, **extra}
+    counter = iter(range(1, 1 << 62))
+    us = timer.kernel(lambda: body(next(counter)))  # each call on the next input set
+    return {"median_us": us, "peak_mem_bytes": peak_memory(lambda: body(0), device),
+            "launches": [launch.kernel for launch in log],
+            "partial_bytes": int(sum(launch.partial_bytes for launch in log))}

@@ -1,26 +1,12 @@
-"""Timing, one module for the benchmarks, the scripts and the notebooks.
+"""Timing, one module for the benchmarks, the scripts and the notebooks (benchmarks/README.md, "Timers").
 
-Three measurements, each named in the records that use it:
-
-- ``kernel`` (device time): ``triton.testing.do_bench(fn, return_mode="median")``, one CUDA-event
-  pair around each call with the L2 flushed before it. Host work shorter than the flush hides
-  behind it. For bare kernel launches and the copy.
-- ``loop`` (wall time per call): ``torch.utils.benchmark.Timer`` blocks of back-to-back calls, each
-  block synchronized once at its end (``sync(last output)``: ``torch.cuda.synchronize`` or
-  ``jax.block_until_ready``), the median over ``batches`` blocks of the time per call. A call costs
-  max(host time, device time): host overhead shows where it dominates (small shapes), device time
-  where it does not. For every call through a frontend, Torch and JAX alike (JAX dispatches
-  asynchronously: a sync per call would add a host round trip to each). Python's garbage collector
-  is off inside a block (``timeit``'s rule).
-- ``each`` (wall time of every call): each call synchronized before and after, for steps long
-  enough that one sync does not matter (a training step, a sweep's row) and whose spread is reported.
-
-``copy_bandwidth`` is the reference every "% of copy" divides by: a device-to-device copy, read and
-write counted. Callers rotate through ``num_sets`` input sets when one set is smaller than
-``ROTATE_BYTES``, so that consecutive calls do not find their inputs in the L2 (60 MB on an H200).
-
-``Timer(dry=True)``: on a CPU (Triton's interpreter), one call per measurement after Timer's two
-warm-up calls, timed by the wall clock: it exercises the code paths and says nothing about speed.
+``Timer.kernel``: device time, ``triton.testing.do_bench`` median with the L2 flushed before each call.
+``Timer.loop``: wall time per call of back-to-back calls, ``torch.utils.benchmark.Timer`` blocks each
+synchronized once at its end (``sync(last output)``), the median over ``batches`` blocks; a call costs
+max(host, device). ``Timer.each``: the wall time of every call, each synchronized before and after.
+``copy_bandwidth``: the device-to-device copy every "% of copy" divides by. ``num_sets``: how many input
+sets to rotate so that consecutive calls do not find their inputs in the L2. ``Timer(dry=True)``: on a
+CPU, one call per measurement by the wall clock, which says nothing about speed.
 """
 from __future__ import annotations
 

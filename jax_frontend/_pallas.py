@@ -29,7 +29,7 @@ Which GPU lowering (``GPU_LOWERING``, or the environment variable ``NORMKIT_PALL
 that fits: a whole row lives in registers of one program whose warp count we choose, loads and
 stores are masked, so any N >= 1 works with a power-of-two block (N = 127, 4097, ...), and the code
 it generates is the same shape as ``normkit.kernels.norm``'s, which measures 93-100% of copy
-bandwidth on the H200 (benchmarks/NOTES.md). What the JAX docs say for 0.11 (Pallas changelog,
+bandwidth on the H200 (docs/PERFORMANCE_RECORD.md). What the JAX docs say for 0.11 (Pallas changelog,
 "Released with JAX 0.11.0"): "The Triton backend is deprecated and will be removed in a future
 version of JAX. To keep using Pallas on GPU, please migrate to the Mosaic GPU backend"; lowering
 it emits a ``DeprecationWarning`` ("jax-pallas-triton"). It is still present and working in 0.11:
@@ -75,7 +75,7 @@ PERSISTENT_LAYER_NORM = True  # LayerNorm's long rows as a persistent grid, wher
 
 def blocks(op: Op, M: int, N: int, dtype, *, backward: bool = False, reduces: bool = False):
     """The launch shape of one pass (``normkit.launch.pallas_blocks``) on the default backend, as
-    ``forward`` and ``backward`` launch it (``scripts/tune_pallas.py`` starts its sweep from it)."""
+    ``forward`` and ``backward`` launch it (the sweeps behind it: docs/PERFORMANCE_RECORD.md)."""
     return pallas_blocks(op, M, N, elem_bytes=jnp.dtype(dtype).itemsize, num_sms=num_sms(), backward=backward,
                          reduces=reduces, persistent=None if PERSISTENT_LAYER_NORM else False)
 

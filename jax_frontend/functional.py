@@ -55,6 +55,8 @@ def _unavailable(name: str, platform: str) -> str | None:
     """Why implementation ``name`` cannot run on ``platform`` (jax.default_backend()), or None."""
     if platform not in ("cpu", "gpu") and name != "xla":
         return f"its kernels run on NVIDIA GPUs (and on CPU in an interpreter), not on {platform}"
+    if name == "triton" and importlib.util.find_spec("triton") is None:
+        return "it runs the Triton kernels, which need the triton package (pip install normkit's torch extra)"
     if name == "triton" and platform == "cpu" and importlib.util.find_spec("torch") is None:
         return "on CPU it runs the Triton kernels in Triton's interpreter, which needs torch (pip install torch)"
     if name == "triton" and platform == "gpu":

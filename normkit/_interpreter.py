@@ -18,8 +18,8 @@ serializing them costs little parallelism. Interpreter launches that do not go t
 (someone's own ``TRITON_INTERPRET=1`` kernels in another thread) are not serialized with normkit's;
 nothing here can make those safe.
 
-The patches (written against Triton 3.6.x)
-------------------------------------------
+The patches (written against Triton 3.6.x, tested with 3.6 to 3.9)
+-------------------------------------------------------------------
 - ``jit-device-calls``: Triton's interpreter can run a kernel defined without TRITON_INTERPRET, but
   the kernel's calls into ``triton.language``'s own jit functions (``tl.sum``) are then
   JITFunctions, which refuse to be called outside a compiled kernel. Such a call is treated as what
@@ -48,12 +48,13 @@ silently, which is worse than what skipping it costs (a loud error for a device 
 conversion; bf16 roundings that differ from a GPU's by an ulp). A patch that fits does the right
 thing on any version: round-to-nearest-even is what compiled code does, a device call is a device
 call, and reading a 1-element array's element is what ``int()`` did (Triton 3.9 fixed
-``__index__`` itself the same way). Under a Triton other than 3.6.x, or should any target not fit,
-a ``NormkitInterpreterWarning`` is issued once per process and version, naming the version and the
-patches applied and skipped: normkit's CPU results there are untested, not known wrong. (Checked by
-hand: under Triton 3.7.1, 3.8.0 and 3.9.0 all three patches fit and scripts/smoke_install.py passes.)
-Refusing to run instead would make every Triton release a breaking change for CPU users, and a CUDA
-torch pins its own Triton; capping ``triton`` in pyproject.toml for the same reason is not done.
+``__index__`` itself the same way). ``TESTED_TRITON`` lists the releases the test suite passes
+under, every patch fitting (CI's pip install check runs a part of it on whatever Triton pip
+resolves). Under any other Triton, or should any target not fit, a ``NormkitInterpreterWarning`` is
+issued once per process and version, naming the version and the patches applied and skipped:
+normkit's CPU results there are untested, not known wrong. Refusing to run instead would make every
+Triton release a breaking change for CPU users, and a CUDA torch pins its own Triton; capping
+``triton`` in pyproject.toml for the same reason is not done.
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ from typing import Callable
 import ml_dtypes
 import numpy as np
 
-TESTED_TRITON = ("3.6.",)  # version prefixes the patches were written against and tested with
+TESTED_TRITON = ("3.6.", "3.7.", "3.8.", "3.9.")  # version prefixes the test suite passes under, every patch fitting
 
 # Held around every interpreted launch, patches applied and restored inside it. Re-entrant so that
 # a launch issued from within a launch (a pre-run hook, say) cannot deadlock its own thread.
@@ -257,7 +258,7 @@ def _patches() -> tuple[_Patch, ...]:
         if skipped or not version.startswith(TESTED_TRITON):
             warnings.warn(NormkitInterpreterWarning(
                 f"normkit: running kernels in the interpreter of Triton {version}, which normkit's interpreter path "
-                f"is untested with (it was written for Triton {', '.join(v + 'x' for v in TESTED_TRITON)}); "
+                f"is untested with (tested: Triton {', '.join(v + 'x' for v in TESTED_TRITON)}); "
                 f"applied the patches that fit this version: {', '.join(p.name for p in chosen) or 'none'}; "
                 f"skipped: {', '.join(skipped) or 'none'}. CPU results may differ from compiled ones."),
                 stacklevel=4)

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.resources
+import json
 from typing import Any
 
 from normkit import record
-from normkit.kernels import norm_bwd_kernel, norm_fwd_kernel, partial_sum_kernel
 from normkit.ops import ELEM_BYTES, OUTPUT_BIAS_RATIO, OUTPUT_W_MIN, Grads, Op, Options
 
 FWD_INPUTS = ("X", "R", "W", "B")
@@ -29,6 +30,15 @@ BWD_OUTPUTS = ("DX", "DW_PART", "DB_PART")
 RED_INPUTS = ("DW_PART", "DB_PART")
 RED_SCALARS = ("G",)
 RED_OUTPUTS = ("DW", "DB")
+
+
+@functools.cache
+def kernels():
+    """``normkit.kernels.norm``, the Triton kernels, imported by the first plan that launches one: the
+    Pallas implementation reads this module's heuristics without the triton package installed."""
+    from normkit.kernels import norm
+
+    return norm
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -79,13 +89,13 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-# Measured on an H200 (scripts/tune.py, bf16, kernel-only medians; notes in benchmarks/NOTES.md):
+# Measured on an H200 (scripts/tune.py, bf16, kernel-only medians; docs/PERFORMANCE_RECORD.md):
 # - 4 warps per 4096-element tile, 8 per 8192, 16 per 16384: about 8-16 elements per thread;
 # - short rows: several rows per tile (4096 // BLOCK_N), so one program still moves a useful amount;
-# - RMSNorm forward and every dx-only backward: one program per tile, no pipelining (93-100% of copy);
+# - every dx-only backward: one program per tile, no pipelining;
 # - the forwards: one program per tile, straight through (forward_tile);
 # - dW/dB backward: one (tile >= 8192) or two programs per SM, each accumulating one fp32 partial row,
-#   with the next tiles prefetched (3-4 stages): 66% -> 85-92% of copy in bf16.
+#   with the next tiles prefetched (3-4 stages).
 SMEM_BUDGET = 160 * 1024  # bytes of shared memory the prefetched tiles may take (H100/H200: 228 KB per SM)
 
 
@@ -107,35 +117,23 @@ def _tile_config(block_n: int) -> tuple[int, int, int]:
     return block_m, block_n, num_warps
 
 
-# Forward tiles that differ from tile_config's, measured on an H200 (scripts/tune.py, kernel-only
-# medians; benchmarks/NOTES.md, "Forward kernels"). The forward runs one program per tile, each
-# straight through (LOOP_STAGES 0): the tile loop alone cost the LayerNorm forward up to a quarter
-# of its time on 16-bit rows (2026-12-02: bf16 16384x8192 181 against 143 us for the same tile).
-# - LayerNorm: tiles of 8192 elements (16384 for 16-bit rows of >= 8192) with 64 bytes of the row
-#   per thread (2026-12-02): bf16 16384x8192 137.1 us, 8192x8192 73.1, 32768x4096 132.6; fp32
-#   8192x8192 132.0, 32768x4096 257.8 (Inductor: 147.8, 77.8, 186.8, 132.8, 253.2). The persistent
-#   grid with prefetch, the best before the loop-free tiles (144.7 and 74.6 at 16-bit rows of
-#   8192), no longer pays anywhere.
-# - RMSNorm: tile_config's tiles are within 2% of the best everywhere but at the points of
-#   _RMS_FWD_TILES, (residual, element bytes, BLOCK_N) -> (BLOCK_M, warps, CHUNK_N); CHUNK_N > 0
-#   reads the row in two passes over chunks of that many columns (the sum of squares with the
-#   chunks kept in L2, then the chunks again from L2 to normalize, as Inductor's looped reductions
-#   do) instead of holding it in registers. One pass: rows of 2048 one per tile (bf16 65536x2048:
-#   136.3 -> 132.0 us, fused add 267.4 -> 258.0). Two passes over half rows (2026-12-02): fp32 rows
-#   of 8192 (8192x8192: 134.4 -> 130.2 us, Inductor 130.7) and 4096 (32768x4096: 260.0 -> 252.4,
-#   Inductor 252.3); bf16 rows of 8192 (16384x8192: 132.8 -> 130.3, Inductor 129.0); the fused add's
-#   bf16 rows of 4096 (32768x4096: 266.0 -> 254.9) and 8192 (16384x8192: 261.5 -> 254.1); bf16 rows
-#   of 4096 (32768x4096: 135.0 -> 130.0).
-_RMS_FWD_TILES = {
-    (False, 2, 2048): (1, 4, 0),
-    (True, 2, 2048): (1, 4, 0),
-    (False, 2, 8192): (1, 16, 4096),
-    (False, 2, 4096): (1, 8, 2048),
-    (False, 4, 4096): (1, 16, 2048),
-    (False, 4, 8192): (1, 16, 4096),
-    (True, 2, 4096): (2, 8, 2048),
-    (True, 2, 8192): (1, 16, 4096),
-}
+# The forward's tiles (measurements: docs/PERFORMANCE_RECORD.md, "Forward kernels"). The forward runs
+# one program per tile, each straight through (LOOP_STAGES 0): the tile loop cost the LayerNorm
+# forward up to a quarter of its time on 16-bit rows, and with it gone the persistent, prefetching
+# grid no longer pays anywhere.
+# - LayerNorm: tiles of 8192 elements (16384 for 16-bit rows of >= 8192) with 64 bytes of the row per
+#   thread.
+# - RMSNorm: tile_config's tiles, except where scripts/tune.py measured a better one: the entries of
+#   normkit/tiles.json, (residual, element bytes, BLOCK_N) -> (BLOCK_M, warps, CHUNK_N), each with
+#   its measurement. CHUNK_N > 0 reads the row in two passes over chunks of that many columns (the
+#   sum of squares with the chunks kept in L2, then the chunks again from L2 to normalize, as
+#   Inductor's looped reductions do) instead of holding it in registers.
+def rms_forward_tiles(table: dict) -> dict:
+    """tiles.json's RMSNorm forward entries: {(residual, elem_bytes, BLOCK_N): (BLOCK_M, warps, CHUNK_N)}."""
+    return {(e["residual"], e["elem_bytes"], e["block_n"]): tuple(e["tile"]) for e in table["rms_forward"]}
+
+
+_RMS_FWD_TILES = rms_forward_tiles(json.loads(importlib.resources.files("normkit").joinpath("tiles.json").read_text()))
 
 
 def forward_tile(op: Op, M: int, N: int, elem_bytes: int) -> tuple[int, int, int, bool, int]:
@@ -199,7 +197,7 @@ def plan_forward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_dt
         {"B"} if has_b else set())
     rows_contiguous = _rows_contiguous(M, N, [(stride_xm, x_col)] + ([(stride_rm, r_col)] if op.has_residual else []))
     return KernelCall(
-        kernel=norm_fwd_kernel,
+        kernel=kernels().norm_fwd_kernel,
         grid=(grid,),
         num_warps=num_warps,
         num_stages=1,
@@ -267,7 +265,7 @@ def plan_backward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_d
         # LayerNorm's dx = rstd * (g - mean(g) - ...): contracting g = dy * w into an FMA with the
         # subtraction leaves g's rounding error amplified by rstd where it should cancel exactly.
         fp_fusion=op.is_rms,
-        kernel=norm_bwd_kernel,
+        kernel=kernels().norm_bwd_kernel,
         grid=(grid,),
         num_warps=num_warps,
         num_stages=1,
@@ -324,7 +322,7 @@ def _plan_reduce(N: int, G: int, w_dtype: str | None, b_dtype: str | None) -> Ke
         out_specs["DB"] = ((N,), b_dtype)
     present = ({"DW_PART"} if has_dw else set()) | ({"DB_PART"} if has_db else set())
     return KernelCall(
-        kernel=partial_sum_kernel,
+        kernel=kernels().partial_sum_kernel,
         grid=(-(-N // block_n),),
         num_warps=num_warps,
         num_stages=1,
@@ -376,38 +374,22 @@ def pallas_blocks(op: Op, M: int, N: int, *, elem_bytes: int, num_sms: int, back
     ``backward``: the backward pass; ``reduces``: a backward with dW/dB partials; ``elem_bytes``: the
     rows' element size; ``num_sms``: the device's SM count (``INTERPRETER_NUM_SMS`` in interpret
     mode). ``persistent`` (a pass without dW/dB whose programs walk several tiles) defaults to
-    ``pallas_persistent``; False keeps one tile per program. Measured on an H200 at 8192 x 8192,
-    16384 x 8192 and 32768 x 4096, starting from ``normkit.launch``'s choices for the Triton
-    kernels (``scripts/tune_pallas.py``):
+    ``pallas_persistent``; False keeps one tile per program. The rules, each measured on an H200
+    starting from the Triton kernels' choices (the sweeps and their numbers: docs/PERFORMANCE_RECORD.md,
+    "Pallas launch shapes"):
     - a tile is BLOCK_M rows x BLOCK_N (next power of two >= N) columns, ~4096 elements, with
       about 8-16 elements per thread (4 warps per 4096, 8 per 8192, up to 32);
     - forward and dx-only backward: one tile per program, except on LayerNorm's long rows;
     - dW/dB backward: min(tiles, 1 program per SM for tiles of >= 8192 elements, else 2), each
-      prefetching its next tile (without: 179 -> 129 us at 8192 x 8192); 8192-element tiles get 16
-      warps there (129 -> 120 us; 4096-element ones lose with 16). More programs per SM only add
-      partials: one program's registers already fill an SM;
+      prefetching its next tile; 8192-element tiles get 16 warps there (4096-element ones lose with
+      16). More programs per SM only add partials: one program's registers already fill an SM;
     - persistent forward in bf16/fp16: 2 programs per SM for tiles of >= 8192 elements, else 4, with
-      half the warps of a one-tile program (at least 4). LayerNorm bf16 8192 x 8192 (commit 899f799,
-      2026-11-30, against an XLA copy at 4.06 TB/s): 86.3 us (77% of copy) with 4 warps and 2
-      programs per SM, against 110.7 us (60%) with one row per program and 8 warps, and 95.0 us with
-      16 warps;
+      half the warps of a one-tile program (at least 4);
     - persistent forward in fp32, rows of >= 8192: tiles of >= 16384 elements, 16 warps (32 on wider
-      rows), 1 program per SM. LayerNorm fp32 8192 x 8192 (commit 1fdb683, 2026-11-30): 151.6 us
-      (87% of copy) against 170.2 us (78%) with the bf16 choice, whose 4 warps assemble to 255
-      registers and spill in fp32;
-    - persistent forward in fp32, narrower rows: twice the one-tile warps, 2 programs per SM.
-      LayerNorm fp32 32768 x 4096 (commit 1fdb683): 300.4 us (89% of a 3.99 TB/s copy) against
-      363.3 us with one row per program at 4 warps;
-    - persistent dx-only backward (rows of 8192 only): 1 program per SM, 32 warps. LayerNorm bf16
-      (commit 1fdb683): 123.4 against 127.2 us at 8192 x 8192, 231.2 against 236.4 us at 16384 x
-      8192 (one row per program). Wider rows keep one row per program: there a prefetched fp32 tile
-      spills.
-
-    Device time with these choices at M x N >= 64M, bf16 and fp32 (commit 1fdb683, against an XLA
-    copy traced at 4.26 TB/s; ``benchmarks/results/device_time/h200_device_time.md``): forward
-    88-92% of copy (RMSNorm, fused add) and 84-89% (LayerNorm); dx-only backward 87-93%; full
-    backward, wall, 1.43-1.55x (RMSNorm), 1.69-2.26x (LayerNorm) and 1.2-1.59x (fused add) faster
-    than ``jax_frontend._xla``'s.
+      rows), 1 program per SM (the bf16 choice's 4 warps spill in fp32);
+    - persistent forward in fp32, narrower rows: twice the one-tile warps, 2 programs per SM;
+    - persistent dx-only backward (rows of 8192 only): 1 program per SM, 32 warps. Wider rows keep
+      one row per program: there a prefetched fp32 tile spills.
     """
     if persistent is None:
         persistent = pallas_persistent(op, N, elem_bytes=elem_bytes, backward=backward)

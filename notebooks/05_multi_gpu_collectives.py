@@ -67,7 +67,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_frontend as jf
-from benchmarks.hlo import collectives
+from tests.hlo import collectives
 
 try:
     SIZE = notebook_size()
@@ -93,7 +93,7 @@ display(table(list(environment().items()), ["component", "version or device"]))
 # %% [markdown]
 # ## Counting collectives in compiled HLO
 #
-# `benchmarks.hlo.collectives` reads the compiled module's text. An all-reduce reads
+# `tests.hlo.collectives` reads the compiled module's text. An all-reduce reads
 # `%name = f32[64]{0} all-reduce(%operand), ...`; on a GPU it may be the asynchronous
 # `all-reduce-start` (counted once), and its type may be a tuple: several arrays reduced at once, or for
 # an async start `(operands, results)`. XLA's GPU combiner may also merge dW and dB into one

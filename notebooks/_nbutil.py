@@ -200,11 +200,6 @@ class Source:
         return f"{where}: {self.name}" if with_name else where
 
 
-def sources_label(sources) -> str:
-    """The label of several files: one line each, without repeats."""
-    return "\n".join(dict.fromkeys(s.label() for s in sources))
-
-
 def this_run(size: str, what: str = "measured in this run", on: str | None = None) -> str:
     """How a measurement made where the notebook runs should be read: the device (``on`` overrides it),
     the size, today's date and the checkout's commit; on a CPU, that it says nothing about speed."""

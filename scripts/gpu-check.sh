@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check, run on the H200 machine from the repository root. Targets (default: all):
+# The GPU check, run on the H200 machine from the repository root. Targets (default: compare, notebooks
+# and tests):
 #   compare    the main job (scripts/compare.py): frozen vs full backward, both frontends, with timings;
 #   notebooks  every notebook source run as a script at full size;
 #   tests      the whole test suite, compiled, with the larger "gpu" shapes too (the notebook test needs
@@ -7,14 +8,10 @@
 #              about 560 s on one H200 with 16 workers. TEST_PART=parity runs tests/test_parity.py alone
 #              (about 60% of the work), TEST_PART=rest everything else: two calls that each end well
 #              inside a 10-minute limit;
-#   timing     host time per call through autograd, normkit against its peers (benchmarks/host_time.py
-#              [--shape MxN] [--ops ...] [--rep-ms MS] [--graphs]; kernel timings come from the bench target);
-#   host-parts the pieces of one eager RMSNorm call's host time, each timed alone (benchmarks/host_parts.py
-#              [--shape MxN] [--profile]);
-#   bench      the full benchmark (benchmarks/bench.py); tune: the launch-configuration sweep (scripts/tune.py);
-#   tune-pallas  the Pallas launch-shape sweep (scripts/tune_pallas.py);
-#   device-time  device vs wall time per call of the JAX implementations, from jax.profiler traces
-#              (benchmarks/device_time.py; results in $OUT/device_time.{json,log});
+#   timing     time per call where the host sets it (bf16 4096x1024), normkit through autograd against
+#              Liger, eager and torch.compile: benchmarks/bench.py at that shape, results in $OUT/timing.json;
+#   bench      the full benchmark (benchmarks/bench.py); results in $OUT/h200.json;
+#   tune       the launch-configuration sweep (scripts/tune.py; --write-tiles updates normkit/tiles.json);
 #   multi      the two-GPU check (scripts/multi_gpu.py: torchrun + NCCL, then JAX on a 2-device mesh);
 #   lora       the LoRA training-step benchmark (benchmarks/lora_step.py);
 #   build-notebooks  regenerate the executed .ipynb at full size (notebooks/build.py --size full [names]),
@@ -75,23 +72,12 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$what" = timing ]; then
-  python3 benchmarks/host_time.py "$@" 2>&1 | tee "$OUT/timing.log"
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
-fi
-if [ "$what" = host-parts ]; then
-  python3 benchmarks/host_parts.py "$@" 2>&1 | tee "$OUT/host_parts.log"
+  python3 benchmarks/bench.py --shapes 4096x1024 --dtypes bf16 --peers liger,torch_eager,torch_compile \
+    --budget-s 0 --no-report --out "$OUT/timing.json" "$@" 2>&1 | tee "$OUT/timing.log" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$what" = bench ]; then
   python3 benchmarks/bench.py --out "$OUT/h200.json" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
-fi
-if [ "$what" = tune-pallas ]; then
-  python3 scripts/tune_pallas.py "$@" 2>&1 | tee -a "$OUT/tune_pallas.log"
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
-fi
-if [ "$what" = device-time ]; then
-  python3 benchmarks/device_time.py --out "$OUT/device_time.json" "$@" 2>&1 | tee "$OUT/device_time.log"
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$what" = tune ]; then
   python3 scripts/tune.py "$@" 2>&1 | tee "$OUT/tune.log"

@@ -1,39 +1,18 @@
-"""Two-GPU check: the distributed tests' logic compiled, and a sequence-parallel LoRA step, frozen vs trained norms.
+"""Two-GPU check: the distributed tests' cases compiled, and a sequence-parallel LoRA step, frozen vs
+trained norms (docs/MULTI_GPU.md).
 
-Torch part (``torch``, one process per GPU under torchrun, NCCL):
-
-1. the cases of ``tests/test_distributed_torch.py`` (``benchmarks/dist_workers.py``) at a larger shape:
-   each op on DTensors (``Shard(1)``, ``Shard(0)``, uneven, replicated) with trained and frozen
-   parameters against the single-GPU result, collectives counted per phase with ``CommDebugMode``;
-   the placement errors; a ``SequenceParallel`` module; DDP and FSDP2 with frozen norm parameters;
-2. a LoRA training step of a small random-init Llama (``benchmarks.models.llama_lora``: PEFT LoRA
-   r=16 on q_proj and v_proj, B drawn at random) with tensor + sequence parallelism (torch's
-   ``parallelize_module``: colwise/rowwise projections, ``SequenceParallel`` norms on ``Shard(1)``
-   activations, vocab-parallel loss), base weights frozen and the adapters trained. Four variants:
-   norms from ``torch_frontend.patch_model`` (normkit) or transformers' eager ``LlamaRMSNorm`` (hf),
-   each with the norm weights frozen and trained. Per variant: median step time (each step
-   synchronized, ranks at a barrier), and the collectives of one step per phase (forward, backward,
-   reducing the ``Partial`` gradients once, optimizer), counted and sized (bytes of each
-   collective's input) from a ``CommDebugMode``.
-
-JAX part (``jax``, one process with 2 GPUs):
-
-1. the cases of ``tests/test_distributed_jax.py`` at a larger shape: each op under ``jit`` on
-   inputs sharded over a 2-device mesh, against the unsharded run, with the compiled HLO's
-   collectives;
-2. sharded RMSNorm forward and forward+backward, normkit against XLA's jnp norm under the same
-   sharding (sequence axis over 2 GPUs), weight trained and frozen: median times and the compiled
-   collectives (``benchmarks.hlo.collectives``: count and bytes of the all-reduces).
-
-Usage (repository root)::
+``torch`` (one process per GPU under torchrun, NCCL): the cases of tests/dist_workers.py at a larger
+shape, then a LoRA step of a small random-init Llama (benchmarks.models.llama_lora) under tensor +
+sequence parallelism, norms from normkit or HF, frozen and trained: median step time and each phase's
+collectives (``CommDebugMode``). ``jax`` (one process, 2 GPUs): the JAX cases, then sharded RMSNorm
+against XLA's jnp norm, weight trained and frozen: median times and the compiled HLO's all-reduces.
 
     python scripts/multi_gpu.py --out multi_gpu.json                    # both parts (torchrun for torch)
     torchrun --nproc-per-node 2 scripts/multi_gpu.py torch --out torch.json
     python scripts/multi_gpu.py jax --out jax.json
     python scripts/multi_gpu.py --dry-run --out dry.json                # CPU: gloo ranks, 2 host devices, tiny
 
-No NCCL environment variable is read or set. The JSON has ``torch`` and ``jax`` sections, each with
-``cases``, ``failures`` (empty when every case passed) and ``bench``; the exit status is 1 when any
+The JSON has ``torch`` and ``jax`` sections (``cases``, ``failures``, ``bench``); exit status 1 when any
 case failed.
 """
 from __future__ import annotations
@@ -54,10 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import dist_workers  # noqa: E402
-from benchmarks.hlo import collectives  # noqa: E402
 from benchmarks.models import llama_lora  # noqa: E402
 from benchmarks.timing import Timer  # noqa: E402
+from tests import dist_workers  # noqa: E402
+from tests.hlo import collectives  # noqa: E402
 
 # Shapes and model sizes: the GPU run, and the CPU dry run (Triton's interpreter: tiny).
 FULL = dict(case_shape=(2, 64, 512), dtype="bfloat16", warmup=3, steps=10,
@@ -283,16 +262,6 @@ def torch_main(out: Path, dry_run: bool, skip_cases: bool) -> dict:
 # JAX.
 
 
-def _xla_rms_norm(x, weight, eps=1e-6):
-    """XLA's RMSNorm in jnp, as normkit's "llama" casting mode: normalize in fp32, round, then scale."""
-    import jax
-    import jax.numpy as jnp
-
-    xf = x.astype(jnp.float32)
-    y = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-    return y * weight.astype(x.dtype)
-
-
 def jax_bench(cfg: dict, devices) -> list[dict]:
     import jax
     import jax.numpy as jnp
@@ -300,6 +269,7 @@ def jax_bench(cfg: dict, devices) -> list[dict]:
     from jax.sharding import PartitionSpec as P
 
     import jax_frontend as jf
+    from benchmarks.impls_jax import xla_fn  # XLA's RMSNorm in jnp, normkit's "llama" casting
 
     mesh = jax.make_mesh((2,), ("sp",), devices=devices)
     dtype = jnp.dtype(cfg["dtype"])
@@ -310,7 +280,7 @@ def jax_bench(cfg: dict, devices) -> list[dict]:
         x = jax.device_put(jnp.asarray(rng.standard_normal(shape), dtype), P(None, "sp"))
         dy = jax.device_put(jnp.asarray(rng.standard_normal(shape), dtype), P(None, "sp"))
         w = jax.device_put(jnp.asarray(rng.uniform(0.5, 1.5, shape[-1]), dtype), P())
-        impls = {"normkit": lambda x, w: jf.rms_norm(x, w, 1e-6), "xla": _xla_rms_norm}
+        impls = {"normkit": lambda x, w: jf.rms_norm(x, w, 1e-6), "xla": lambda x, w: xla_fn("rms_norm")(x, w)[0]}
         for name, fn in impls.items():
             for trained in (True, False):
                 if trained:

@@ -1,37 +1,30 @@
 """Launch-configuration sweep: variants of normkit's real launch plans, timed on a CUDA GPU.
 
-For each (op, mode, dtype, shape) the base plans are the ones ``normkit.driver`` makes for the
-arrays (captured from its launches through the Torch backend, so the sweep starts from exactly what
-the frontends run). Variants of them change only the launch configuration:
+For each (op, mode, dtype, shape) the base plans are the ones ``normkit.driver`` makes (captured from its
+launches through the Torch backend). Variants change only the launch: ``BLOCK_M`` around the plan's,
+``num_warps`` 4/8/16, one program per tile or a persistent grid of 1-4 programs per SM (the full
+backward's partial buffers and reduction follow its grid), ``LOOP_STAGES`` (prefetch depth), and for
+the RMSNorm forwards ``CHUNK_N`` (the row read in two passes over half or quarter rows). Each variant is a
+``dataclasses.replace`` of the plan's ``KernelCall`` whose constexprs are checked against the kernel's
+``arg_names``. On CUDA every variant is timed (``do_bench``), checked against the base plan's results and
+the best printed with its share of a copy's bandwidth; ``--dry-run`` (CPU, Triton's interpreter) launches
+each variant once and checks it against the base plan.
 
-- ``BLOCK_M``: rows per tile (around the plan's choice);
-- ``num_warps``: 4, 8, 16 (never fewer than one element per thread);
-- the grid: one program per tile, or a persistent grid of 1-4 programs per SM (the full backward
-  is always persistent: its program count is the number of fp32 dW/dB partial rows, so its
-  ``DW_PART``/``DB_PART`` buffers and the reduction's ``G`` follow the grid);
-- ``LOOP_STAGES``: how many tiles the loop prefetches (only with more tiles than programs; the
-  forward's one-program-per-tile grids run without a loop, LOOP_STAGES 0);
-- ``CHUNK_N`` (RMSNorm and the fused add, forward): the row read in two passes over chunks of a half
-  or a quarter of the row (the sum of squares, then the normalization from L2) instead of once.
-
-Each variant is a ``dataclasses.replace`` of the plan's ``KernelCall`` with ``cache={}`` (a fresh
-compiled-kernel cache), and its constexprs are checked against the kernel's ``arg_names``, so no
-unknown constexpr is ever passed. Modes: ``fwd`` (inference forward), ``bwd_frozen`` (dx only),
-``bwd_full`` (dx, dW and dB, with the reduction launch). On CUDA each variant is timed with
-``triton.testing.do_bench`` medians (L2 flushed before each call), checked against the base plan's
-results, and the best per (op, mode, dtype, shape) is printed with its bandwidth under
-``benchmarks/bytemodel.py`` as a share of a device-to-device copy measured in the same run.
-
-``--dry-run`` (CPU, Triton's interpreter): a tiny shape; every variant is launched once and its
-results are checked against the float64 reference (``op.run_reference``); nothing is timed.
+``--write-tiles`` (CUDA, RMSNorm forwards): per key (residual, element bytes, BLOCK_N) the fastest
+one-program-per-tile variant goes to ``normkit/tiles.json`` with its time, ``tile_config``'s tile and time
+as the baseline, the device, date and commit, when it beats that baseline by more than ``ADOPT``;
+otherwise the key's entry is removed. Where several swept shapes share a key, the largest decides.
 
     python scripts/tune.py [--shapes 8192x8192,32768x4096] [--ops rms_norm,layer_norm] [--dtypes bfloat16]
+    python scripts/tune.py --modes fwd --ops rms_norm,fused_add_rms_norm --write-tiles
     python scripts/tune.py --dry-run [--shapes 72x48] [--ops ...]
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
+import json
 import sys
 from pathlib import Path
 
@@ -39,22 +32,23 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks import bytemodel  # noqa: E402
 from benchmarks.timing import Timer, tbps  # noqa: E402
 from normkit import driver  # noqa: E402
-from normkit.launch import KernelCall  # noqa: E402
+from normkit.launch import KernelCall, tile_config  # noqa: E402
 from normkit.ops import ELEM_BYTES, OPS, Grads, Op  # noqa: E402
 from normkit.shapes import parse_list  # noqa: E402
-from normkit.testing import TOLERANCES, assert_close, poisoned_outputs, random_inputs  # noqa: E402
+from normkit.testing import TOLERANCES, poisoned_outputs  # noqa: E402
 from torch_frontend import backend  # noqa: E402
 
 MODES = tuple(m for m in bytemodel.MODES if m != "fwd_bwd")
 DEFAULT_SHAPES = "8192x8192,32768x4096,65536x2048,4096x1024"
 DRY_RUN_SHAPES = "72x48"  # 3-9 tiles, a ragged row: masks, persistent loops with prefetch, partials
 WARPS = (4, 8, 16)
+TILES = ROOT / "normkit" / "tiles.json"
+ADOPT = 0.02  # --write-tiles: a tile other than tile_config's must be this much faster
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,7 +106,7 @@ class Config:
 
 
 def configs(call: KernelCall, mode: str) -> list[Config]:
-    """The sweep around ``call``'s own configuration (as in benchmarks/NOTES.md)."""
+    """The sweep around ``call``'s own configuration (as in docs/PERFORMANCE_RECORD.md)."""
     base_m, block_n = call.constexprs["BLOCK_M"], call.constexprs["BLOCK_N"]
     largest = max(1, 16384 // block_n)  # tiles of at most 16384 elements
     bms = sorted({max(1, base_m // 2), base_m, min(2 * base_m, largest)})
@@ -140,6 +134,45 @@ def base_config(call: KernelCall, num_sms: int) -> Config:
     grid = call.grid[0]
     per_sm = 0 if grid == tiles and call.constexprs["LOOP_STAGES"] <= 1 else -(-grid // num_sms)
     return Config(bm, call.num_warps, per_sm, call.constexprs["LOOP_STAGES"], call.constexprs.get("CHUNK_N", 0))
+
+
+def default_config(call: KernelCall) -> Config:
+    """tile_config's tile for ``call``'s rows: one program per tile, the row read once."""
+    block_m, _, num_warps = tile_config(1, call.constexprs["BLOCK_N"])
+    return Config(block_m, num_warps, 0, 0)
+
+
+def tile_choice(op: Op, dtype: str, M: int, N: int, call: KernelCall, results: list) -> tuple | None:
+    """(key, measured entry) for tiles.json from one forward sweep's (us, Config) results, or None
+    when tile_config's tile did not run. The candidates are the forward's grid: one program per tile."""
+    default = default_config(call)
+    timed = {cfg: us for us, cfg in results if cfg.per_sm == 0}
+    if default not in timed:
+        return None
+    best = min(timed, key=timed.get)
+    key = (op.has_residual, ELEM_BYTES[dtype], call.constexprs["BLOCK_N"])
+    return key, {"tile": [best.block_m, best.num_warps, best.chunk], "M": M, "N": N, "dtype": dtype,
+                 "us": round(timed[best], 1), "baseline": [default.block_m, default.num_warps, 0],
+                 "baseline_us": round(timed[default], 1)}
+
+
+def write_tiles(path: Path, choices: dict, device: str, commit: str, date: str) -> dict:
+    """Update the tiles.json at ``path`` with ``choices`` ({key: tile_choice's entry}); returns the table."""
+    table = json.loads(path.read_text())
+    entries = {(e["residual"], e["elem_bytes"], e["block_n"]): e for e in table["rms_forward"]}
+    for (residual, elem_bytes, block_n), c in choices.items():
+        key = (residual, elem_bytes, block_n)
+        if c["tile"] == c["baseline"] or c["us"] >= (1 - ADOPT) * c["baseline_us"]:
+            entries.pop(key, None)
+            continue
+        measured = {"shape": f"{c['M']}x{c['N']}", "dtype": c["dtype"], "us": c["us"], "baseline": c["baseline"],
+                    "baseline_us": c["baseline_us"], "device": device, "date": date, "commit": commit}
+        entries[key] = {"residual": residual, "elem_bytes": elem_bytes, "block_n": block_n, "tile": c["tile"],
+                        "measured": measured}
+    table["rms_forward"] = [entries[k] for k in sorted(entries)]
+    rows = ",\n".join("    " + json.dumps(e) for e in table["rms_forward"])
+    path.write_text(f'{{\n  "about": {json.dumps(table["about"])},\n  "rms_forward": [\n{rows}\n  ]\n}}\n')
+    return table
 
 
 def build(plan: list, cfg: Config, M: int, num_sms: int) -> list | None:
@@ -222,27 +255,9 @@ def plans(op: Op, arrays: dict, opts) -> dict:
     return out
 
 
-# What each mode's results are: (kernel buffer, reference name, reduced over M rows).
-RESULTS = {
-    "fwd": (("Y", "y", False), ("S", "residual_out", False)),
-    "bwd_frozen": (("DX", "x", False),),
-    "bwd_full": (("DX", "x", False), ("DW", "weight", True), ("DB", "bias", True)),
-}
-
-
-def _np(t):
-    return t.detach().to(torch.float64).cpu().numpy()
-
-
-def check_reference(out: dict, mode: str, ref_outs: dict, ref_grads: dict, dtype: str, M: int, what: str) -> None:
-    for buf, name, reduced in RESULTS[mode]:
-        if buf in out:
-            want = ref_outs[name] if mode == "fwd" else ref_grads[name]
-            assert_close(_np(out[buf]), want, dtype, f"{what}: {buf}", reduced_over=M if reduced else 1)
-
-
 def agrees(out: dict, base: dict, dtype: str, M: int) -> bool:
-    """On the device: every result within the tolerance table of the base plan's result."""
+    """Every result within the tolerance table of the base plan's result (which the test suite checks
+    against the float64 reference)."""
     tol = TOLERANCES[dtype]
     for name, t in base.items():
         if name.endswith("_PART") or name in ("MEAN", "RSTD"):
@@ -258,13 +273,9 @@ def agrees(out: dict, base: dict, dtype: str, M: int) -> bool:
 # Inputs.
 
 
-def inputs(op: Op, M: int, N: int, dtype: str, device, rng) -> tuple[dict, dict]:
-    """(torch arrays on ``device``, float64 NumPy inputs or None on CUDA, where they are drawn on the device)."""
-    if device.type == "cpu":
-        ref = random_inputs(op, (M, N), dtype, rng)
-        return {k: torch.from_numpy(v).to(getattr(torch, dtype)) for k, v in ref.items()}, ref
-    tdt = getattr(torch, dtype)
-    g = torch.Generator(device=device).manual_seed(0)
+def inputs(op: Op, M: int, N: int, dtype: str, device) -> dict:
+    """Random torch arrays of ``op`` on ``device``: x, dy (and the residual and ds), the parameters."""
+    tdt, g = getattr(torch, dtype), torch.Generator(device=device).manual_seed(0)
     rows = lambda: torch.randn(M, N, device=device, dtype=tdt, generator=g)  # noqa: E731
     arrays = {"x": rows() * 1.5 + 0.3, "dy": rows()}
     if op.has_residual:
@@ -273,7 +284,7 @@ def inputs(op: Op, M: int, N: int, dtype: str, device, rng) -> tuple[dict, dict]
         arrays["weight"] = torch.rand(N, device=device, generator=g).add_(0.5).to(tdt)
     if "bias" in op.params:
         arrays["bias"] = (torch.randn(N, device=device, generator=g) * 0.5).to(tdt)
-    return arrays, None
+    return arrays
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,9 +301,11 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=4, help="configurations listed after the best")
     p.add_argument("--warmup-ms", type=float, default=5.0)
     p.add_argument("--rep-ms", type=float, default=25.0)
+    p.add_argument("--write-tiles", action="store_true",
+                   help=f"write the RMSNorm forward tiles measured to {TILES.relative_to(ROOT)} (CUDA)")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU: launch every variant once in Triton's interpreter and check it against the "
-                        "float64 reference; no timing")
+                        "base plan; no timing")
     args = p.parse_args(argv)
     ops = args.ops.split(",")
     modes = args.modes.split(",")
@@ -301,13 +314,15 @@ def main(argv=None) -> int:
         bad = [v for v in given if v not in known]
         if bad:
             p.error(f"unknown {name}(s) {bad}; expected some of {list(known)}")
+    if args.write_tiles and args.dry_run:
+        p.error("--write-tiles needs timings: run it on a CUDA GPU, without --dry-run")
     shapes = parse_list(args.shapes or (DRY_RUN_SHAPES if args.dry_run else DEFAULT_SHAPES))
 
     if args.dry_run:
         device = torch.device("cpu")
         copy = None
         print(f"dry run: Triton interpreter on the CPU ({backend.num_sms(torch.empty(0))} 'SMs'), every variant "
-              "launched once and checked against the float64 reference; nothing timed", flush=True)
+              "launched once and checked against the base plan; nothing timed", flush=True)
     else:
         if not torch.cuda.is_available():
             p.error("no CUDA device: the sweep times compiled kernels (use --dry-run on a CPU)")
@@ -316,28 +331,32 @@ def main(argv=None) -> int:
         print(f"{torch.cuda.get_device_name()}: copy {copy:.2f} TB/s (2 GiB bf16, read + write), "
               f"{backend.num_sms(torch.empty(0, device=device))} SMs", flush=True)
 
-    failures = run_all(shapes, ops, dtypes, modes, device, np.random.default_rng(0), args, copy)
+    choices = {}
+    failures = run_all(shapes, ops, dtypes, modes, device, args, copy, choices)
     if failures:
-        print(f"{failures} variant(s) disagreed with the {'reference' if args.dry_run else 'base plan'}", flush=True)
+        print(f"{failures} variant(s) disagreed with the base plan", flush=True)
+    elif args.write_tiles:
+        from benchmarks.env import versions
+
+        v = versions()
+        commit = f"{v['git']}-dirty" if v["git_dirty"] else v["git"]
+        table = write_tiles(TILES, choices, torch.cuda.get_device_name(), commit, datetime.date.today().isoformat())
+        print(f"wrote {TILES.relative_to(ROOT)}: {len(table['rms_forward'])} entries; {len(choices)} keys measured",
+              flush=True)
     return 1 if failures else 0
 
 
-def run_all(shapes, ops, dtypes, modes, device, rng, args, copy) -> int:
+def run_all(shapes, ops, dtypes, modes, device, args, copy, choices: dict) -> int:
     failures = 0
     for (M, N) in shapes:
-        for op_name in ops:
-            op = OPS[op_name]
+        for op in (OPS[name] for name in ops):
             opts = op.options(eps=op.default_eps)  # the frontends' defaults (llama casting for the RMS ops)
             for dtype in dtypes:
-                arrays, ref_inp = inputs(op, M, N, dtype, device, rng)
-                num_sms = backend.num_sms(arrays["x"])
-                if ref_inp is not None:
-                    ref_outs, ref_grads = op.run_reference(ref_inp, opts, {"y": ref_inp["dy"],
-                                                                           "residual_out": ref_inp.get("ds")})
+                arrays = inputs(op, M, N, dtype, device)
                 base_plans = plans(op, arrays, opts)
                 for mode in modes:
-                    failures += sweep(op, mode, dtype, M, N, base_plans[mode], num_sms, args, copy,
-                                      (ref_outs, ref_grads) if ref_inp is not None else None)
+                    failures += sweep(op, mode, dtype, M, N, base_plans[mode], backend.num_sms(arrays["x"]), args,
+                                      copy, choices)
                 del arrays, base_plans
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -345,14 +364,15 @@ def run_all(shapes, ops, dtypes, modes, device, rng, args, copy) -> int:
 
 
 def sweep(op: Op, mode: str, dtype: str, M: int, N: int, base_plan: tuple, num_sms: int, args, copy,
-          reference) -> int:
+          choices: dict) -> int:
     """Run every variant of one base plan; print one summary line. Returns the number of failures."""
     label = f"{op.name:19s} {mode:10s} {dtype:9s} {M}x{N}"
     plan, arrays = base_plan
     check_launches(plan)
     base_cfg = base_config(plan[0], num_sms)
     seen, variants = set(), []
-    for cfg in [base_cfg] + configs(plan[0], mode):
+    defaults = [default_config(plan[0])] if mode == "fwd" else []
+    for cfg in [base_cfg] + defaults + configs(plan[0], mode):
         launches = plan if cfg == base_cfg else build(plan, cfg, M, num_sms)
         if launches is None or key(launches) in seen:
             continue
@@ -366,9 +386,7 @@ def sweep(op: Op, mode: str, dtype: str, M: int, N: int, base_plan: tuple, num_s
         try:
             with poisoned_outputs():
                 out = run(launches, arrays)
-            if reference is not None:
-                check_reference(out, mode, *reference, dtype, M, what)
-            elif not agrees(out, base_out, dtype, M):
+            if not agrees(out, base_out, dtype, M):
                 raise AssertionError(f"{what}: results differ from the base plan's beyond the tolerance table")
             us = None if args.dry_run else Timer(args.warmup_ms, args.rep_ms).kernel(
                 lambda launches=launches: run(launches, arrays))
@@ -384,7 +402,7 @@ def sweep(op: Op, mode: str, dtype: str, M: int, N: int, base_plan: tuple, num_s
         results.append((us, cfg))
     if args.dry_run:
         print(f"{label}: {len(results)}/{len(variants)} variants launched, "
-              f"{'all within tolerance of the reference' if not failures else f'{failures} FAILED'}", flush=True)
+              f"{'all within tolerance of the base plan' if not failures else f'{failures} FAILED'}", flush=True)
         return failures
     if not results:
         print(f"{label}: no variant ran", flush=True)
@@ -393,6 +411,9 @@ def sweep(op: Op, mode: str, dtype: str, M: int, N: int, base_plan: tuple, num_s
     pct = lambda us: 100 * tbps(nbytes, us) / copy  # noqa: E731
     results.sort(key=lambda r: r[0])
     best_us, best = results[0]
+    choice = tile_choice(op, dtype, M, N, plan[0], results) if mode == "fwd" and op.is_rms else None
+    if choice is not None and (choice[0] not in choices or M * N > choices[choice[0]]["M"] * choices[choice[0]]["N"]):
+        choices[choice[0]] = choice[1]
     base_us = next(us for us, cfg in results if cfg == base_cfg) if any(c == base_cfg for _, c in results) else None
     base = f"{base_us:8.1f} us ({pct(base_us):5.1f}%)" if base_us is not None else "did not run"
     print(f"{label} best {best_us:8.1f} us ({pct(best_us):5.1f}% of copy) {best} | plan {base_cfg}: {base} | "

@@ -14,7 +14,7 @@ from benchmarks.timing import MAX_SETS, ROTATE_BYTES, Timer, num_sets
 
 REPO = Path(__file__).resolve().parents[1]
 RECORD_KEYS = {"op", "mode", "dtype", "shape", "M", "N", "impl", "path", "median_us", "bytes", "tbps", "pct_copy",
-               "peak_mem_bytes", "error", "speedup_vs", "run_id", "timer", "n_sets", "measured_as", "extra"}
+               "peak_mem_bytes", "error", "run_id", "timer", "n_sets", "measured_as", "extra"}
 
 
 def table_rows(markdown: str) -> list[list[str]]:
@@ -136,40 +136,43 @@ def _rec(op, mode, shape, M, N, impl, path, us, copy_tbps=4.0, **kw):
     tbps = nbytes / (us * 1e-6) / 1e12
     return {"op": op, "mode": mode, "dtype": "bf16", "shape": shape, "M": M, "N": N, "impl": impl, "path": path,
             "median_us": us, "bytes": nbytes, "tbps": tbps, "pct_copy": 100 * tbps / copy_tbps,
-            "peak_mem_bytes": kw.get("peak"), "error": None, "speedup_vs": None, "run_id": "r", "timer": "t",
+            "peak_mem_bytes": kw.get("peak"), "error": None, "run_id": "r", "timer": "t",
             "n_sets": 1, "measured_as": None, "extra": kw.get("extra", {})}
 
 
-def test_report_speedups_wins_and_readme(tmp_path):
+def test_report_readme_table_and_its_provenance(tmp_path):
+    """The README's table: normkit's time and the fastest Torch peer's over it, per cell; the runs'
+    device, date and commit above it; the rest of the README untouched."""
     recs = []
-    for shape, (M, N), nk, liger, compile_ in (("a", (8192, 4096), 100.0, 150.0, 200.0),
-                                               ("b", (16384, 8192), 100.0, 400.0, 90.0)):
+    for shape, (M, N), nk, liger, compile_ in (("8192x4096", (8192, 4096), 100.0, 150.0, 200.0),
+                                               ("16384x8192", (16384, 8192), 100.0, 400.0, 90.0)):
         recs += [_rec("rms_norm", "bwd_frozen", shape, M, N, "normkit", "kernel", nk * 0.9),
                  _rec("rms_norm", "bwd_frozen", shape, M, N, "normkit", "e2e", nk),
                  _rec("rms_norm", "bwd_frozen", shape, M, N, "liger", "e2e", liger),
                  _rec("rms_norm", "bwd_frozen", shape, M, N, "torch_compile", "e2e", compile_)]
+    run = {"run_id": "r", "started": "2031-02-03T04:05:06+00:00", "peers": {"liger": "unavailable: no GPU"},
+           "device": {"name": "test GPU"}, "versions": {"git": "abc1234", "git_dirty": False, "torch": "9.9"},
+           "copy": {"tbps": 4.0}}
     doc = {"schema": "normkit-bench/1", "device": {"name": "test GPU"}, "versions": {}, "copy": {"tbps": 4.0},
-           "byte_model": {}, "runs": [{"run_id": "r", "peers": {"tokamax": "not available on this stack"}}],
-           "records": recs}
+           "byte_model": {}, "runs": [run], "records": recs}
     d = report.Data(doc)
-    table = report.headline_table(d)
-    cells = row_of(table, "RMSNorm", "bwd_frozen", "bf16")
-    # Liger: 1.5x and 4x -> geomean sqrt(6) = 2.45, min 1.5; compile: 2x and 0.9x -> sqrt(1.8) = 1.34, min 0.9.
-    assert cells[5] == "2.45× (min 1.50×)"
-    assert cells[7] == "1.34× (min 0.90×)"
-    assert cells[9] == "1/2"  # shape b is lost to torch.compile
-    md = report.render_markdown(d, [])
-    assert "tokamax: not available on this stack" in md
+    row = row_of(report.readme_table(d), "RMSNorm", "bwd_frozen")
+    assert row[2:] == ["—", "—", "100.0 (1.50×)", "—", "100.0 (0.90×)", "—", "—", "—", "—"]  # best peer ÷ normkit
+    assert row_of(report.readme_table(d), "LayerNorm", "fwd")[2:] == ["—"] * 9
+    md = report.render_markdown(d)
+    assert "liger: unavailable: no GPU" in md
+    assert md.splitlines()[2].startswith("test GPU, 2031-02-03, commit abc1234; torch 9.9; copy bandwidth 4.00 TB/s")
     readme = tmp_path / "README.md"
     readme.write_text(f"# title\n\nbefore\n{report.START}\nold table\n{report.END}\nafter\n")
     (tmp_path / "r.json").write_text(json.dumps(doc))
-    report.generate(tmp_path / "r.json", readme=readme, plots=False)
+    report.generate(tmp_path / "r.json", readme=readme)
     text = readme.read_text()
     assert "old table" not in text and "before\n" in text and text.endswith("after\n")
-    assert row_of(text, "RMSNorm", "bwd_frozen", "bf16") == cells and "[r.md](r.md)" in text
+    assert row_of(text, "RMSNorm", "bwd_frozen") == row and "[r.md](r.md)" in text
+    assert "test GPU, 2031-02-03, commit abc1234" in text and "report.py r.json --readme README.md" in text
     no_markers = tmp_path / "OTHER.md"
     no_markers.write_text("nothing to replace\n")
-    assert not report.rewrite_readme(no_markers, d, tmp_path / "r.md")
+    assert not report.rewrite_readme(no_markers, d, tmp_path / "r.md", tmp_path / "r.json")
     assert no_markers.read_text() == "nothing to replace\n"
 
 
@@ -191,49 +194,6 @@ def test_report_cells_against_the_best_peer():
     assert rows["RMSNorm", "bwd_full", "fp32 32768x4096"][3] == "not measured"
 
 
-def test_report_jax_implementations_table():
-    """Triton vs Pallas vs XLA: % of copy from the byte model, time over Triton's, frozen savings."""
-    recs = []
-    times = {"normkit_jax": (100.0, 80.0), "normkit_jax_pallas": (120.0, 84.0), "normkit_jax_xla": (250.0, 260.0),
-             "xla": (300.0, 150.0)}  # (bwd_full, bwd_frozen) µs
-    for shape, (M, N), scale in (("a", (8192, 4096), 1.0), ("b", (16384, 8192), 4.0)):
-        for impl, (full, frozen) in times.items():
-            recs += [_rec("rms_norm", "bwd_full", shape, M, N, impl, "e2e", full * scale),
-                     _rec("rms_norm", "bwd_frozen", shape, M, N, impl, "e2e", frozen * scale)]
-    # Pallas twice as slow as Triton on b's bwd_full: ratios 1.2 and 2.4, geomean sqrt(2.88).
-    next(r for r in recs if (r["impl"], r["shape"], r["mode"]) == ("normkit_jax_pallas", "b", "bwd_full"))[
-        "median_us"] = 2 * 120.0 * 4.0
-    peers = {"normkit_jax": "ok (implementation triton)", "normkit_jax_pallas": "ok (implementation pallas)",
-             "normkit_jax_xla": "ok (implementation xla)", "xla": "ok"}
-    doc = {"schema": "normkit-bench/1", "device": {"name": "test GPU"}, "versions": {}, "copy": {"tbps": 4.0},
-           "byte_model": {}, "runs": [{"run_id": "r", "peers": peers}], "records": recs}
-    d = report.Data(doc)
-    sec = report.jax_impls_section(d)
-    assert "## JAX implementations: Triton vs Pallas vs XLA" in sec and "is not Triton" not in sec
-    assert row_of(sec, "op", "mode", "dtype")[3:] == [
-        "Triton, % of copy", "Pallas, % of copy", "XLA, % of copy", "jnp autodiff, % of copy",
-        "Pallas ÷ Triton", "XLA ÷ Triton", "jnp autodiff ÷ Triton"]
-    cells = row_of(sec, "RMSNorm", "bwd_full", "bf16")
-    pct = [r["pct_copy"] for r in recs if (r["impl"], r["mode"]) == ("normkit_jax", "bwd_full")]
-    assert cells[3] == report._pct_range(pct)
-    assert cells[7] == "1.70× (1.20–2.40)"  # sqrt(1.2 * 2.4)
-    assert cells[8] == "2.50× (2.50–2.50)" and cells[9] == "3.00× (3.00–3.00)"
-    # Frozen savings: Triton 100 -> 80 (20% saved); XLA 250 -> 260 (4% slower).
-    cells = row_of(sec, "RMSNorm", "bf16", "a")
-    assert cells[3] == "100.0 → 80.0 (20% saved)"
-    assert cells[5] == "250.0 → 260.0 (4% slower)"
-    assert cells[6] == "300.0 → 150.0 (50% saved)"
-    # Per shape: the fastest is bold, ratios against Triton.
-    cells = row_of(sec, "a (8192×4096)", "bwd_frozen")
-    assert cells[2].startswith("**80.0 (") and cells[6:] == ["1.05×", "3.25×", "1.88×"]
-    assert sec in report.render_markdown(d, [])
-    # Auto resolving to something else than Triton is called out; no Pallas/XLA records: a hint instead.
-    doc["runs"][0]["peers"]["normkit_jax"] = "ok (implementation pallas)"
-    assert "is not Triton" in report.jax_impls_section(report.Data(doc))
-    doc["records"] = [r for r in recs if r["impl"] in ("normkit_jax", "xla")]
-    assert "--peers jax-impls" in report.jax_impls_section(report.Data(doc))
-
-
 def test_peer_selection_names_the_jax_implementations():
     from benchmarks import bench
 
@@ -241,8 +201,9 @@ def test_peer_selection_names_the_jax_implementations():
         return bench.parse_args(["--dry-run", "--peers", value]).peers
 
     assert peers("jax-impls") == ["normkit_jax", "normkit_jax_pallas", "normkit_jax_xla"]
-    assert peers("pallas,jax-xla,xla") == ["normkit_jax_pallas", "normkit_jax_xla", "xla"]
+    assert peers("normkit_jax_pallas,normkit-jax-xla,xla") == ["normkit_jax_pallas", "normkit_jax_xla", "xla"]
     assert peers("normkit-jax-pallas,jax_impls") == ["normkit_jax_pallas", "normkit_jax", "normkit_jax_xla"]
+    assert peers("none") == []
     assert set(bench.parse_args(["--dry-run"]).peers) == set(bench.ALL_PEERS) >= set(bench.NORMKIT_JAX)
     with pytest.raises(SystemExit):
         peers("mosaic")
@@ -271,7 +232,7 @@ def test_dry_run_writes_schema_report_and_readme(tmp_path):
     run = doc["runs"][-1]
     assert run["dry_run"] is True
     assert set(run["peers"]) == {"normkit", "liger", "torch_eager", "torch_compile", "xla", "normkit_jax",
-                                 "normkit_jax_pallas", "normkit_jax_xla", "tokamax"}
+                                 "normkit_jax_pallas", "normkit_jax_xla"}
     # The JAX frontend's three implementations run on CPU (Triton and Pallas interpreted) and say which ran.
     for impl, which in (("normkit_jax", "triton"), ("normkit_jax_pallas", "pallas"), ("normkit_jax_xla", "xla")):
         assert run["peers"][impl] == f"ok (implementation {which})", run["peers"]
@@ -311,11 +272,11 @@ def test_dry_run_writes_schema_report_and_readme(tmp_path):
     assert kernel[("rms_norm", "bwd_frozen")]["extra"]["partial_bytes"] == 0
 
     md = out.with_suffix(".md").read_text()
-    assert row_of(md, "op", "mode", "dtype") and "\n## Targets\n" in md
-    assert "## JAX implementations: Triton vs Pallas vs XLA" in md
-    assert row_of(md.split("## JAX implementations")[1], "RMSNorm", "bwd_frozen", "bf16")
+    assert row_of(md, "op", "mode", "cell") and "\n## Torch end to end, cell by cell" in md
+    table = md.split("### RMSNorm, bf16: median")[1]
+    assert {"normkit (jax)", "normkit (jax, pallas)", "normkit (jax, xla)"} <= set(row_of(table, "shape", "mode"))
     text = readme.read_text()
-    assert text.startswith("intro\n") and row_of(text, "RMSNorm", "fwd", "bf16")
+    assert text.startswith("intro\n") and row_of(text, "RMSNorm", "fwd") and "dry run" in text
 
 
 def test_cells_selects_exactly_the_table():
@@ -327,34 +288,3 @@ def test_cells_selects_exactly_the_table():
     assert sorted(pairs) == sorted(report.CELL_SHAPES)
     assert args.modes == list(report.CELL_MODES) and args.peers == list(report.TORCH_PEERS)
     assert len(args.ops) * len(args.modes) * len(pairs) == 81
-
-
-# ---------------------------------------------------------------------------------------------
-# The HLO collectives parser (benchmarks/hlo.py).
-
-
-def test_hlo_counts_each_async_all_reduce_once_by_what_it_reduces():
-    from benchmarks.hlo import collectives
-
-    hlo = """
-  %sync = f32[16]{0} all-reduce(f32[16]{0} %a), channel_id=1, replica_groups={{0,1}}, to_apply=%add
-  %merged = (f32[16]{0}, bf16[16]{0}) all-reduce(%b, %c), channel_id=2, to_apply=%add
-  %s = (f32[16]{0}, f32[16]{0}) all-reduce-start(f32[16]{0} %d), channel_id=3, to_apply=%add
-  %s2 = ((f32[4]{0}, f32[8]{0}), (f32[4]{0}, f32[8]{0})) all-reduce-start(%e, %f), to_apply=%add
-  %s3 = (f32[16]{0}, f32[16]{0}) all-reduce-start(%g, %h), to_apply=%add
-  %d = (f32[16]{0}, f32[16]{0}) all-reduce-done(%s3)
-  %d2 = f32[16]{0} all-reduce-done(%s)
-  %ag = f32[32]{0} all-gather-start(f32[16]{0} %i), dimensions={0}
-  ROOT %agd = f32[32]{0} all-gather-done(%ag)
-"""
-    got = collectives(hlo, (16,))
-    # async starts typed (operands, results) count their operands once; the -done lines not at all
-    assert got["all_reduce_ops"] == 5 and got["all_gather"] == 1, got
-    assert got["all_reduce_elements"] == [16, 32, 16, 12, 32], got
-    assert got["all_reduce_arrays"] == ["f32[16]", "f32[16]", "bf16[16]", "f32[16]", "f32[4]", "f32[8]",
-                                        "f32[16]", "f32[16]"]
-    assert got["all_reduce_bytes"] == 4 * 16 + (4 * 16 + 2 * 16) + 4 * 16 + 4 * 12 + 4 * 32
-    assert got["param_reductions"] == 6 and len(got["all_reduce_lines"]) == 5
-    assert got["all_reduce_lines"][1].startswith("%merged = (f32[16]{0}, bf16[16]{0}) all-reduce(")
-    none = collectives("%x = f32[16]{0} add(%a, %b)")
-    assert none["all_reduce_ops"] == 0 and none["all_reduce_bytes"] == 0 and "param_reductions" not in none

@@ -1,11 +1,11 @@
 """JAX distributed: jit on inputs sharded over a 2-device mesh, Auto and Explicit axes.
 
-The cases (``benchmarks/dist_workers.py``, ``jax_cases``) run once for the module: in this process when
+The cases (``tests/dist_workers.py``, ``jax_cases``) run once for the module: in this process when
 it has two devices or more (``CUDA_VISIBLE_DEVICES=0,1`` on a GPU machine), else on CPU in a
 subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` (the flag must be set before
-JAX initializes; the rest of the suite runs with one device): ``python -m benchmarks.dist_workers jax``.
+JAX initializes; the rest of the suite runs with one device): ``python -m tests.dist_workers jax``.
 Each is judged by ``dist_workers.jax_failures``: results against the float64 reference and the
-unsharded run, outputs sharded like x, and the compiled HLO (``benchmarks.hlo``): no collective that
+unsharded run, outputs sharded like x, and the compiled HLO (``tests.hlo``): no collective that
 moves an activation, one all-reduce of dW/dB per trained parameter, none for a frozen one.
 
 x split along its normalized dimension on an Auto mesh (``dist_workers.jax_hidden_split``) runs in a
@@ -31,8 +31,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_frontend as jf
-from benchmarks import dist_workers
-from benchmarks.hlo import collectives
+from tests import dist_workers
+from tests.hlo import collectives
 from normkit.testing import assert_close
 from tests.frontends import requires_torch
 
@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _worker(out: Path, group: str, env: dict) -> tuple[dict | None, str]:
-    """({name: case}, "") from ``python -m benchmarks.dist_workers jax --group GROUP`` in a subprocess, or
+    """({name: case}, "") from ``python -m tests.dist_workers jax --group GROUP`` in a subprocess, or
     (None, why) when it did not exit normally. With two devices or more here it runs on this process's
     platform, else on two host-platform CPU devices."""
     if jax.device_count() >= 2:
@@ -49,7 +49,7 @@ def _worker(out: Path, group: str, env: dict) -> tuple[dict | None, str]:
         env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
                "CUDA_VISIBLE_DEVICES": "", **env}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **env}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.dist_workers", "jax", "--group", group, "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "tests.dist_workers", "jax", "--group", group, "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         code = proc.returncode
@@ -221,7 +221,7 @@ def test_the_sharding_rule_answers_whatever_it_is_handed():
 
 
 def test_failures_read_the_hlo():
-    """The judge reads ``benchmarks.hlo.collectives``: dW and dB in one all-reduce (a tuple, or concatenated
+    """The judge reads ``tests.hlo.collectives``: dW and dB in one all-reduce (a tuple, or concatenated
     as XLA on GPU does) pass; more reduced elements, a frozen parameter's reduction, or a gathered
     activation fail; a gathered N-element weight does not."""
     trained = """
@@ -249,3 +249,28 @@ def test_failures_read_the_hlo():
     assert dist_workers.jax_failures(fsdp) == []
     fsdp["collectives"] = collectives(gathered_w + gathered_x, (16,))
     assert "no activation moved" in dist_workers.jax_failures(fsdp)[0]
+
+
+def test_hlo_counts_each_async_all_reduce_once_by_what_it_reduces():
+    hlo = """
+  %sync = f32[16]{0} all-reduce(f32[16]{0} %a), channel_id=1, replica_groups={{0,1}}, to_apply=%add
+  %merged = (f32[16]{0}, bf16[16]{0}) all-reduce(%b, %c), channel_id=2, to_apply=%add
+  %s = (f32[16]{0}, f32[16]{0}) all-reduce-start(f32[16]{0} %d), channel_id=3, to_apply=%add
+  %s2 = ((f32[4]{0}, f32[8]{0}), (f32[4]{0}, f32[8]{0})) all-reduce-start(%e, %f), to_apply=%add
+  %s3 = (f32[16]{0}, f32[16]{0}) all-reduce-start(%g, %h), to_apply=%add
+  %d = (f32[16]{0}, f32[16]{0}) all-reduce-done(%s3)
+  %d2 = f32[16]{0} all-reduce-done(%s)
+  %ag = f32[32]{0} all-gather-start(f32[16]{0} %i), dimensions={0}
+  ROOT %agd = f32[32]{0} all-gather-done(%ag)
+"""
+    got = collectives(hlo, (16,))
+    # async starts typed (operands, results) count their operands once; the -done lines not at all
+    assert got["all_reduce_ops"] == 5 and got["all_gather"] == 1, got
+    assert got["all_reduce_elements"] == [16, 32, 16, 12, 32], got
+    assert got["all_reduce_arrays"] == ["f32[16]", "f32[16]", "bf16[16]", "f32[16]", "f32[4]", "f32[8]",
+                                        "f32[16]", "f32[16]"]
+    assert got["all_reduce_bytes"] == 4 * 16 + (4 * 16 + 2 * 16) + 4 * 16 + 4 * 12 + 4 * 32
+    assert got["param_reductions"] == 6 and len(got["all_reduce_lines"]) == 5
+    assert got["all_reduce_lines"][1].startswith("%merged = (f32[16]{0}, bf16[16]{0}) all-reduce(")
+    none = collectives("%x = f32[16]{0} add(%a, %b)")
+    assert none["all_reduce_ops"] == 0 and none["all_reduce_bytes"] == 0 and "param_reductions" not in none

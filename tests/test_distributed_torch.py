@@ -1,7 +1,7 @@
 """Torch distributed: DTensor sequence/batch parallel, DDP and FSDP2 on CPU.
 
 Two gloo ranks on 127.0.0.1, spawned once for the module by a subprocess (``python -m
-benchmarks.dist_workers torch``, with a timeout); kernels in Triton's interpreter. Each case runs on both
+tests.dist_workers torch``, with a timeout); kernels in Triton's interpreter. Each case runs on both
 ranks and is judged on both (``dist_workers.torch_failures``): results against the single-process
 run, and the collectives ``CommDebugMode`` counts in the forward, the backward, and while reducing
 the parameter gradients (one all-reduce per trained weight or bias, none for a frozen one).
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import dist_workers
+from tests import dist_workers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,7 +46,7 @@ def _run(argv: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("dist_torch") / "torch.json"
-    _run(["-m", "benchmarks.dist_workers", "torch", "--out", str(out)])
+    _run(["-m", "tests.dist_workers", "torch", "--out", str(out)])
     return {c["name"]: c for c in json.loads(out.read_text())}
 
 

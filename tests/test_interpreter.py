@@ -213,7 +213,7 @@ def test_testing_rounds_to_bf16_as_torch_does():
 
 def test_patches_fit_this_triton():
     if not triton.__version__.startswith(_interpreter.TESTED_TRITON):
-        pytest.skip(f"Triton {triton.__version__} is not the version the patches were written for")
+        pytest.skip(f"Triton {triton.__version__} is not among the tested versions (_interpreter.TESTED_TRITON)")
     assert [p.name for p in _interpreter.PATCHES if _interpreter._fits(p)] == [p.name for p in _interpreter.PATCHES]
 
 

@@ -127,6 +127,28 @@ def test_committed_notebook_has_figures_and_no_errors(source):
     assert len(_outputs(committed, "image/png")) >= 1, f"{source.stem}.ipynb has no figure"
 
 
+def test_a_smoke_build_never_replaces_the_committed_notebooks(tmp_path, monkeypatch):
+    """build.py at smoke size writes to build/notebooks/ (or --out), never beside the sources, whose
+    .ipynb hold the full-size GPU outputs; only a full-size build writes there."""
+    source = SOURCES[0]
+    committed = source.with_suffix(".ipynb").read_bytes()
+    ran = []
+
+    def execute(src, size, timeout=600):  # the notebook itself is run by the tests above
+        ran.append((src, size))
+        return jupytext.read(src)
+
+    monkeypatch.setattr(build, "execute", execute)
+    monkeypatch.setattr(build, "SMOKE_OUT", tmp_path / "smoke")
+    assert build.main([source.stem[:2], "--size", "smoke"]) == 0
+    assert ran == [(source, "smoke")] and (tmp_path / "smoke" / f"{source.stem}.ipynb").exists()
+    monkeypatch.setenv("NORMKIT_NOTEBOOK_SIZE", "smoke")  # the size the machine picks, given by the variable
+    assert build.main([source.stem[:2], "--out", str(tmp_path / "elsewhere")]) == 0
+    assert ran[-1] == (source, "smoke") and (tmp_path / "elsewhere" / f"{source.stem}.ipynb").exists()
+    assert source.with_suffix(".ipynb").read_bytes() == committed
+    assert build.output_dir("full", None) == source.parent and build.output_dir("smoke", None) == build.SMOKE_OUT
+
+
 # ---------------------------------------------------------------------------------------------
 # notebooks/_nbutil.py: where each figure's numbers come from
 

@@ -1,7 +1,7 @@
 """Frozen norms under ``torch.compile``: the op as plain torch operations, for Inductor to generate.
 
 A compiled LoRA/PEFT step measured on an H200 runs faster with the model's own norm than with an
-opaque kernel in its place (``benchmarks/NOTES.md``, "torch.compile and Inductor"): Inductor writes
+opaque kernel in its place (``docs/PERFORMANCE_RECORD.md``, "torch.compile and Inductor"): Inductor writes
 the norm into the kernels around it (the residual add and the LoRA output's cast before it, the fp32
 copy LoRA's A reads after it, and in the backward the sum of the gradients arriving from q/k/v and
 their LoRA branches), where a kernel it cannot see needs each of those materialized first. A frozen

@@ -1,4 +1,3 @@
-"""The Triton kernels, and nothing else: every function here is ``@triton.jit``."""
-from normkit.kernels.norm import norm_bwd_kernel, norm_fwd_kernel, partial_sum_kernel
-
-__all__ = ["norm_fwd_kernel", "norm_bwd_kernel", "partial_sum_kernel"]
+"""The kernels, and nothing else: ``normkit.kernels.norm`` (every function there is ``@triton.jit``) and
+``normkit.kernels.norm_pallas`` (the same three as Pallas kernel bodies). Neither is imported here: the
+Triton kernels need the triton package, which the Pallas implementation does not."""

@@ -1,6 +1,6 @@
 """Collectives in compiled XLA HLO text, as ``jax.jit(f).lower(*args).compile().as_text()`` prints it.
 
-One parser for the distributed tests (``benchmarks/dist_workers.py``), ``scripts/multi_gpu.py`` and the
+One parser for the distributed tests (``tests/dist_workers.py``), ``scripts/multi_gpu.py`` and the
 notebooks. An instruction is one line, ``%name = TYPE opcode(operands), attributes``:
 
 - a synchronous all-reduce is typed as its result: one array, or a tuple when XLA's combiner merged

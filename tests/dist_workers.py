@@ -9,7 +9,7 @@ placement errors; a ``SequenceParallel`` module; DDP and FSDP2 on a small model 
 JAX (``jax_cases``): in one process with 2 devices, every op through every implementation under
 ``jit`` on inputs sharded over a mesh of Auto axes and one of Explicit axes, placed three ways,
 trained and with frozen parameters; against the float64 reference and the unsharded run, reading
-the compiled HLO's collectives (``benchmarks.hlo``). Also a weight sharded FSDP-style, vmap, eager
+the compiled HLO's collectives (``tests.hlo``). Also a weight sharded FSDP-style, vmap, eager
 calls, the GSPMD partitioner, the caller's own shard_map, replicated inputs and the placement errors.
 ``jax_hidden_split``: x split along its normalized dimension on an Auto mesh, under whichever
 partitioner the process runs; a group of its own, which the tests run in a subprocess per partitioner.
@@ -19,9 +19,9 @@ Every case is a JSON-able dict; ``torch_failures`` / ``jax_failures`` list what 
 
 Command line (each in its own process; the tests run these with a timeout)::
 
-    python -m benchmarks.dist_workers torch --out results.json     # spawns 2 gloo ranks on CPU
-    python -m benchmarks.dist_workers jax --out results.json       # 2 host-platform CPU devices
-    JAX_USE_SHARDY_PARTITIONER=false python -m benchmarks.dist_workers jax --group hidden_split --out results.json
+    python -m tests.dist_workers torch --out results.json     # spawns 2 gloo ranks on CPU
+    python -m tests.dist_workers jax --out results.json       # 2 host-platform CPU devices
+    JAX_USE_SHARDY_PARTITIONER=false python -m tests.dist_workers jax --group hidden_split --out results.json
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.hlo import collectives  # noqa: E402
+from tests.hlo import collectives  # noqa: E402
 from normkit.ops import OPS  # noqa: E402
 from normkit.testing import assert_close  # noqa: E402
 
@@ -1008,7 +1008,7 @@ JAX_GROUPS = {"all": jax_cases, "hidden_split": jax_hidden_split}
 
 
 def _moves_activation(h: dict, N: int, reduced: int) -> bool:
-    """Whether the collectives ``h`` (``benchmarks.hlo.collectives``) move more than N-element parameter
+    """Whether the collectives ``h`` (``tests.hlo.collectives``) move more than N-element parameter
     vectors and their gradients (``reduced`` of them all-reduced; XLA on GPU may merge dW and dB into
     one all-reduce of 2N elements, so elements are counted): an activation gathered, permuted, or
     all-reduced."""
