@@ -39,17 +39,24 @@ def test_tune_dry_run():
 
 def test_compare():
     out = run_script("scripts/compare.py", "--shape", "8x64", "--reps", "1")
-    header = re.search(r"^op\s+frontend\s+backward\s+kernels\s+partials \(B\)\s+dx err\s+dW err\s+"
+    header = re.search(r"^op\s+frontend\s+backward\s+kept\s+kernels\s+partials \(B\)\s+dx err\s+dW err\s+"
                        r"dx frozen==full\s+fwd\+bwd us$", out, re.M)
     assert header, out
     for column in re.split(r"\s{2,}", header[0]):  # every column is explained under the table
         assert re.search(rf"^  {re.escape(column)}: \S", out, re.M), f"no legend line for {column!r}:\n{out}"
     for op in OPS.values():
         for frontend in ("torch", "jax"):
-            full = re.search(rf"^{op.name}\s+{frontend}\s+full\s+norm_fwd,norm_bwd,partial_sum\s+(\d+)\s", out, re.M)
-            frozen = re.search(rf"^{op.name}\s+{frontend}\s+frozen\s+norm_fwd,norm_bwd\s+0\s+\S+\s+-\s+yes\s", out,
+            full = re.search(rf"^{op.name}\s+{frontend}\s+full\s+x\s+norm_fwd,norm_bwd,partial_sum\s+(\d+)\s", out,
+                             re.M)
+            frozen = re.search(rf"^{op.name}\s+{frontend}\s+frozen\s+x\s+norm_fwd,norm_bwd\s+0\s+\S+\s+-\s+yes\s", out,
                                re.M)
-            assert full and frozen, f"rows missing for {op.name} {frontend}:\n{out}"
+            # save="auto": the output kept where the weight allows (dx then not bitwise the full one's)
+            auto = re.search(rf"^{op.name}\s+{frontend}\s+frozen, auto\s+([xy])\s+norm_fwd,norm_bwd\s+0\s+\S+\s+-\s+"
+                             rf"(yes|no)\s", out, re.M)
+            assert full and frozen and auto, f"rows missing for {op.name} {frontend}:\n{out}"
+            assert (auto[1], auto[2]) in (("x", "yes"), ("y", "no")), auto[0]
+            if not op.params == ("weight", "bias"):  # RMSNorm's weights there are safe: y is kept
+                assert auto[1] == "y", auto[0]
             # one fp32 partial row of N per program, for dW (and dB)
             assert int(full[1]) > 0 and int(full[1]) % (4 * 64 * len(op.params)) == 0, full[0]
     assert "Checks passed" in out
