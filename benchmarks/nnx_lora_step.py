@@ -74,7 +74,7 @@ DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
 # benchmarks/lora_step.py checks against HF.
 TOLERANCES = {"bf16": (5e-3, 5e-2), "fp32": (1e-5, 1e-3)}
 LORA_B_STDDEV = 0.02
-VARIANTS = ("flax", "normkit")
+VARIANTS = ("flax", "normkit", "normkit_input")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +203,8 @@ def variant(base: Llama, name: str, implementation: str | None = None):
         return model, None
     if kind == "normkit":
         return model, nknnx.patch_model(model, implementation=implementation)
+    if kind == "normkit_input":  # the control of the saving: the backward keeps x, as flax's does
+        return model, nknnx.patch_model(model, implementation=implementation, save="input")
     raise ValueError(f"unknown variant {name!r}; expected one of {VARIANTS} (with an optional #suffix)")
 
 

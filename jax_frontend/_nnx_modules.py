@@ -87,8 +87,11 @@ def _check_construction(**settings) -> None:
         raise ValueError(f"normkit: {reason}")
 
 
-def _check_options(op, *, epsilon, offset=0.0, casting_mode=FLAX_CASTING_MODE, implementation=None) -> None:
+def _check_options(op, *, epsilon, offset=0.0, casting_mode=FLAX_CASTING_MODE, implementation=None,
+                   save="auto") -> None:
     op.options(eps=epsilon, offset=offset, casting_mode=casting_mode)  # raises, naming a bad option
+    if not isinstance(save, str) or save not in functional.SAVES:
+        raise ValueError(f"normkit: save must be one of {functional.SAVES}; got {save!r}")
     if implementation is not None and implementation not in functional.IMPLEMENTATIONS:
         raise ValueError(f"normkit: unknown implementation {implementation!r}; expected None or one of "
                          f"{functional.IMPLEMENTATIONS}")
@@ -198,25 +201,28 @@ class RMSNorm(nnx.RMSNorm, _Call):
             flax's math), ``"llama"`` (x_hat rounded to the dtype before the product) or ``"none"``;
             see ``jax_frontend.rms_norm``.
         implementation: ``None`` (auto), ``"triton"``, ``"pallas"`` or ``"xla"``.
+        save: what the backward keeps, ``"auto"`` (default), ``"input"`` or ``"output"``; see
+            ``jax_frontend.rms_norm``. With ``"auto"``, a frozen scale with no offset keeps the output y
+            rather than x: one activation less per norm in a LoRA step.
 
     Frozen by filter: a ``scale`` outside what ``nnx.grad`` differentiates (e.g.
     ``argnums=nnx.DiffState(0, nnx.LoRAParam)``) runs the kernel variant without dW.
     """
 
     _function = staticmethod(functional.rms_norm)
-    OPTIONS = ("offset", "casting_mode", "implementation")
+    OPTIONS = ("offset", "casting_mode", "implementation", "save")
     FLAX_OPTIONS = {"offset": 0.0, "casting_mode": FLAX_CASTING_MODE}
 
     def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype=None, param_dtype=jnp.float32,
                  use_scale: bool = True, scale_init=None, reduction_axes=-1, feature_axes=-1, axis_name=None,
                  axis_index_groups=None, use_fast_variance: bool = True, promote_dtype=dtypes.promote_dtype,
                  rngs: nnx.Rngs, scale_metadata=MappingProxyType({}), offset: float = 0.0,
-                 casting_mode: str = FLAX_CASTING_MODE, implementation: str | None = None):
+                 casting_mode: str = FLAX_CASTING_MODE, implementation: str | None = None, save: str = "auto"):
         _check_construction(num_features=num_features, dtype=dtype, param_dtype=param_dtype,
                             reduction_axes=reduction_axes, feature_axes=feature_axes, axis_name=axis_name,
                             axis_index_groups=axis_index_groups)
         _check_options(RMS_NORM, epsilon=epsilon, offset=offset, casting_mode=casting_mode,
-                       implementation=implementation)
+                       implementation=implementation, save=save)
         # flax's constructor, named rather than super(): FusedAddRMSNorm shares this __init__.
         scale_init = _identity_scale(offset) if scale_init is None else scale_init
         nnx.RMSNorm.__init__(self, num_features, epsilon=epsilon, dtype=dtype, param_dtype=param_dtype,
@@ -224,7 +230,8 @@ class RMSNorm(nnx.RMSNorm, _Call):
                              reduction_axes=reduction_axes, feature_axes=feature_axes, axis_name=axis_name,
                              axis_index_groups=axis_index_groups, use_fast_variance=use_fast_variance,
                              promote_dtype=promote_dtype, rngs=rngs, scale_metadata=scale_metadata)
-        set_options(self, type(self), offset=float(offset), casting_mode=casting_mode, implementation=implementation)
+        set_options(self, type(self), offset=float(offset), casting_mode=casting_mode, implementation=implementation,
+                    save=save)
 
     def __call__(self, x, mask=None):
         """``(..., num_features)`` in, the same shape out, in the promoted dtype."""
@@ -240,29 +247,31 @@ class LayerNorm(nnx.LayerNorm, _Call):
     float32 (flax's ``use_fast_variance=False``); flax's default, ``E[x**2] - E[x]**2``, can lose
     digits when ``|mean| >> std``, so normkit's result is the more accurate one there.
 
-    normkit's option: ``implementation`` (as ``RMSNorm``).
+    normkit's options: ``implementation`` and ``save`` (as ``RMSNorm``; with ``"auto"``, a LayerNorm
+    with a bias keeps its input under ``nnx.jit``, where the values that would allow otherwise are
+    unseen).
     """
 
     _function = staticmethod(functional.layer_norm)
-    OPTIONS = ("implementation",)
+    OPTIONS = ("implementation", "save")
 
     def __init__(self, num_features: int, *, epsilon: float = 1e-6, dtype=None, param_dtype=jnp.float32,
                  use_bias: bool = True, use_scale: bool = True, bias_init=initializers.zeros_init(),
                  scale_init=initializers.ones_init(), reduction_axes=-1, feature_axes=-1, axis_name=None,
                  axis_index_groups=None, use_fast_variance: bool = True, promote_dtype=dtypes.promote_dtype,
                  rngs: nnx.Rngs, bias_metadata=MappingProxyType({}), scale_metadata=MappingProxyType({}),
-                 implementation: str | None = None):
+                 implementation: str | None = None, save: str = "auto"):
         _check_construction(num_features=num_features, dtype=dtype, param_dtype=param_dtype,
                             reduction_axes=reduction_axes, feature_axes=feature_axes, axis_name=axis_name,
                             axis_index_groups=axis_index_groups)
-        _check_options(LAYER_NORM, epsilon=epsilon, implementation=implementation)
+        _check_options(LAYER_NORM, epsilon=epsilon, implementation=implementation, save=save)
         super().__init__(num_features, epsilon=epsilon, dtype=dtype, param_dtype=param_dtype, use_bias=use_bias,
                          use_scale=use_scale, bias_init=bias_init, scale_init=scale_init,
                          reduction_axes=reduction_axes, feature_axes=feature_axes, axis_name=axis_name,
                          axis_index_groups=axis_index_groups, use_fast_variance=use_fast_variance,
                          promote_dtype=promote_dtype, rngs=rngs, bias_metadata=bias_metadata,
                          scale_metadata=scale_metadata)
-        set_options(self, type(self), implementation=implementation)
+        set_options(self, type(self), implementation=implementation, save=save)
 
     def __call__(self, x, *, mask=None):
         """``(..., num_features)`` in, the same shape out, in the promoted dtype."""

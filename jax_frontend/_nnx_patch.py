@@ -114,7 +114,7 @@ def _set_class(module, cls: type) -> None:
 
 def patch_model(model: nnx.Module, *, rms_norm: bool = True, layer_norm: bool = True,
                 include: Optional[Callable[[str, nnx.Module], bool]] = None,
-                implementation: Optional[str] = None) -> PatchReport:
+                implementation: Optional[str] = None, save: str = "auto") -> PatchReport:
     """Make the ``nnx.RMSNorm`` and ``nnx.LayerNorm`` modules of ``model`` normkit's, in place.
 
     Args:
@@ -123,6 +123,7 @@ def patch_model(model: nnx.Module, *, rms_norm: bool = True, layer_norm: bool = 
         include: optional ``include(path, module) -> bool``; a patchable module it rejects is skipped.
         implementation: the patched modules' ``implementation`` (None: auto; see
             ``jax_frontend.resolve_implementation``).
+        save: the patched modules' ``save`` (what their backward keeps; ``jax_frontend.rms_norm``).
 
     Returns:
         A ``PatchReport``. Each patched module is the same object, with the same ``nnx.Param``
@@ -135,6 +136,8 @@ def patch_model(model: nnx.Module, *, rms_norm: bool = True, layer_norm: bool = 
     if implementation is not None and implementation not in functional.IMPLEMENTATIONS:
         raise ValueError(f"normkit: unknown implementation {implementation!r}; expected None or one of "
                          f"{functional.IMPLEMENTATIONS}")
+    if not isinstance(save, str) or save not in functional.SAVES:
+        raise ValueError(f"normkit: save must be one of {functional.SAVES}; got {save!r}")
     report = PatchReport()
     for path, module in list(nnx.iter_modules(model)):
         cls = type(module)
@@ -156,7 +159,7 @@ def patch_model(model: nnx.Module, *, rms_norm: bool = True, layer_norm: bool = 
             report.skipped.append((name, cls, reason))
             continue
         # The options first: setting an attribute is what fails inside a transform, before the class changes.
-        modules.set_options(module, new_cls, **new_cls.FLAX_OPTIONS, implementation=implementation)
+        modules.set_options(module, new_cls, **new_cls.FLAX_OPTIONS, implementation=implementation, save=save)
         _set_class(module, new_cls)
         report.patched.append((name, cls, new_cls))
     return report

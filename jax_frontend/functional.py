@@ -157,7 +157,7 @@ def _saves_output(cfg: _Config, needs: "_Needs", x, weight, bias) -> bool:
     bias often exceeds its weight in some column, and Gemma's ``1 + w`` vanishes where a 16-bit w is
     -1), and the kernels' dx is NaN where a weight turns out unsafe."""
     op, save = cfg.op, cfg.save
-    if save == "input" or not (needs.x or needs.residual):
+    if save == "input":
         return False
     trained = [n for n in ("weight", "bias") if getattr(needs, n)]
     if trained:
@@ -165,6 +165,8 @@ def _saves_output(cfg: _Config, needs: "_Needs", x, weight, bias) -> bool:
             raise ValueError(f"normkit: save='output' needs every parameter of {op.name} frozen, but "
                              f"{' and '.join(trained)} {'is' if len(trained) == 1 else 'are'} differentiated (dW "
                              "needs the input); pass save='auto' or 'input', or stop its gradient (freeze)")
+        return False
+    if not (needs.x or needs.residual):
         return False
     if weight is None and bias is None:
         return True

@@ -756,3 +756,85 @@ print("digest", zlib.crc32(b"".join(bytes(memoryview(np.asarray(o))) for o in ou
         assert proc.returncode == 0, proc.stderr
         digests.append([line for line in proc.stdout.splitlines() if line.startswith("digest")])
     assert digests[0] == digests[1] and digests[0], digests
+
+
+# --- what a frozen norm keeps for its backward ------------------------------------------------------
+
+
+def _row_residuals(f, *args) -> list:
+    """The residuals ``jax.vjp`` of ``f`` keeps that have x's row shape, or that shape stacked by a scan
+    (the lines of ``jax.ad_checkpoint.print_saved_residuals``: dtype[shape] and where each comes from)."""
+    import contextlib
+    import io
+
+    from jax.ad_checkpoint import print_saved_residuals
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        print_saved_residuals(f, *args)
+    shape = ",".join(map(str, args[0].shape)) + "]"
+    return [line for line in buf.getvalue().splitlines()
+            if line.split(" ", 1)[0].endswith("[" + shape) or line.split(" ", 1)[0].endswith("[1," + shape)]
+
+
+@pytest.mark.parametrize("implementation", jf.IMPLEMENTATIONS)
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_a_frozen_norm_keeps_its_output_in_the_residuals(op, implementation):
+    """A frozen norm followed by a LoRA-style linear that keeps its input (the norm's output y): with
+    save="auto" the residuals hold one row-sized array (y, kept once for both), with save="input" two
+    (x, or the fused add's sum, and y); under jit, scan and checkpoint alike; and the gradients agree
+    with the float64 reference either way."""
+    try:
+        jf.resolve_implementation(implementation)
+    except RuntimeError as e:  # the Triton implementation on CPU without torch: a JAX-only install
+        pytest.skip(str(e))
+    spec = OPS[op]
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((2, 8, 32)), jnp.float32)
+    r = jnp.asarray(rng.standard_normal((2, 8, 32)), jnp.float32)
+    params = {"weight": jnp.asarray(rng.uniform(1.0, 2.0, 32), jnp.float32),
+              "bias": jnp.asarray(rng.standard_normal(32) * 0.1, jnp.float32)}
+    a = jnp.asarray(rng.standard_normal((32, 4)), jnp.float32)
+
+    def loss(x, a, save):
+        inputs = {"x": x, "residual": r, **params}
+        out = getattr(jf, op)(*(inputs[n] for n in spec.inputs), implementation=implementation, save=save)
+        y = out[0] if spec.has_residual else out
+        return ((y @ a) ** 2).sum()  # a is trained, as LoRA's A: its gradient keeps y
+
+    def scanned(x, a, save):
+        return jax.lax.scan(lambda c, xi: (c + loss(xi, a, save), None), 0.0, x[None])[0]
+
+    def checkpointed(x, a, save):
+        return jax.checkpoint(lambda t, b: loss(t, b, save), policy=jax.checkpoint_policies.everything_saveable)(x, a)
+
+    for how, f in (("plain", loss), ("scan", scanned), ("checkpoint", checkpointed)):
+        kept = {save: _row_residuals(lambda t, b: f(t, b, save), x, a) for save in ("auto", "input")}
+        # inside a scan or a checkpoint the closed-over parameters are traced: "auto" cannot see a
+        # LayerNorm's bias against its weight there, and keeps the input (jax_frontend.rms_norm's docstring)
+        auto = 2 if how != "plain" and "bias" in spec.params else 1
+        assert len(kept["auto"]) == auto and len(kept["input"]) == 2, (how, kept)
+    grads = {save: jax.jit(jax.grad(lambda t, b: loss(t, b, save), argnums=(0, 1)))(x, a) for save in ("auto", "input")}
+    for g_auto, g_input in zip(grads["auto"], grads["input"]):
+        np.testing.assert_allclose(np.asarray(g_auto), np.asarray(g_input), rtol=2e-5, atol=2e-5)
+
+
+def test_save_output_raises_where_it_cannot_hold():
+    x = jnp.ones((4, 8)) + jnp.arange(8.0)
+    w = jnp.ones(8)
+    with pytest.raises(ValueError, match="save must be one of"):
+        jf.rms_norm(x, w, save="outputs")
+    with pytest.raises(ValueError, match="save='output' needs every parameter"):
+        jax.grad(lambda w: jf.rms_norm(x, w, save="output").sum())(w)
+    zero = w.at[3].set(0.0)
+    with pytest.raises(ValueError, match="column 3"):  # eager: the values are known
+        jax.vjp(lambda t: jf.rms_norm(t, zero, save="output"), x)
+    with pytest.raises(ValueError, match="column 3"):  # a constant under jit: its values are known too
+        jax.jit(jax.grad(lambda t: jf.rms_norm(t, zero, save="output").sum()))(x)
+    # a jit argument: the values are unseen, so the output is kept (no bias, no offset) and the zero
+    # weight makes dx NaN, never quietly wrong; save="input" is right
+    for save, finite in (("auto", False), ("output", False), ("input", True)):
+        dx = jax.jit(jax.grad(lambda t, v: jf.rms_norm(t, v, save=save).sum()))(x, zero)
+        assert bool(jnp.isfinite(dx).all()) if finite else bool(jnp.isnan(dx).all()), save
+    dx = jax.jit(jax.grad(lambda t: jf.rms_norm(t, zero).sum()))(x)  # auto, a constant: the input is kept
+    assert bool(jnp.isfinite(dx).all())

@@ -95,7 +95,7 @@ def test_constructor_mirrors_flax(name):
     theirs = inspect.signature(flax_cls.__init__).parameters
     mine = inspect.signature(ours.__init__).parameters
     assert issubclass(ours, flax_cls)
-    extra = {"RMSNorm": ["offset", "casting_mode", "implementation"], "LayerNorm": ["implementation"]}[name]
+    extra = {"RMSNorm": ["offset", "casting_mode", "implementation", "save"], "LayerNorm": ["implementation", "save"]}[name]
     assert list(mine) == list(theirs) + extra  # every flax argument, in flax's order, then normkit's
     for arg, p in theirs.items():
         assert mine[arg].kind == p.kind, arg

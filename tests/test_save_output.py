@@ -237,3 +237,47 @@ def test_patch_report_says_what_each_norm_keeps():
     assert all(m.save == "auto" for m in (model[0], model[2]))
     report = tf.patch_model(torch.nn.Sequential(torch.nn.RMSNorm(D)), save="input")
     assert report.saves[0][1].reason == "save='input'"
+
+
+# --- torch.compile ------------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("route", ["inductor", "kernels"])
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_compiled_frozen_norm_keeps_its_output(op, route):
+    """Under torch.compile, a frozen norm followed by a LoRA-style linear (whose trained weight keeps
+    the norm's output): the compiled graph saves one row-sized tensor with save="auto" where no bias
+    or offset can make the weight unsafe (the norm's output, shared with the linear) and two with
+    save="input"; a LayerNorm with a bias keeps its input under "auto" there (its weight's values are
+    unseen while tracing). Both routes of a frozen norm (Inductor's composite, normkit's kernels);
+    gradients against eager."""
+    spec = OPS[op]
+    previous = tf.compile_frozen_with(route)
+    try:
+        params = safe_params(op, seed=70)
+        a = randn(D, 8, seed=71).requires_grad_()
+        r = randn(6, D, seed=72)
+        counts, grads = {}, {}
+        for save in ("auto", "input"):
+            torch._dynamo.reset()
+
+            def f(x):
+                inputs = {"x": x, "residual": r, **params}
+                return ((call(op, inputs, save=save)[0] @ a) ** 2).sum()
+
+            x = randn(6, D, seed=73).requires_grad_()
+            compiled = torch.compile(f, fullgraph=True)
+            compiled(x)  # compile outside the hooks
+            with saved_tensors() as saved:
+                loss = compiled(x)
+            counts[save] = len(_rows_sized(saved, x))
+            grads[save] = torch.autograd.grad(loss, [x, a])
+            want = torch.autograd.grad(f(x), [x, a])
+            for g, w in zip(grads[save], want):
+                assert_close(np64(g), np64(w), "float32", f"{op} {route} save={save}: compiled vs eager")
+        auto = 2 if "bias" in spec.params else 1
+        assert counts == {"auto": auto, "input": 2}, counts
+    finally:
+        tf.compile_frozen_with(previous)
+        torch._dynamo.reset()
