@@ -84,12 +84,16 @@ from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from benchmarks.env import versions  # noqa: E402
-from benchmarks.models import LORA_TARGETS, Unavailable, llama_lora, norm_modules, swap_norms  # noqa: E402
+from benchmarks.models import (ALL_LINEAR_TARGETS, LORA_TARGETS, Unavailable, llama_lora, norm_modules,  # noqa: E402
+                               swap_norms)
 from benchmarks.report import markdown_table  # noqa: E402
 from benchmarks.timing import Timer, torch_sync  # noqa: E402
 
 SCHEMA = "normkit-lora-step/1"
-VARIANTS = ("hf", "normkit", "normkit_fused", "liger")  # run order within a mode; hf first: it is the reference
+# run order within a mode; hf first: it is the reference. normkit_input: normkit keeping each norm's input
+# (save="input"), the control of what keeping the output saves.
+VARIANTS = ("hf", "normkit", "normkit_fused", "normkit_input", "liger")
+TARGETS = {"attn": LORA_TARGETS, "all-linear": ALL_LINEAR_TARGETS}
 MODES = ("eager", "compile", "reduce-overhead")  # reduce-overhead: torch.compile with CUDA graphs
 FWD_SCOPE = "lora_step::norm_forward"
 STEP_SCOPE = "lora_step::step"
@@ -98,6 +102,7 @@ _NORMKIT_KERNELS = re.compile(r"norm_fwd_kernel|norm_bwd_kernel|partial_sum_kern
 NORM_KERNELS = {
     "normkit": _NORMKIT_KERNELS,
     "normkit_fused": _NORMKIT_KERNELS,
+    "normkit_input": _NORMKIT_KERNELS,
     "liger": re.compile(r"_(block_)?rms_norm_(forward|backward)_kernel"),
 }
 ESTIMATE_S = {"eager": 20.0, "compile": 90.0, "reduce-overhead": 90.0}  # a row's cost before one of its kind has run
@@ -476,11 +481,12 @@ def _f(x, spec=".2f", none="-"):
 
 
 COLUMNS = ("variant", "mode", "status", "median ms", "min", "max", "speedup vs hf", "first step s", "loss",
-           "Δloss vs hf", "grad rel Δ", "norm ms", "norm % of step", "norm attribution", "step mem GB")
+           "Δloss vs hf", "grad rel Δ", "norm ms", "norm % of step", "norm attribution", "step mem GB", "peak MiB", "peak vs hf")
 
 
 def table(rows: list) -> str:
     ref = {r["mode"]: r["step_ms"]["median"] for r in rows if r["variant"] == "hf" and r.get("status") == "ok"}
+    peak = {r["mode"]: r.get("peak_mem_gb") for r in rows if r["variant"] == "hf" and r.get("status") == "ok"}
     cells = []
     for r in rows:
         ok = r.get("status") == "ok"
@@ -496,7 +502,10 @@ def table(rows: list) -> str:
                         "grad rel Δ": _f(r.get("grad_rel_diff_vs_hf"), ".2e"), "norm ms": _f(r.get("norm_ms"), ".3f"),
                         "norm % of step": _f(r.get("norm_pct"), ".1f"),
                         "norm attribution": r.get("norm_method", "-").split(":")[0],
-                        "step mem GB": _f(r.get("step_peak_over_resident_gb"), ".2f")})
+                        "step mem GB": _f(r.get("step_peak_over_resident_gb"), ".2f"),
+                        "peak MiB": _f(r["peak_mem_gb"] * 1024 if r.get("peak_mem_gb") is not None else None, ".0f"),
+                        "peak vs hf": _f(r["peak_mem_gb"] / peak[r["mode"]] if r.get("peak_mem_gb") is not None
+                                         and peak.get(r["mode"]) else None, ".3f")})
         cells.append(row)
     return markdown_table(cells)
 
@@ -508,7 +517,7 @@ def markdown(result: dict) -> str:
         "",
         f"Llama (random init): {c['layers']} layers, hidden {c['hidden']}, intermediate {c['intermediate']}, "
         f"{c['heads']} heads, vocab {c['vocab']}; batch {c['batch']} x seq {c['seq']}, {c['dtype']} on "
-        f"{env.get('device_name', c['device'])}. PEFT LoRA r=16 alpha 32 on {', '.join(LORA_TARGETS)} "
+        f"{env.get('device_name', c['device'])}. PEFT LoRA r=16 alpha 32 on {', '.join(c['lora']['targets'])} "
         f"(norm weights frozen); AdamW over the LoRA parameters. {c['steps']} timed steps after {c['warmup']} "
         f"warmup{' (dry run: numbers mean nothing)' if c['dry_run'] else ''}.",
         "",
@@ -588,6 +597,8 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int)
     p.add_argument("--batch", type=int)
     p.add_argument("--dtype", choices=sorted(DTYPES))
+    p.add_argument("--targets", choices=sorted(TARGETS), default="attn",
+                   help="the LoRA-wrapped linears: attn (q/k/v/o_proj) or all-linear (also gate/up/down_proj)")
     p.add_argument("--steps", type=int, help="timed steps per variant, split over --rounds")
     p.add_argument("--rounds", type=int, default=3, help="rounds of timed steps, interleaved across a mode's variants")
     p.add_argument("--warmup", type=int, help="steps before timing, the first (checked, compiling) one included")
@@ -638,13 +649,15 @@ def main(argv=None) -> int:
     cfg = {k: getattr(args, k) for k in ("layers", "hidden", "intermediate", "heads", "vocab", "seq", "batch",
                                          "dtype", "steps", "warmup", "seed")}
     cfg.update(device=device.type, dry_run=dry, modes=modes, variants=variants, lora={
-        "r": 16, "alpha": 32, "dropout": 0.0, "targets": list(LORA_TARGETS)}, optimizer="AdamW(lr=1e-4), LoRA params",
+        "r": 16, "alpha": 32, "dropout": 0.0, "targets": list(TARGETS[args.targets])},
+        optimizer="AdamW(lr=1e-4), LoRA params",
         loss_rtol=args.loss_rtol, grad_rtol=args.grad_rtol)
     log(f"config {json.dumps(cfg)}")
     log(f"versions {json.dumps(env['versions'])}")
 
     base, _ = llama_lora(layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, heads=args.heads,
-                         vocab=args.vocab, max_positions=max(args.seq, 128), dtype=dtype, device=device, seed=args.seed)
+                         vocab=args.vocab, max_positions=max(args.seq, 128), dtype=dtype, device=device, seed=args.seed,
+                         targets=TARGETS[args.targets])
     cfg["intermediate"] = base.config.intermediate_size
     cfg["attn_implementation"] = getattr(base.config, "_attn_implementation", None)
     cfg["total_params"] = sum(p.numel() for p in base.parameters())

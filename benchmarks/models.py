@@ -28,7 +28,9 @@ import warnings
 import torch
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-NORMS = ("hf", "normkit", "normkit_fused", "liger")
+ALL_LINEAR_TARGETS = LORA_TARGETS + ("gate_proj", "up_proj", "down_proj")  # PEFT's "all-linear" for a Llama
+# normkit_input: normkit with save="input", the control of what keeping the output saves
+NORMS = ("hf", "normkit", "normkit_fused", "normkit_input", "liger")
 
 
 class Unavailable(Exception):
@@ -85,23 +87,25 @@ def swap_norms(model, norms: str) -> dict:
     when the variant cannot run here."""
     if norms == "hf":
         return {"how": "transformers' LlamaRMSNorm, unchanged"}
-    if norms in ("normkit", "normkit_fused"):
-        return _patch_normkit(model, fuse_residual_add=norms == "normkit_fused")
+    if norms in ("normkit", "normkit_fused", "normkit_input"):
+        return _patch_normkit(model, fuse_residual_add=norms == "normkit_fused",
+                              save="input" if norms == "normkit_input" else "auto")
     if norms == "liger":
         return _swap_liger(model)
     raise ValueError(f"unknown norms {norms!r}; expected one of {NORMS}")
 
 
-def _patch_normkit(model, fuse_residual_add: bool) -> dict:
+def _patch_normkit(model, fuse_residual_add: bool, save: str = "auto") -> dict:
     import torch_frontend
 
     llama_norms = sum(type(m).__name__ == "LlamaRMSNorm" for _, m in norm_modules(model))
     layers = sum(type(m).__name__ == "LlamaDecoderLayer" for m in model.modules())
-    report = torch_frontend.patch_model(model, fuse_residual_add=fuse_residual_add)
+    report = torch_frontend.patch_model(model, fuse_residual_add=fuse_residual_add, save=save)
     if len(report.patched) != llama_norms or len(report.fused) != (layers if fuse_residual_add else 0):
         raise RuntimeError(f"patch_model swapped {len(report.patched)} of {llama_norms} LlamaRMSNorm modules and "
                            f"fused {len(report.fused)} of {layers} decoder layers:\n{report}")
-    how = "torch_frontend.patch_model(model" + (", fuse_residual_add=True)" if fuse_residual_add else ")")
+    how = ("torch_frontend.patch_model(model" + (", fuse_residual_add=True" if fuse_residual_add else "")
+           + (f", save={save!r}" if save != "auto" else "") + ")")
     return {"how": how, "patch_report": str(report), "patched": len(report.patched),
             "skipped": len(report.skipped), "fused": len(report.fused)}
 

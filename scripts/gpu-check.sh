@@ -14,6 +14,7 @@
 #   tune       the launch-configuration sweep (scripts/tune.py; --write-tiles updates normkit/tiles.json);
 #   multi      the two-GPU check (scripts/multi_gpu.py: torchrun + NCCL, then JAX on a 2-device mesh);
 #   lora       the LoRA training-step benchmark (benchmarks/lora_step.py);
+#   nnx        the Flax NNX LoRA training-step benchmark (benchmarks/nnx_lora_step.py);
 #   build-notebooks  regenerate the executed .ipynb at full size (notebooks/build.py --size full [names]),
 #              written to $OUT/notebooks/. Needs the Jupyter wheels the machine lacks: fetch them here
 #              with `bash ../shared/tools/gpu-wheels.sh` plus `-d`-style extras into .whl/nb (see below);
@@ -90,6 +91,10 @@ if [ "$what" = multi ]; then
 fi
 if [ "$what" = lora ]; then
   timeout ${LORA_TIMEOUT:-300} python3 benchmarks/lora_step.py --out "$OUT" "$@" 2>&1 | tee "$OUT/lora_step.log" | tail -40
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "$what" = nnx ]; then
+  timeout ${NNX_TIMEOUT:-300} python3 benchmarks/nnx_lora_step.py --out "$OUT" "$@" 2>&1 | tee "$OUT/nnx_lora_step.log" | tail -30
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$what" = build-notebooks ]; then
