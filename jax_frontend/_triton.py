@@ -31,13 +31,8 @@ from jax.interpreters import ad, batching, mlir
 
 from jax_frontend import _launch
 from jax_frontend._implementation import FORWARD_MODE_ERROR
-from normkit import driver, launch
+from normkit import driver
 from normkit.ops import Grads, Op, Options
-
-# The Triton kernels, imported now, on the thread that picks this implementation: importing them later,
-# in the middle of a lowering that XLA's partitioner runs on a thread of its own, has crashed the
-# process (a garbage collection on that thread, in the middle of the import).
-launch.kernels()
 
 FWD_ROW_INPUTS = frozenset({"X", "R"})  # [M, N] (or [M]) arrays: batch axes fold into their rows
 BWD_ROW_INPUTS = frozenset({"X", "DY", "DRES", "MEAN", "RSTD"})

@@ -25,7 +25,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from jax_frontend import _custom_partitioning, _launch, _shard_map, _triton
 from jax_frontend._implementation import Implementation
-from normkit import checks, norm_math
+from normkit import checks, launch, norm_math
 from normkit.ops import FUSED_ADD_RMS_NORM, LAYER_NORM, RMS_NORM, Grads, Op, Options
 
 __all__ = ["rms_norm", "layer_norm", "fused_add_rms_norm", "IMPLEMENTATIONS", "resolve_implementation"]
@@ -40,6 +40,10 @@ IMPLEMENTATIONS = ("triton", "pallas", "xla")
 
 def _implementation_module(name: str) -> Implementation:
     if name == "triton":  # normkit.kernels.norm through jax-triton (GPU) or Triton's interpreter (CPU)
+        # The kernels imported here, on the tracing thread: imported later, in the middle of a lowering
+        # that XLA's partitioner runs on a thread of its own, the import has crashed the process (a
+        # garbage collection on that thread in the middle of it).
+        launch.kernels()
         return _triton
     if name == "pallas":  # normkit.kernels.norm_pallas through pallas_call
         from jax_frontend import _pallas
@@ -168,6 +172,8 @@ def _saves_output(cfg: _Config, needs: "_Needs", x, weight, bias) -> bool:
         return False
     if not (needs.x or needs.residual):
         return False
+    if x.shape[-1] == 1 and save == "auto":
+        return False  # a one-element row: dx cancels to ~0, where recovering x_hat costs relative accuracy
     if weight is None and bias is None:
         return True
     if any(isinstance(p, jax.core.Tracer) for p in (weight, bias) if p is not None):

@@ -75,7 +75,8 @@ def same_save(case: Case) -> Case:
     if case.save != "auto":
         return case
     frozen = not (case.trained & set(case.params))
-    return dataclasses.replace(case, save="output" if frozen and not case.has_b and case.offset == 0.0 else "input")
+    output = frozen and not case.has_b and case.offset == 0.0 and case.shape.shape[-1] != 1
+    return dataclasses.replace(case, save="output" if output else "input")
 
 
 def make_inputs(case: Case, rng: np.random.Generator) -> dict[str, np.ndarray]:

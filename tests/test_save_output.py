@@ -281,3 +281,24 @@ def test_compiled_frozen_norm_keeps_its_output(op, route):
     finally:
         tf.compile_frozen_with(previous)
         torch._dynamo.reset()
+
+
+def test_the_safety_decision_belongs_to_a_tensor_not_to_an_address():
+    """A weight's safety is remembered per tensor and version, not per data pointer: memory that a
+    freed weight leaves is handed to the next tensor, whose ``_version`` starts again (seen on a
+    GPU: a new weight with a zero column took the decision of the safe one freed before it). Here a
+    second tensor over the same memory, at the same version, after a zero was written there."""
+    def over(storage):
+        return torch.empty(0).set_(storage, 0, (D,), (1,))  # a tensor of its own; set_ makes its version 1
+
+    a = torch.ones(D)
+    with torch.no_grad():
+        a.add_(0.0)  # version 1
+    assert tf.save_decision(a, dtype=torch.float32).saves_output
+    writer = over(a.untyped_storage())
+    with torch.no_grad():
+        writer[3] = 0.0  # the memory now holds a zero column; a's version is unchanged
+    c = over(a.untyped_storage())
+    assert (c.data_ptr(), c._version) == (a.data_ptr(), a._version)
+    d = tf.save_decision(c, dtype=torch.float32)
+    assert not d.saves_output and "column 3" in d.reason

@@ -7,7 +7,8 @@ the norm's saved x, often the only reference left to that activation, is freed: 
 norm less.
 
 ``save="auto"`` (the default) keeps the output where every parameter is frozen, x needs a
-gradient, and the weight is *safe*: no column of ``weight + offset`` so small, nor of the bias so
+gradient, rows are longer than one element (a one-element row's dx cancels to nearly zero, where
+recovering x_hat would cost relative accuracy), and the weight is *safe*: no column of ``weight + offset`` so small, nor of the bias so
 large against it, that dividing by it loses x_hat in x's dtype (``normkit.ops.OUTPUT_W_MIN``,
 ``OUTPUT_BIAS_RATIO``). Otherwise it keeps the input. ``"input"`` always keeps the input;
 ``"output"`` always keeps the output, and raises where a parameter is trained or the weight is
@@ -26,6 +27,7 @@ unsafe makes the kernels' dx NaN (never a quietly wrong gradient); ``save="input
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Literal, Optional
 
 import torch
@@ -71,10 +73,20 @@ _SAFETY: dict = {}
 _SAFETY_LIMIT = 1024
 
 
+_UIDS = itertools.count()
+
+
 def _version_key(t) -> tuple | None:
+    """A weight's identity and version. The tensor object gets a number of its own on first sight: a
+    data pointer alone is not an identity (a freed weight's memory is handed to the next tensor, whose
+    ``_version`` starts at 0 again)."""
     if t is None:
         return None
-    return t.data_ptr(), t._version, t.dtype, t.device, t.shape, t.stride()
+    uid = getattr(t, "_normkit_uid", None)
+    if uid is None:
+        uid = next(_UIDS)
+        t._normkit_uid = uid
+    return uid, t.data_ptr(), t._version, t.dtype, t.device, t.shape, t.stride()
 
 
 def _reason(weight, bias, offset: float, casting: Casting, x_dtype: torch.dtype) -> str | None:
@@ -100,6 +112,8 @@ def saves_output(op: Op, save: str, x, weight, bias, offset: float, casting: Cas
         if save == "output":
             raise _trained_error(op, trained)
         return False
+    if x.shape[-1] == 1 and save == "auto":
+        return False  # a one-element row: dx cancels to ~0, where recovering x_hat costs relative accuracy
     if weight is None and bias is None:
         return True
     reason = _reason(weight, bias, offset, casting, x.dtype)
@@ -111,7 +125,7 @@ def saves_output(op: Op, save: str, x, weight, bias, offset: float, casting: Cas
     return False
 
 
-def traced_saves_output(op: Op, save: str, weight, bias, offset: float) -> bool:
+def traced_saves_output(op: Op, save: str, x, weight, bias, offset: float) -> bool:
     """Traced (``torch.compile``), where the weight's values are unseen: the rule of the module
     docstring. Raises for ``save="output"`` with a trained parameter."""
     if save == "input":
@@ -121,13 +135,7 @@ def traced_saves_output(op: Op, save: str, weight, bias, offset: float) -> bool:
         if save == "output":
             raise _trained_error(op, trained)
         return False
-    return save == "output" or traced_auto(bias, offset)
-
-
-def traced_auto(bias, offset: float) -> bool:
-    """``"auto"`` where the weight's values are unseen: the output where only an exactly zero weight
-    could make it unsafe (no bias, no offset)."""
-    return bias is None and offset == 0.0
+    return save == "output" or (bias is None and offset == 0.0 and x.shape[-1] != 1)
 
 
 def save_decision(weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, *,

@@ -116,7 +116,7 @@ def _compiled(op: Op, x, residual, weight, bias, eps, offset, casting_mode, save
     """Inside a ``torch.compile`` trace: frozen norms as torch operations for Inductor (``_composite``),
     others through the op's Function and the torch.library ops."""
     opts = _check(op, x, residual, weight, bias, eps, offset, casting_mode, save)
-    from_output = _save.traced_saves_output(op, save, weight, bias, opts.offset)
+    from_output = _save.traced_saves_output(op, save, x, weight, bias, opts.offset)
     if _composite.applies(x, residual, weight, bias):
         return _composite.apply(op, opts, x, residual, weight, bias, from_output)
     store_stats = torch.is_grad_enabled() and any(

@@ -195,7 +195,7 @@ def norm_bwd_kernel(
     if HAS_W:
         w = _load(w_ref, col_mask).astype(F32) + offset
     poison = 0.0
-    if FROM_Y:
+    if FROM_Y and (HAS_W or HAS_B):
         unsafe = jnp.zeros((BLOCK_N,), jnp.bool_)
         if HAS_W:
             w_y = _round(w, dt) if CASTING == 0 else w  # what the forward multiplied by
@@ -205,7 +205,8 @@ def norm_bwd_kernel(
             b = _load(b_ref, col_mask).astype(F32)
             limit = BIAS_RATIO * w_abs if HAS_W else BIAS_RATIO
             unsafe = unsafe | (col_mask & ((jnp.abs(b) > limit) | jnp.isnan(b)))
-        poison = jnp.where(jnp.any(unsafe), jnp.nan, 0.0).astype(F32)
+        # a max over int32 rather than jnp.any: Pallas's Triton lowering has no reduce_or
+        poison = jnp.where(jnp.max(unsafe.astype(jnp.int32)) > 0, jnp.nan, 0.0).astype(F32)
         if HAS_W:  # 1 / w on the safe columns only (the others poison the launch)
             inv_w = 1.0 / jnp.where(unsafe | ~col_mask, 1.0, w_y)
     cols = pl.ds(_i32(0), BLOCK_N)
