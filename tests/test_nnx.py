@@ -564,7 +564,7 @@ def test_mesh(mesh_results, axis_type):
 def test_import_jax_frontend_does_not_import_flax():
     code = "import sys, jax_frontend; sys.exit('flax' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

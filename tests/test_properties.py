@@ -104,9 +104,19 @@ class Spec:
 
     @property
     def kwargs(self) -> dict:
+        """The op's options (as ``Op.options`` takes them)."""
         if OPS[self.op].has_offset:
             return {"eps": self.eps, "offset": self.offset, "casting_mode": self.casting}
         return {"eps": self.eps}
+
+    @property
+    def call_kwargs(self) -> dict:
+        """The public functions' keywords: the options, and save="input". These properties are about
+        layouts, which the two backward variants read alike (the output a frozen norm keeps is its
+        own contiguous buffer); the output-saving backward's precision, whose error bound in a row
+        where dy is parallel to x_hat (an expanded row, say) is not the tolerance table's, has its
+        own property test (tests/test_save_output.py)."""
+        return {**self.kwargs, "save": "input"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,7 +162,7 @@ def check(frontend, spec: Spec, *, independent_grads: bool = False) -> None:
         cotangents["residual_out"] = arg("residual_out", spec.ds_layout, spec.dtype, shape)
     trained = frozenset(spec.trained) & set(leaves)
 
-    got = kit.run(spec.op, spec.kwargs, leaves, trained, tied, cotangents, "freeze" if spec.freeze else "argnums")
+    got = kit.run(spec.op, spec.call_kwargs, leaves, trained, tied, cotangents, "freeze" if spec.freeze else "argnums")
 
     # The reference, on the values each view holds.
     views = {name: layouts.view_np(a.kind, a.base, a.shape) for name, a in leaves.items()}

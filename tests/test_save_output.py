@@ -243,6 +243,7 @@ def test_patch_report_says_what_each_norm_keeps():
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning")
 @pytest.mark.parametrize("route", ["inductor", "kernels"])
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_compiled_frozen_norm_keeps_its_output(op, route):

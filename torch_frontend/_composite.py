@@ -85,5 +85,6 @@ class _FromOutput(torch.autograd.Function):
         op, opts = ctx.op, ctx.opts
         dx = norm_math.output_backward(y, weight, bias, dy, ds, rstd, is_rms=op.is_rms, offset=opts.offset,
                                        casting=opts.casting, xp=_xp).to(y.dtype)
-        needs = ctx.needs_input_grad  # (op, opts, x, residual, weight, bias)
-        return None, None, dx if needs[2] else None, dx if needs[3] else None, None, None
+        # dx for x and residual whether or not each needs it (autograd drops what is not needed): under
+        # dynamo, needs_input_grad need not count the non-tensor arguments op and opts
+        return None, None, dx, dx if op.has_residual else None, None, None

@@ -205,8 +205,9 @@ def norm_bwd_kernel(
             b = _load(b_ref, col_mask).astype(F32)
             limit = BIAS_RATIO * w_abs if HAS_W else BIAS_RATIO
             unsafe = unsafe | (col_mask & ((jnp.abs(b) > limit) | jnp.isnan(b)))
-        # a max over int32 rather than jnp.any: Pallas's Triton lowering has no reduce_or
-        poison = jnp.where(jnp.max(unsafe.astype(jnp.int32)) > 0, jnp.nan, 0.0).astype(F32)
+        # 0 where every column is safe, else 0 * inf = NaN: Pallas's Triton lowering has no reduce_or,
+        # and would not select a NaN constant
+        poison = 0.0 * (1.0 / (1.0 - jnp.max(unsafe.astype(F32))))
         if HAS_W:  # 1 / w on the safe columns only (the others poison the launch)
             inv_w = 1.0 / jnp.where(unsafe | ~col_mask, 1.0, w_y)
     cols = pl.ds(_i32(0), BLOCK_N)
