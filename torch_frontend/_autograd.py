@@ -115,10 +115,6 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
         return None, dx if needs[1] else None, dx if needs[2] else None, dw
 
 
-FUNCTIONS = {"rms_norm": RMSNormFunction, "layer_norm": LayerNormFunction,
-             "fused_add_rms_norm": FusedAddRMSNormFunction}
-
-
 def apply(route, op: Op, x, residual, weight, bias):
     """The op's outputs through its Function: y, or ``(y, residual_out)``."""
     if op.has_residual:
