@@ -17,13 +17,14 @@ RMSNorm) are listed in the report as skipped, with the reason.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Optional
 
 from flax import nnx
 
 from jax_frontend import _nnx_modules as modules
 from jax_frontend import functional
+from normkit import saving
+from normkit.patch_report import PatchReport as _PatchReport
 
 __all__ = ["patch_model", "unpatch_model", "PatchReport"]
 
@@ -33,8 +34,7 @@ FLAX_OF = {new: old for old, new in PATCHABLE.items()}
 NORMKIT_CLASSES = (modules.RMSNorm, modules.LayerNorm, modules.FusedAddRMSNorm)
 
 
-@dataclasses.dataclass
-class PatchReport:
+class PatchReport(_PatchReport):
     """What ``patch_model`` (or ``unpatch_model``) did.
 
     ``patched``: ``(path, old class, new class)`` for each module changed; ``skipped``: ``(path, class,
@@ -43,29 +43,9 @@ class PatchReport:
     at several paths (shared) appears once, at the first.
     """
 
-    patched: list = dataclasses.field(default_factory=list)
-    skipped: list = dataclasses.field(default_factory=list)
-    verb: str = "patched"
-
-    def __len__(self) -> int:
-        return len(self.patched)
-
-    def __str__(self) -> str:
-        lines = [f"normkit: {self.verb} {len(self.patched)} module(s), skipped {len(self.skipped)}"]
-        groups: dict = {}
-        for path, old, new in self.patched:
-            groups.setdefault((_qualname(old), _qualname(new)), []).append(path)
-        for (old, new), paths in groups.items():
-            lines.append(f"  {self.verb} {len(paths):3d} x {old} -> {new}: {_paths(paths)}")
-        reasons: dict = {}
-        for path, cls, reason in self.skipped:
-            reasons.setdefault((_qualname(cls), reason), []).append(path)
-        for (cls, reason), paths in reasons.items():
-            lines.append(f"  skipped {len(paths):3d} x {cls} ({reason}): {_paths(paths)}")
-        return "\n".join(lines)
-
-    def _repr_pretty_(self, p, cycle):  # IPython shows the readable form
-        p.text(str(self))
+    @staticmethod
+    def class_name(cls: type) -> str:
+        return _qualname(cls)
 
 
 def _qualname(cls: type) -> str:
@@ -75,11 +55,6 @@ def _qualname(cls: type) -> str:
     elif module.startswith("jax_frontend."):
         module = "jax_frontend.nnx"
     return f"{module}.{cls.__qualname__}"
-
-
-def _paths(paths: list[str], limit: int = 3) -> str:
-    shown = ", ".join(p or "<root>" for p in paths[:limit])
-    return shown + (f", ... (+{len(paths) - limit})" if len(paths) > limit else "")
 
 
 def _dotted(path) -> str:
@@ -136,8 +111,7 @@ def patch_model(model: nnx.Module, *, rms_norm: bool = True, layer_norm: bool = 
     if implementation is not None and implementation not in functional.IMPLEMENTATIONS:
         raise ValueError(f"normkit: unknown implementation {implementation!r}; expected None or one of "
                          f"{functional.IMPLEMENTATIONS}")
-    if not isinstance(save, str) or save not in functional.SAVES:
-        raise ValueError(f"normkit: save must be one of {functional.SAVES}; got {save!r}")
+    saving.check_save(save)
     report = PatchReport()
     for path, module in list(nnx.iter_modules(model)):
         cls = type(module)

@@ -25,12 +25,12 @@ from jax.custom_derivatives import SymbolicZero
 
 from jax_frontend import _custom_partitioning, _launch, _shard_map, _triton
 from jax_frontend._implementation import Implementation
-from normkit import checks, launch, norm_math
+from normkit import checks, launch, norm_math, saving
 from normkit.ops import FUSED_ADD_RMS_NORM, LAYER_NORM, RMS_NORM, Grads, Op, Options
 
 __all__ = ["rms_norm", "layer_norm", "fused_add_rms_norm", "IMPLEMENTATIONS", "resolve_implementation"]
 
-SAVES = ("auto", "input", "output")
+SAVES = saving.SAVES
 
 # ---------------------------------------------------------------------------------------------
 # Implementations: the same op, its frozen semantics and its custom_vjp, over three sets of kernels.
@@ -160,32 +160,14 @@ def _saves_output(cfg: _Config, needs: "_Needs", x, weight, bias) -> bool:
     y where only an exactly zero weight could prevent that (no bias, no offset: a LayerNorm's trained
     bias often exceeds its weight in some column, and Gemma's ``1 + w`` vanishes where a 16-bit w is
     -1), and the kernels' dx is NaN where a weight turns out unsafe."""
-    op, save = cfg.op, cfg.save
-    if save == "input":
-        return False
-    trained = [n for n in ("weight", "bias") if getattr(needs, n)]
-    if trained:
-        if save == "output":
-            raise ValueError(f"normkit: save='output' needs every parameter of {op.name} frozen, but "
-                             f"{' and '.join(trained)} {'is' if len(trained) == 1 else 'are'} differentiated (dW "
-                             "needs the input); pass save='auto' or 'input', or stop its gradient (freeze)")
-        return False
-    if not (needs.x or needs.residual):
-        return False
-    if x.shape[-1] == 1 and save == "auto":
-        return False  # a one-element row: dx cancels to ~0, where recovering x_hat costs relative accuracy
-    if weight is None and bias is None:
-        return True
-    if any(isinstance(p, jax.core.Tracer) for p in (weight, bias) if p is not None):
-        return save == "output" or (bias is None and cfg.opts.offset == 0.0)
-    reason = norm_math.unsafe_reason(_host(weight), _host(bias), x_dtype=_launch.dtype_name(x.dtype),
-                                     offset=cfg.opts.offset, casting=cfg.opts.casting)
-    if reason is None:
-        return True
-    if save == "output":
-        raise ValueError(f"normkit: save='output' cannot recover x_hat from the output with this weight: {reason}; "
-                         "pass save='auto' or 'input'")
-    return False
+    traced = any(isinstance(p, jax.core.Tracer) for p in (weight, bias) if p is not None)
+    return saving.decide(
+        cfg.op, cfg.save, trained=[n for n in ("weight", "bias") if getattr(needs, n)],
+        needs_dx=needs.x or needs.residual, row_length=x.shape[-1], has_params=weight is not None or bias is not None,
+        has_bias=bias is not None, offset=cfg.opts.offset,
+        unsafe=None if traced else lambda: norm_math.unsafe_reason(
+            _host(weight), _host(bias), x_dtype=_launch.dtype_name(x.dtype), offset=cfg.opts.offset,
+            casting=cfg.opts.casting))
 
 
 def _host(a):
@@ -253,8 +235,7 @@ def _call(op: Op, x, residual=None, weight=None, bias=None, *, eps, offset=0.0, 
     checks.check(op, x_shape=tuple(x.shape), x_dtype=_launch.dtype_name(x.dtype), residual=spec(residual),
                  weight=spec(weight), bias=spec(bias))
     opts = op.options(eps=eps, offset=offset, casting_mode=casting_mode)
-    if not isinstance(save, str) or save not in SAVES:
-        raise ValueError(f"normkit: save must be one of {SAVES}; got {save!r}")
+    saving.check_save(save)
     base = _implementation_module(resolve_implementation(implementation, x))
     # Distributed (jax_frontend/_shard_map.py, _custom_partitioning.py): inside a caller's shard_map,
     # inputs varying alike; a parameter sharded over Explicit mesh axes gathered; x sharded over

@@ -32,11 +32,11 @@ from typing import Literal, Optional
 
 import torch
 
-from normkit import norm_math
+from normkit import norm_math, saving
 from normkit.ops import CASTING_MODES, Casting, Op
 
-SAVES = ("auto", "input", "output")
 Save = Literal["auto", "input", "output"]
+check_save = saving.check_save
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,17 +48,6 @@ class SaveDecision:
 
     def __bool__(self) -> bool:
         return self.saves_output
-
-
-def check_save(save) -> None:
-    if not isinstance(save, str) or save not in SAVES:
-        raise ValueError(f"normkit: save must be one of {SAVES}; got {save!r}")
-
-
-def _trained_error(op: Op, names) -> ValueError:
-    return ValueError(f"normkit: save='output' needs every parameter of {op.name} frozen, but {' and '.join(names)} "
-                      f"{'requires' if len(names) == 1 else 'require'} a gradient (dW needs the input); pass "
-                      "save='auto' or 'input'")
 
 
 def _unsafe_column(weight, bias, offset: float, casting: Casting, x_dtype: torch.dtype) -> str | None:
@@ -103,39 +92,22 @@ def _reason(weight, bias, offset: float, casting: Casting, x_dtype: torch.dtype)
 
 
 def saves_output(op: Op, save: str, x, weight, bias, offset: float, casting: Casting) -> bool:
-    """Eager: whether a call whose forward stores statistics for a backward keeps its output. Raises
-    for ``save="output"`` with a trained parameter or an unsafe weight (the reason named)."""
-    if save == "input":
-        return False
-    trained = [n for n, t in (("weight", weight), ("bias", bias)) if t is not None and t.requires_grad]
-    if trained:
-        if save == "output":
-            raise _trained_error(op, trained)
-        return False
-    if x.shape[-1] == 1 and save == "auto":
-        return False  # a one-element row: dx cancels to ~0, where recovering x_hat costs relative accuracy
-    if weight is None and bias is None:
-        return True
-    reason = _reason(weight, bias, offset, casting, x.dtype)
-    if reason is None:
-        return True
-    if save == "output":
-        raise ValueError(f"normkit: save='output' cannot recover x_hat from the output with this weight: {reason}; "
-                         "pass save='auto' or 'input'")
-    return False
+    """Eager: whether a call whose forward stores statistics for a backward keeps its output
+    (``normkit.saving.decide``, the weight's values read once per version of it)."""
+    return saving.decide(op, save, trained=_trained(weight, bias), needs_dx=True, row_length=x.shape[-1],
+                         has_params=weight is not None or bias is not None, has_bias=bias is not None, offset=offset,
+                         unsafe=lambda: _reason(weight, bias, offset, casting, x.dtype))
 
 
 def traced_saves_output(op: Op, save: str, x, weight, bias, offset: float) -> bool:
-    """Traced (``torch.compile``), where the weight's values are unseen: the rule of the module
-    docstring. Raises for ``save="output"`` with a trained parameter."""
-    if save == "input":
-        return False
-    trained = [n for n, t in (("weight", weight), ("bias", bias)) if t is not None and t.requires_grad]
-    if trained:
-        if save == "output":
-            raise _trained_error(op, trained)
-        return False
-    return save == "output" or (bias is None and offset == 0.0 and x.shape[-1] != 1)
+    """Traced (``torch.compile``), where the weight's values are unseen (``normkit.saving.decide``)."""
+    return saving.decide(op, save, trained=_trained(weight, bias), needs_dx=True, row_length=x.shape[-1],
+                         has_params=weight is not None or bias is not None, has_bias=bias is not None, offset=offset,
+                         unsafe=None)
+
+
+def _trained(weight, bias) -> list:
+    return [n for n, t in (("weight", weight), ("bias", bias)) if t is not None and t.requires_grad]
 
 
 def save_decision(weight: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None, *,

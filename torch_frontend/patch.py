@@ -35,6 +35,8 @@ import torch
 from torch import nn
 
 from normkit.ops import MAX_N
+from normkit.patch_report import PatchReport as _PatchReport
+from normkit.patch_report import listed
 from torch_frontend import functional as F
 from torch_frontend._save import SaveDecision, check_save, save_decision
 from torch_frontend.modules import FusedAddRMSNorm, LayerNorm, RMSNorm
@@ -216,49 +218,30 @@ def _has_hooks(m: nn.Module) -> Optional[str]:
 # The report.
 
 
-def _cls_name(cls: type) -> str:
-    return cls.__name__
-
-
 @dataclasses.dataclass
-class PatchReport:
+class PatchReport(_PatchReport):
     """What ``patch_model`` (or ``unpatch_model``) did.
 
     ``patched``: ``(qualified name, old class, new class)`` for each swapped module.
     ``skipped``: ``(qualified name, class, reason)`` for each norm-looking module left as it was.
+    ``fused``: ``(name, class)`` of the decoder layers whose residual add was fused.
+    ``saves``: ``(name, SaveDecision)`` of each patched norm: whether, frozen, its backward keeps the
+    output (save="auto": decided for its current weight and inputs of the weight's dtype) and why.
     """
 
-    patched: list = dataclasses.field(default_factory=list)
-    skipped: list = dataclasses.field(default_factory=list)
-    fused: list = dataclasses.field(default_factory=list)  # (name, class) of layers whose residual add was fused
-    # (name, SaveDecision) of each patched norm: whether, frozen, its backward keeps the output
-    # (save="auto": decided for its current weight and inputs of the weight's dtype) and why
+    fused: list = dataclasses.field(default_factory=list)
     saves: list = dataclasses.field(default_factory=list)
-    verb: str = "patched"
 
-    def __len__(self) -> int:
-        return len(self.patched)
-
-    def __str__(self) -> str:
-        lines = [f"normkit: {self.verb} {len(self.patched)} module(s), skipped {len(self.skipped)}"]
-        groups: dict = {}
-        for name, old, new in self.patched:
-            groups.setdefault((_cls_name(old), _cls_name(new)), []).append(name)
-        for (old, new), names in groups.items():
-            lines.append(f"  {self.verb} {len(names):3d} x {old} -> {new}: {_names(names)}")
-        reasons: dict = {}
-        for name, cls, reason in self.skipped:
-            reasons.setdefault((_cls_name(cls), reason), []).append(name)
-        for (cls, reason), names in reasons.items():
-            lines.append(f"  skipped {len(names):3d} x {cls} ({reason}): {_names(names)}")
+    def extra_lines(self) -> list:
+        lines = []
         layers: dict = {}
         for name, cls in self.fused:
-            layers.setdefault(_cls_name(cls), []).append(name)
+            layers.setdefault(cls.__name__, []).append(name)
         for cls, names in layers.items():
             what = ("residual add + post_attention_layernorm -> fused_add_rms_norm" if self.verb == "patched"
                     else "its own forward again (residual add and norm apart)")
             lines.append(f"  {'fused' if self.verb == 'patched' else 'unfused'} {len(names):3d} x {cls}: {what}: "
-                         f"{_names(names)}")
+                         f"{listed(names)}")
         if self.saves:
             outputs = [name for name, d in self.saves if d.saves_output]
             lines.append(f"  backward keeps the output (not the input) in {len(outputs)} of {len(self.saves)} "
@@ -268,16 +251,8 @@ class PatchReport:
                 if not d.saves_output:
                     kept.setdefault(d.reason, []).append(name)
             for reason, names in kept.items():
-                lines.append(f"  keeps the input {len(names):3d} x ({reason}): {_names(names)}")
-        return "\n".join(lines)
-
-    def _repr_pretty_(self, p, cycle):  # IPython shows the readable form
-        p.text(str(self))
-
-
-def _names(names: list[str], limit: int = 3) -> str:
-    shown = ", ".join(n or "<root>" for n in names[:limit])
-    return shown + (f", ... (+{len(names) - limit})" if len(names) > limit else "")
+                lines.append(f"  keeps the input {len(names):3d} x ({reason}): {listed(names)}")
+        return lines
 
 
 # ---------------------------------------------------------------------------------------------
