@@ -22,6 +22,7 @@ EXPECTED = {
     'print(jf.resolve_implementation(), float(jnp.abs(grads["norm"]).max()))': r"^(triton|pallas) 0\.0$",
     "print(y.placements, x.grad.placements, norm.weight.grad)": r"Shard\(dim=1\).*Shard\(dim=1\).*None",
     'print(trainable, "all-reduce:"': r"True all-reduce: [1-9].*\nFalse all-reduce: 0 all-gather: 0",
+    "print(tf.save_decision(w, dtype=torch.bfloat16).reason)": r"saves_output=True.*\n^column 3: the weight is 0\b",
 }
 
 
@@ -60,4 +61,4 @@ def test_readme_example_runs(block, tmp_path):
 
 
 def test_every_example_is_found():
-    assert len(BLOCKS) == 5 and all(any(line in b for b in BLOCKS) for line in EXPECTED)
+    assert len(BLOCKS) == 6 and all(any(line in b for b in BLOCKS) for line in EXPECTED)
