@@ -157,7 +157,8 @@ def backward(backend: Backend, op: Op, x, weight, dy, dres, mean, rstd, opts: Op
     ``from_output``: ``x`` is the forward's output y instead, and ``bias`` the bias (None if absent):
     the backward of a norm whose weight and bias are frozen, which kept y rather than x (dx alone;
     ``mean`` is not read). Where dividing by the weight would lose x_hat, dx is NaN (``normkit.ops``,
-    ``OUTPUT_W_MIN``): a frontend checks ``output_safe`` first where it can see the weight's values.
+    ``OUTPUT_W_MIN``): a frontend checks ``norm_math.unsafe_reason`` first where it can see the weight's
+    values (``normkit.saving.decide``).
     """
     plan = backward_plan(backend, op, x, weight, dy, dres, opts, grads, b_dtype, bias, from_output)
     if plan is None:
@@ -244,30 +245,20 @@ class Bound:
     def _bind_forward(self, x, residual, weight, bias):
         """``launch(x, residual, weight, bias)`` for arrays of these layouts."""
         backend, op = self.backend, self.op
-        shape = tuple(x.shape)
-        named = (("x", x), ("residual", residual))
-        views = [backend.rows(a) if a is not None else None for _, a in named]
-        copies = tuple(a is not None and v is None for (_, a), v in zip(named, views))
-        x_rows, r_rows = (backend.copy_rows(a, name) if c else v for (name, a), v, c in zip(named, views, copies))
+        (x_rows, r_rows), copies = _row_views(backend, (("x", x), ("residual", residual)))
         self.fwd = forward_plan(backend, op, x_rows, r_rows, weight, bias, self.opts, self.store_stats)
-        if self.fwd is None:  # no rows
+        if self.fwd is None:  # no rows: zeros of each buffer, in the caller's shape, fresh at every call
             M, N = x_rows.shape
-            out = {name: backend.zeros(shape_, dtype, x) for name, (shape_, dtype) in
-                   op.fwd_buffers(M, N, backend.dtype(x), self.store_stats).items()}
-            result = tuple(None if name not in out else out[name].reshape(shape if len(out[name].shape) == 2 else
-                                                                          shape[:-1])
-                           for name in ("Y", "S", "MEAN", "RSTD"))
-            return lambda *_: result
-        launch = backend.bind(self.fwd, x, shape)
-        if not any(copies):
-            return launch
+            shape = tuple(x.shape)
+            buffers = op.fwd_buffers(M, N, backend.dtype(x), self.store_stats)
 
-        def copy_then_launch(x, residual, weight, bias) -> tuple:
-            x, residual = (backend.copy_rows(a, name) if c else a for (name, _), a, c in
-                           zip(named, (x, residual), copies))
-            return launch(x, residual, weight, bias)
-
-        return copy_then_launch
+            def no_rows(x, *_):
+                return tuple(None if name not in buffers else
+                             backend.zeros(shape if len(buffers[name][0]) == 2 else shape[:-1], buffers[name][1], x)
+                             for name in ("Y", "S", "MEAN", "RSTD"))
+            return no_rows
+        return _copying(backend, backend.bind(self.fwd, x, tuple(x.shape)),
+                        {i: name for i, name in enumerate(("x", "residual")) if copies[i]})
 
     def backward(self, saved, weight, bias, dy, dres, mean, rstd, grads) -> tuple:
         """``grads``: a ``Grads``, or its ``(dx, dw, db)`` flags (a tuple hashes faster)."""
@@ -294,29 +285,47 @@ class Bound:
         bias = bias if self.from_output else None
         if not grads.any:
             return None, lambda *_: (None, None, None)
-        named = (("the saved input", saved), ("the output gradient", dy), ("the residual_out gradient", dres))
-        views = [backend.rows(a) if a is not None else None for _, a in named]
-        copies = tuple(a is not None and v is None for (_, a), v in zip(named, views))
-        rows = [backend.copy_rows(a, name) if c else v for (name, a), v, c in zip(named, views, copies)]
+        rows, copies = _row_views(backend, (("the saved input", saved), ("the output gradient", dy),
+                                            ("the residual_out gradient", dres)))
         plan = backward_plan(backend, op, rows[0], weight, rows[1], rows[2], self.opts, grads, self.b_dtype, bias,
                              self.from_output)
-        if plan is None:  # no rows
+        if plan is None:  # no rows: dx empty, dW/dB sums of nothing, fresh at every call
             M, N = rows[0].shape
-            out = {name: backend.zeros(shape, dtype, saved) for name, (shape, dtype) in
-                   op.bwd_buffers(M, N, backend.dtype(saved), grads, _dtype(backend, weight), self.b_dtype).items()}
-            dx = out.get("DX")
-            result = (None if dx is None else dx.reshape(saved.shape), out.get("DW"), out.get("DB"))
-            return None, lambda *_: result
-        launch = bind_backward(backend, plan, saved, tuple(saved.shape))
-        if not any(copies):
-            return plan, launch
+            buffers = op.bwd_buffers(M, N, backend.dtype(saved), grads, _dtype(backend, weight), self.b_dtype)
 
-        def copy_then_launch(saved, weight, bias, dy, dres, mean, rstd) -> tuple:
-            saved, dy, dres = (backend.copy_rows(a, name) if c else a for (name, _), a, c in
-                               zip(named, (saved, dy, dres), copies))
-            return launch(saved, weight, bias, dy, dres, mean, rstd)
+            def no_rows(saved, *_):
+                out = {name: backend.zeros(shape, dtype, saved) for name, (shape, dtype) in buffers.items()}
+                dx = out.get("DX")
+                return None if dx is None else dx.reshape(saved.shape), out.get("DW"), out.get("DB")
+            return None, no_rows
+        # the launch takes (saved, weight, bias, dy, dres, mean, rstd): rows at positions 0, 3 and 4
+        positions = {0: "the saved input", 3: "the output gradient", 4: "the residual_out gradient"}
+        return plan, _copying(backend, bind_backward(backend, plan, saved, tuple(saved.shape)),
+                              {i: name for (i, name), c in zip(positions.items(), copies) if c})
 
-        return plan, copy_then_launch
+
+def _row_views(backend: Backend, named) -> tuple[list, tuple]:
+    """``(rows, copies)`` of ``(name, array or None)`` pairs: each array as ``[M, N]`` rows, viewed in
+    place or, where it cannot be, copied (``copies[i]``: the i-th must be copied at every call)."""
+    views = [backend.rows(a) if a is not None else None for _, a in named]
+    copies = tuple(a is not None and v is None for (_, a), v in zip(named, views))
+    rows = [backend.copy_rows(a, name) if c else v for (name, a), v, c in zip(named, views, copies)]
+    return rows, copies
+
+
+def _copying(backend: Backend, launch, copied: dict):
+    """``launch``, with the arguments at the positions of ``copied`` (position -> name, for the warning)
+    copied into rows first."""
+    if not copied:
+        return launch
+
+    def copy_then_launch(*arrays) -> tuple:
+        arrays = list(arrays)
+        for i, name in copied.items():
+            arrays[i] = backend.copy_rows(arrays[i], name)
+        return launch(*arrays)
+
+    return copy_then_launch
 
 
 # Testing aid (normkit.testing.poisoned_outputs): backends fill every output with NaN before the

@@ -227,6 +227,13 @@ def test_zero_rows(op):
     assert y.shape == (0, 3, 32) and x.grad.shape == (0, 3, 32)
     assert w.grad is not None and torch.count_nonzero(w.grad) == 0 and w.grad.shape == (32,)
     assert log.kernels() == []  # nothing to launch
+    # repeated calls of the bound signature: each dW is a tensor of its own, so changing one in place
+    # (as an optimizer or the user may) leaves the next call's zeros
+    for _ in range(2):
+        outs = apply(op, {"x": x, "residual": torch.empty(0, 3, 32, device=DEVICE), "weight": w})
+        (dw,) = torch.autograd.grad(sum(o.sum() for o in outs), [w])
+        assert torch.count_nonzero(dw) == 0
+        dw.add_(1.0)
 
 
 def test_strided_rows_are_not_copied():
