@@ -8,14 +8,15 @@ norm less.
 
 ``save="auto"`` (the default) keeps the output where every parameter is frozen, x needs a
 gradient, rows are longer than one element (a one-element row's dx cancels to nearly zero, where
-recovering x_hat would cost relative accuracy), and the weight is *safe*: no column of ``weight + offset`` so small, nor of the bias so
-large against it, that dividing by it loses x_hat in x's dtype (``normkit.ops.OUTPUT_W_MIN``,
-``OUTPUT_BIAS_RATIO``). Otherwise it keeps the input. ``"input"`` always keeps the input;
+recovering x_hat would cost relative accuracy), and the weight is *safe*: no column of
+``weight + offset`` so small, nor of the bias so large against it, that dividing by it loses x_hat
+in x's dtype (``normkit.ops.OUTPUT_W_MIN``, ``OUTPUT_BIAS_RATIO``). Otherwise it keeps the input.
+The rule is ``normkit.saving.decide``, shared with the JAX frontend. ``"input"`` always keeps the input;
 ``"output"`` always keeps the output, and raises where a parameter is trained or the weight is
 unsafe.
 
-Safety is read from the weight's values once per version of it (its data pointer and
-``_version``): one host synchronization when a frozen weight is first seen or changed, never one
+Safety is read from the weight's values once per version of it (the tensor object, its data
+pointer and ``_version``): one host synchronization when a frozen weight is first seen or changed, never one
 per call. ``save_decision`` answers the same question for a weight, with the reason.
 
 Where the values cannot be read (``torch.compile`` traces fake tensors), ``"auto"`` keeps the output
@@ -28,16 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Literal, Optional
+from typing import Optional
 
 import torch
 
 from normkit import norm_math, saving
 from normkit.ops import CASTING_MODES, Casting, Op
-
-Save = Literal["auto", "input", "output"]
-check_save = saving.check_save
-
 
 @dataclasses.dataclass(frozen=True)
 class SaveDecision:
@@ -50,18 +47,8 @@ class SaveDecision:
         return self.saves_output
 
 
-def _unsafe_column(weight, bias, offset: float, casting: Casting, x_dtype: torch.dtype) -> str | None:
-    """Why x_hat cannot be recovered from y with this weight (the first column that fails), or None."""
-    with torch.no_grad():
-        return norm_math.unsafe_reason(None if weight is None else weight.detach(),
-                                       None if bias is None else bias.detach(), x_dtype=x_dtype, offset=offset,
-                                       casting=casting)
-
-
 _SAFETY: dict = {}
 _SAFETY_LIMIT = 1024
-
-
 _UIDS = itertools.count()
 
 
@@ -79,7 +66,8 @@ def _version_key(t) -> tuple | None:
 
 
 def _reason(weight, bias, offset: float, casting: Casting, x_dtype: torch.dtype) -> str | None:
-    """``_unsafe_column``, remembered per version of the weight and bias."""
+    """Why x_hat cannot be recovered from y with this weight (``norm_math.unsafe_reason``: the first
+    column that fails), or None; remembered per version of the weight and bias."""
     key = (_version_key(weight), _version_key(bias), offset, casting, x_dtype)
     try:
         return _SAFETY[key]
@@ -87,7 +75,10 @@ def _reason(weight, bias, offset: float, casting: Casting, x_dtype: torch.dtype)
         pass
     if len(_SAFETY) >= _SAFETY_LIMIT:
         _SAFETY.clear()
-    reason = _SAFETY[key] = _unsafe_column(weight, bias, offset, casting, x_dtype)
+    with torch.no_grad():
+        reason = _SAFETY[key] = norm_math.unsafe_reason(
+            None if weight is None else weight.detach(), None if bias is None else bias.detach(), x_dtype=x_dtype,
+            offset=offset, casting=casting)
     return reason
 
 
@@ -122,7 +113,7 @@ def save_decision(weight: Optional[torch.Tensor] = None, bias: Optional[torch.Te
         raise TypeError(f"normkit: dtype must be torch.float32, bfloat16 or float16 (x's dtype); got {dtype}")
     if casting_mode not in CASTING_MODES:
         raise ValueError(f"normkit: unknown casting_mode {casting_mode!r}; expected one of {sorted(CASTING_MODES)}")
-    trained = [n for n, t in (("weight", weight), ("bias", bias)) if t is not None and t.requires_grad]
+    trained = _trained(weight, bias)
     if trained:
         return SaveDecision(False, f"{' and '.join(trained)} {'is' if len(trained) == 1 else 'are'} trained: "
                                    "the backward needs the input for dW/dB")

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
-from normkit import checks
+from normkit import checks, saving
 from normkit.ops import CASTING_MODES, FUSED_ADD_RMS_NORM, LAYER_NORM, RMS_NORM, Op, Options
 from torch_frontend import _autograd, _bound, _composite, _save
 from torch_frontend._backend import NormkitCopyWarning, dtype_name, resolve_neg
@@ -49,7 +49,7 @@ def _check(op: Op, x, residual, weight, bias, eps, offset, casting_mode, save) -
     checks.check(op, x_shape=spec(x)[0], x_dtype=spec(x)[1], residual=spec(residual), weight=spec(weight),
                  bias=spec(bias))
     opts = op.options(eps=eps, offset=offset, casting_mode=casting_mode)
-    _save.check_save(save)
+    saving.check_save(save)
     for name, t in (("residual", residual), ("weight", weight), ("bias", bias)):
         if t is not None and t.device != x.device:
             raise ValueError(f"normkit: {name} is on {t.device} but x is on {x.device}; all tensors must share a device")

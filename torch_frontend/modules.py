@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from normkit.ops import LAYER_NORM, RMS_NORM
+from normkit.saving import check_save
 from torch_frontend import functional as F
-from torch_frontend._save import check_save
 
 __all__ = ["RMSNorm", "LayerNorm", "FusedAddRMSNorm"]
 
