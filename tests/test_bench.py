@@ -288,3 +288,29 @@ def test_cells_selects_exactly_the_table():
     assert sorted(pairs) == sorted(report.CELL_SHAPES)
     assert args.modes == list(report.CELL_MODES) and args.peers == list(report.TORCH_PEERS)
     assert len(args.ops) * len(args.modes) * len(pairs) == 81
+
+
+@pytest.mark.slow
+def test_host_ab_dry_run_alternates_trees_and_reports_every_case(tmp_path):
+    """benchmarks/host_ab.py: each tree runs in its own process, importing its own copy; a row per
+    case and tree, with positive times and their ratio."""
+    from benchmarks import host_ab
+
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for pkg in ("normkit", "torch_frontend"):
+        subprocess.run(["cp", "-r", str(REPO / pkg), str(copy / pkg)], check=True)
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "host_ab.py"), "--dry-run", "--rounds", "1",
+           "--tree", f"a={REPO}", "--tree", f"b={copy}", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((out / "host_ab.json").read_text())
+    assert {(r["op"], r["call"], r["tree"]) for r in doc["rows"]} == {
+        (op, kind, t) for op, kind in host_ab.CASES for t in ("a", "b")}
+    for r in doc["rows"]:
+        assert r["normkit_us"] > 0 and r["eager_us"] > 0
+        assert r["ratio"] == pytest.approx(r["normkit_us"] / r["eager_us"])  # one round: the ratio of the two
+    assert doc["runs"]["b"][0]["normkit_file"].startswith(str(copy))
+    assert doc["runs"]["a"][0]["normkit_file"].startswith(str(REPO))
+    assert (out / "host_ab.md").read_text().count("\n") == 2 + 2 * len(host_ab.CASES)
