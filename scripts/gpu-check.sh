@@ -13,6 +13,8 @@
 #   bench      the full benchmark (benchmarks/bench.py); results in $OUT/h200.json;
 #   tune       the launch-configuration sweep (scripts/tune.py; --write-tiles updates normkit/tiles.json);
 #   multi      the two-GPU check (scripts/multi_gpu.py: torchrun + NCCL, then JAX on a 2-device mesh);
+#   host-ab    host time of two checkouts' Torch calls, alternately (benchmarks/host_ab.py; name them
+#              with --tree NAME=PATH, e.g. a `git archive` of an older commit carried in build/);
 #   lora       the LoRA training-step benchmark (benchmarks/lora_step.py);
 #   nnx        the Flax NNX LoRA training-step benchmark (benchmarks/nnx_lora_step.py);
 #   build-notebooks  regenerate the executed .ipynb at full size (notebooks/build.py --size full [names]),
@@ -87,6 +89,10 @@ fi
 if [ "$what" = multi ]; then
   [ "$gpus" -ge 2 ] || { echo "multi needs 2 GPUs, found $gpus"; exit 1; }
   timeout ${MULTI_TIMEOUT:-400} python3 scripts/multi_gpu.py --out "$OUT/multi_gpu.json" "$@" 2>&1 | tee "$OUT/multi_gpu.log" | tail -60
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [ "$what" = host-ab ]; then
+  timeout ${HOST_AB_TIMEOUT:-300} python3 benchmarks/host_ab.py --out "$OUT" "$@" 2>&1 | tee "$OUT/host_ab.log" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$what" = lora ]; then
