@@ -77,7 +77,11 @@ class _FromOutput(torch.autograd.Function):
                                           offset=opts.offset, casting=opts.casting, xp=_xp)
         ctx.op, ctx.opts = op, opts
         ctx.save_for_backward(y, weight, bias, rstd)
-        return (y, s) if op.has_residual else y
+        # Returned as a view of the saved y (same storage, no copy): where the saved tensor is the output
+        # itself, torch 2.11's compiled autograd.Function hands the backward a zero dy (seen on CUDA,
+        # with the eager, aot_eager and inductor backends alike).
+        out = y.view_as(y)
+        return (out, s) if op.has_residual else out
 
     @staticmethod
     def backward(ctx, dy, ds=None):
