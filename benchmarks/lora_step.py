@@ -269,9 +269,6 @@ class Row:
 
     def first_steps(self, warmup: int) -> None:
         """The checked (compiling) first step, then the warm-up steps."""
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.resident = torch.cuda.memory_allocated(self.device)
         t = time.perf_counter()
         loss0, gnorm0, with_grad = self.step(check=True)
         torch_sync()
@@ -282,7 +279,15 @@ class Row:
             self.step()
 
     def time_round(self, steps: int) -> None:
+        cuda = self.device.type == "cuda"
+        if cuda:  # the models of every variant are resident together: measure this variant's steps alone
+            torch_sync()
+            before = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
         us = Timer.each(self.step, steps, torch_sync)
+        if cuda:
+            peak = (torch.cuda.max_memory_allocated(self.device) - before) / 2**30
+            self.step_peak_gb = max(getattr(self, "step_peak_gb", 0.0), peak)
         ms = [t / 1e3 for t in us]
         self.times_ms += ms
         self.rounds_ms.append(statistics.median(ms))
@@ -290,8 +295,7 @@ class Row:
     def finish(self, args, profile: bool) -> dict:
         row = self.row
         if self.device.type == "cuda":
-            row["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-            row["step_peak_over_resident_gb"] = (torch.cuda.max_memory_allocated(self.device) - self.resident) / 2**30
+            row["step_peak_gb"] = self.step_peak_gb
         row["loss_last"] = self.last_loss.item()
         row["step_ms"] = _stats(self.times_ms)
         row["round_medians_ms"] = self.rounds_ms
@@ -481,12 +485,12 @@ def _f(x, spec=".2f", none="-"):
 
 
 COLUMNS = ("variant", "mode", "status", "median ms", "min", "max", "speedup vs hf", "first step s", "loss",
-           "Δloss vs hf", "grad rel Δ", "norm ms", "norm % of step", "norm attribution", "step mem GB", "peak MiB", "peak vs hf")
+           "Δloss vs hf", "grad rel Δ", "norm ms", "norm % of step", "norm attribution", "step mem GB", "step mem vs hf")
 
 
 def table(rows: list) -> str:
     ref = {r["mode"]: r["step_ms"]["median"] for r in rows if r["variant"] == "hf" and r.get("status") == "ok"}
-    peak = {r["mode"]: r.get("peak_mem_gb") for r in rows if r["variant"] == "hf" and r.get("status") == "ok"}
+    peak = {r["mode"]: r.get("step_peak_gb") for r in rows if r["variant"] == "hf" and r.get("status") == "ok"}
     cells = []
     for r in rows:
         ok = r.get("status") == "ok"
@@ -502,10 +506,9 @@ def table(rows: list) -> str:
                         "grad rel Δ": _f(r.get("grad_rel_diff_vs_hf"), ".2e"), "norm ms": _f(r.get("norm_ms"), ".3f"),
                         "norm % of step": _f(r.get("norm_pct"), ".1f"),
                         "norm attribution": r.get("norm_method", "-").split(":")[0],
-                        "step mem GB": _f(r.get("step_peak_over_resident_gb"), ".2f"),
-                        "peak MiB": _f(r["peak_mem_gb"] * 1024 if r.get("peak_mem_gb") is not None else None, ".0f"),
-                        "peak vs hf": _f(r["peak_mem_gb"] / peak[r["mode"]] if r.get("peak_mem_gb") is not None
-                                         and peak.get(r["mode"]) else None, ".3f")})
+                        "step mem GB": _f(r.get("step_peak_gb"), ".2f"),
+                        "step mem vs hf": _f(r["step_peak_gb"] / peak[r["mode"]] if r.get("step_peak_gb") is not None
+                                             and peak.get(r["mode"]) else None, ".3f")})
         cells.append(row)
     return markdown_table(cells)
 
@@ -528,8 +531,9 @@ def markdown(result: dict) -> str:
         "Norm attribution: " + result["attribution"],
         "",
     ]
-    out.append("Step mem GB: peak CUDA memory allocated during the steps, less what was allocated before the first "
-               "(the models); activations, gradients and optimizer state.")
+    out.append("Step mem GB: the largest peak of CUDA memory allocated during one round of this variant's timed "
+               "steps, less what was allocated when the round began (every variant's model and optimizer state): "
+               "the step's activations, gradients and temporaries.")
     out.append("")
     rounds = max((len(r.get("round_medians_ms", [])) for r in result["rows"]), default=0)
     out.append(f"Timing: {rounds} rounds per mode, interleaved across the mode's variants, each round starting one "
