@@ -277,6 +277,20 @@ def test_compiled_frozen_norm_keeps_its_output(op, route):
             want = torch.autograd.grad(f(x), [x, a])
             for g, w in zip(grads[save], want):
                 assert_close(np64(g), np64(w), "float32", f"{op} {route} save={save}: compiled vs eager")
+        if spec.has_residual:
+            # Both outputs carry a gradient and the residual needs one too (as in a decoder stack),
+            # against the float64 reference; the normalized output alone above leaves d_residual_out out.
+            torch._dynamo.reset()
+            x, res = randn(6, D, seed=75).requires_grad_(), randn(6, D, seed=76).requires_grad_()
+            dy, ds = randn(6, D, seed=77), randn(6, D, seed=78)
+            outs = torch.compile(lambda x, res: call(op, {"x": x, "residual": res, **params}), fullgraph=True)(x, res)
+            got = torch.autograd.grad(outs, [x, res], [dy, ds])
+            ref_outs, ref_grads = spec.run_reference({"x": np64(x), "residual": np64(res),
+                                                      **{k: np64(v) for k, v in params.items()}},
+                                                     spec.options(eps=spec.default_eps), {"y": np64(dy), "residual_out": np64(ds)})
+            assert_close(np64(outs[0]), ref_outs["y"], "float32", f"{op} {route}: compiled y")
+            for name, gv in zip(("x", "residual"), got):
+                assert_close(np64(gv), ref_grads[name], "float32", f"{op} {route}: compiled d{name}, both outputs used")
         auto = 2 if "bias" in spec.params else 1
         assert counts == {"auto": auto, "input": 2}, counts
     finally:

@@ -77,11 +77,13 @@ class _FromOutput(torch.autograd.Function):
                                           offset=opts.offset, casting=opts.casting, xp=_xp)
         ctx.op, ctx.opts = op, opts
         ctx.save_for_backward(y, weight, bias, rstd)
-        # Returned as a view of the saved y (same storage, no copy): where the saved tensor is the output
-        # itself, torch 2.11's compiled autograd.Function hands the backward a zero dy (seen on CUDA,
-        # with the eager, aot_eager and inductor backends alike).
+        # Returned as views (same storage, no copy): torch 2.11's compiled autograd.Function handed the
+        # backward a zero gradient for an output returned as the tensor itself (y, which is saved, and
+        # the fused add's s; seen on CUDA with the eager, aot_eager and inductor backends alike).
         out = y.view_as(y)
-        return (out, s) if op.has_residual else out
+        if not op.has_residual:
+            return out
+        return out, (s if s is None else s.view_as(s))
 
     @staticmethod
     def backward(ctx, dy, ds=None):
