@@ -242,6 +242,29 @@ def test_patch_report_says_what_each_norm_keeps():
 # --- torch.compile ------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_weights_sharing_a_signature_are_decided_apart(op):
+    """Two frozen weights of one shape (two layers of a model: one call signature), one safe and one
+    with a zero column, called alternately: each call keeps what its own weight allows, every time."""
+    spec = OPS[op]
+    safe, unsafe = safe_params(op, seed=66), safe_params(op, seed=67)
+    with torch.no_grad():
+        unsafe["weight"][5] = 0.0
+    for i, params in enumerate([safe, unsafe, safe, unsafe, safe]):
+        inputs = {name: randn(4, D, seed=68 + 7 * i + j).requires_grad_() for j, name in enumerate(spec.row_inputs)}
+        inputs.update(params)
+        with saved_tensors() as saved:
+            outs = call(op, inputs)
+        keeps_output = any(t.data_ptr() == outs[0].data_ptr() for t in _rows_sized(saved, inputs["x"]))
+        assert keeps_output == (params is safe), (op, i)
+        dy = randn(4, D, seed=90 + i)
+        grads = torch.autograd.grad(outs[0], [inputs[n] for n in spec.row_inputs], dy)
+        _, ref = spec.run_reference({k: np64(v) for k, v in inputs.items()}, spec.options(eps=spec.default_eps),
+                                    {"y": np64(dy)})
+        for name, g in zip(spec.row_inputs, grads):
+            assert_close(np64(g), ref[name], "float32", f"{op} call {i}: d{name}")
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores:UserWarning")
 @pytest.mark.parametrize("route", ["inductor", "kernels"])

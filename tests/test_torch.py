@@ -428,7 +428,8 @@ def test_bound_backward_takes_each_gradient_layout(save):
         _, ref_grads = OPS["rms_norm"].run_reference({"x": np64(x), "weight": np64(w)},
                                                       OPS["rms_norm"].options(eps=1e-6), {"y": np64(dy)})
         assert_close(np64(dx), ref_grads["x"], "float32", f"dx, {name} gradient")
-    (bound,) = _bound.BOUND.values()
+    (sig,) = _bound.BOUND.values()
+    (bound,) = sig.bounds
     assert bound.from_output == (save == "output")
     assert len(bound._bwd) == 3  # contiguous, broadcast, transposed; the second contiguous one reused
 
@@ -873,8 +874,8 @@ def _bound_plans(x):
     """The forward and backward plans the fast path bound for ``rms_norm(x, w)``."""
     from torch_frontend import _bound
 
-    bound = next(b for b in _bound.BOUND.values() if b.fwd is not None and b.op.name == "rms_norm"
-                 and b.fwd.out_specs["Y"][0] == (x.shape[0], x.shape[1]))
+    bound = next(b for sig in _bound.BOUND.values() for b in sig.bounds
+                 if b.fwd is not None and b.op.name == "rms_norm" and b.fwd.out_specs["Y"][0] == (x.shape[0], x.shape[1]))
     plans = [bound.fwd] + [plan[0] for plan in bound.backward_plans]
     return plans
 

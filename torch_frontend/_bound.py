@@ -1,28 +1,31 @@
 """Eager call signatures and their bound plans: the Torch frontend's one cache.
 
 A call signature is the op, its options (``save`` among them), whether the forward stores statistics
-for a backward, whether that backward reads the output (``_save``), and each tensor's class, shape, strides, dtype
-and device: everything ``normkit.driver.Bound``'s plans fix. Its first eager call is validated and
-bound (``bind``); a repeated one (a training loop's) finds its ``Bound`` by ``key`` and launches it
-with no validation, planning or reshaping. The backward plans live on the ``Bound`` itself, keyed on
+for a backward, and each tensor's class, shape, strides, dtype and device: everything
+``normkit.driver.Bound``'s plans fix. Its first eager call is validated (``bind``); a repeated one (a
+training loop's) finds its ``Signature`` by ``key`` and launches its ``Bound`` with no validation,
+planning or reshaping. A signature holds one ``Bound`` per choice of what the backward keeps (input or
+output) and remembers that choice per frozen weight (its identity and version: ``saves_output``), so
+a repeated call decides it with one small lookup. The backward plans live on each ``Bound``, keyed on
 what they read (a saved-tensor hook may hand the backward other layouts than the forward saw).
 """
 from __future__ import annotations
 
 from normkit import driver
 from normkit.ops import Op, Options
+from torch_frontend import _save
 from torch_frontend._backend import BACKEND
 
 BOUND: dict = {}
 BOUND_LIMIT = 4096  # distinct call signatures kept (a model has a handful); past it, start again
+DECISIONS_LIMIT = 64  # frozen weight versions remembered per signature (a model shares a signature across layers)
 
 
-def key(op: Op, eps, offset, casting_mode, store_stats: bool, from_output: bool, x, residual, weight, bias,
-        save: str = "auto") -> tuple:
+def key(op: Op, eps, offset, casting_mode, store_stats: bool, x, residual, weight, bias, save: str = "auto") -> tuple:
     """The signature of a call (each option with its class: ``1e-6`` and ``np.float64(1e-6)`` are
     validated apart). Raises AttributeError for a non-tensor, RuntimeError for a tensor without
     strides or sizes (sparse, nested): the caller then validates, which names it."""
-    return (op.name, store_stats, from_output, save, eps.__class__, eps, offset.__class__, offset, casting_mode.__class__,
+    return (op.name, store_stats, save, eps.__class__, eps, offset.__class__, offset, casting_mode.__class__,
             casting_mode, x.__class__, x.shape, x.stride(), x.dtype, x.device,
             None if residual is None else (residual.__class__, residual.shape, residual.stride(), residual.dtype,
                                            residual.device),
@@ -30,13 +33,54 @@ def key(op: Op, eps, offset, casting_mode, store_stats: bool, from_output: bool,
             None if bias is None else (bias.__class__, bias.shape, bias.stride(), bias.dtype, bias.device))
 
 
-def bind(k: tuple | None, op: Op, opts: Options, store_stats: bool, from_output: bool,
-         b_dtype: str = "float32") -> driver.Bound:
-    """The ``Bound`` of a validated call (``b_dtype``: the bias's dtype, dB's), remembered under ``k``
-    (None: not remembered)."""
-    bound = driver.Bound(BACKEND, op, opts, store_stats, from_output, b_dtype)
+class Signature:
+    """A validated call signature: its ``Bound`` for each choice of what the backward keeps, and the
+    choices made for the weights seen with it."""
+
+    __slots__ = ("op", "opts", "store_stats", "b_dtype", "save", "_bounds", "_decisions")
+
+    def __init__(self, op: Op, opts: Options, store_stats: bool, b_dtype: str, save: str):
+        self.op, self.opts, self.store_stats, self.b_dtype, self.save = op, opts, store_stats, b_dtype, save
+        self._bounds = [None, None]  # keeping the input, keeping the output
+        self._decisions: dict = {}
+
+    def bound(self, from_output: bool) -> driver.Bound:
+        b = self._bounds[from_output]
+        if b is None:
+            b = self._bounds[from_output] = driver.Bound(BACKEND, self.op, self.opts, self.store_stats, from_output,
+                                                         self.b_dtype)
+        return b
+
+    @property
+    def bounds(self) -> list:
+        """The ``Bound``s made so far."""
+        return [b for b in self._bounds if b is not None]
+
+    def saves_output(self, x, weight, bias) -> bool:
+        """Whether this call keeps its output (``_save.saves_output``); x's dtype and row length, and
+        every option, are the signature's, so the answer is remembered per weight and bias identity,
+        data pointer, version and grad flag."""
+        if not self.store_stats or self.save == "input":
+            return False
+        k = (None if weight is None else (_save.uid(weight), weight.data_ptr(), weight._version, weight.requires_grad),
+             None if bias is None else (_save.uid(bias), bias.data_ptr(), bias._version, bias.requires_grad))
+        decision = self._decisions.get(k)
+        if decision is None:
+            if len(self._decisions) >= DECISIONS_LIMIT:
+                self._decisions.clear()
+            opts = self.opts
+            decision = self._decisions[k] = _save.saves_output(self.op, self.save, x, weight, bias, opts.offset,
+                                                               opts.casting)
+        return decision
+
+
+def bind(k: tuple | None, op: Op, opts: Options, store_stats: bool, b_dtype: str = "float32",
+         save: str = "auto") -> Signature:
+    """The ``Signature`` of a validated call (``b_dtype``: the bias's dtype, dB's), remembered under
+    ``k`` (None: not remembered)."""
+    sig = Signature(op, opts, store_stats, b_dtype, save)
     if k is not None:
         if len(BOUND) >= BOUND_LIMIT:
             BOUND.clear()
-        BOUND[k] = bound
-    return bound
+        BOUND[k] = sig
+    return sig

@@ -69,8 +69,8 @@ def _norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optiona
               store_stats: bool) -> list[torch.Tensor]:
     """(y, residual_out, mean, rstd) of real tensors: the bound plans of the call's signature."""
     spec, opts = OPS[op], Options(eps, offset, Casting(casting))
-    k = _bound.key(spec, eps, offset, casting, store_stats, False, x, residual, weight, bias)
-    bound = _bound.BOUND.get(k) or _bound.bind(k, spec, opts, store_stats, False)
+    k = _bound.key(spec, eps, offset, casting, store_stats, x, residual, weight, bias)
+    bound = (_bound.BOUND.get(k) or _bound.bind(k, spec, opts, store_stats)).bound(False)
     return [t if t is not None else _absent(x) for t in bound.forward(x, residual, weight, bias)]
 
 
@@ -82,7 +82,7 @@ def _norm_bwd(saved: torch.Tensor, weight: Optional[torch.Tensor], bias: Optiona
     spec, opts = OPS[op], Options(0.0, offset, Casting(casting))
     # a Bound of the backward alone, keyed on its options (its plans are kept per layout inside it)
     k = ("backward", op, offset, casting, b_dtype, from_output)
-    bound = _bound.BOUND.get(k) or _bound.bind(k, spec, opts, True, from_output, dtype_name(b_dtype))
+    bound = (_bound.BOUND.get(k) or _bound.bind(k, spec, opts, True, dtype_name(b_dtype))).bound(from_output)
     outs = bound.backward(saved, weight, bias, dy, dres, mean, rstd, Grads(dx, dw, db))
     return [t if t is not None else _absent(saved) for t in outs]
 

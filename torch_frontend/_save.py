@@ -52,17 +52,20 @@ _SAFETY_LIMIT = 1024
 _UIDS = itertools.count()
 
 
+def uid(t) -> int:
+    """The tensor object's own number, given on first sight: a data pointer alone is not an identity (a
+    freed weight's memory is handed to the next tensor, whose ``_version`` starts at 0 again)."""
+    n = getattr(t, "_normkit_uid", None)
+    if n is None:
+        n = t._normkit_uid = next(_UIDS)
+    return n
+
+
 def _version_key(t) -> tuple | None:
-    """A weight's identity and version. The tensor object gets a number of its own on first sight: a
-    data pointer alone is not an identity (a freed weight's memory is handed to the next tensor, whose
-    ``_version`` starts at 0 again)."""
+    """A weight's identity and version, with everything about it the safety check reads."""
     if t is None:
         return None
-    uid = getattr(t, "_normkit_uid", None)
-    if uid is None:
-        uid = next(_UIDS)
-        t._normkit_uid = uid
-    return uid, t.data_ptr(), t._version, t.dtype, t.device, t.shape, t.stride()
+    return uid(t), t.data_ptr(), t._version, t.dtype, t.device, t.shape, t.stride()
 
 
 def _reason(weight, bias, offset: float, casting: Casting, x_dtype: torch.dtype) -> str | None:
@@ -84,7 +87,8 @@ def _reason(weight, bias, offset: float, casting: Casting, x_dtype: torch.dtype)
 
 def saves_output(op: Op, save: str, x, weight, bias, offset: float, casting: Casting) -> bool:
     """Eager: whether a call whose forward stores statistics for a backward keeps its output
-    (``normkit.saving.decide``, the weight's values read once per version of it)."""
+    (``normkit.saving.decide``, the weight's values read once per version of it). A call signature
+    remembers its answers per weight identity and version (``_bound.Signature.saves_output``)."""
     return saving.decide(op, save, trained=_trained(weight, bias), needs_dx=True, row_length=x.shape[-1],
                          has_params=weight is not None or bias is not None, has_bias=bias is not None, offset=offset,
                          unsafe=lambda: _reason(weight, bias, offset, casting, x.dtype))

@@ -24,7 +24,7 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 
 from normkit import checks, saving
-from normkit.ops import CASTING_MODES, FUSED_ADD_RMS_NORM, LAYER_NORM, RMS_NORM, Op, Options
+from normkit.ops import FUSED_ADD_RMS_NORM, LAYER_NORM, RMS_NORM, Op, Options
 from torch_frontend import _autograd, _bound, _composite, _save
 from torch_frontend._backend import NormkitCopyWarning, dtype_name, resolve_neg
 from torch_frontend._library_ops import subclassed
@@ -86,19 +86,20 @@ def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode, save):
                 bias is not None and bias.is_neg()):
             x, residual, weight, bias = (resolve_neg(t, name) for t, name in
                                          ((x, "x"), (residual, "residual"), (weight, "weight"), (bias, "bias")))
-        from_output = store_stats and save != "input" and _save.saves_output(
-            op, save, x, weight, bias, offset, CASTING_MODES.get(casting_mode))
-        k = _bound.key(op, eps, offset, casting_mode, store_stats, from_output, x, residual, weight, bias, save)
-        bound = _bound.BOUND.get(k)  # hashes the key: raises TypeError for an unhashable option
-    except (AttributeError, TypeError, RuntimeError, KeyError):  # not a tensor, an unhashable or unknown option, a
-        # tensor without strides or sizes (sparse, mkldnn, nested): the checks below name it
-        k = bound = None
-    if bound is None:
+        k = _bound.key(op, eps, offset, casting_mode, store_stats, x, residual, weight, bias, save)
+        sig = _bound.BOUND.get(k)  # hashes the key: raises TypeError for an unhashable option
+    except (AttributeError, TypeError, RuntimeError):  # not a tensor, an unhashable option, a tensor without
+        # strides or sizes (sparse, mkldnn, nested): the checks below name it
+        k = sig = None
+    if sig is None:
         opts = _check(op, x, residual, weight, bias, eps, offset, casting_mode, save)
         if subclassed(x, residual, weight, bias):
+            from_output = store_stats and save != "input" and _save.saves_output(
+                op, save, x, weight, bias, opts.offset, opts.casting)
             return _subclassed(op, opts, store_stats, from_output, x, residual, weight, bias)
-        bound = _bound.bind(k, op, opts, store_stats, from_output,  # k None (not keyable): not remembered
-                            dtype_name(bias.dtype) if bias is not None else "float32")
+        sig = _bound.bind(k, op, opts, store_stats,  # k None (not keyable): not remembered
+                          dtype_name(bias.dtype) if bias is not None else "float32", save)
+    bound = sig.bound(sig.saves_output(x, weight, bias))
     if not store_stats and _no_transforms():  # no gradient can reach the call: the forward alone
         return _outputs(op, bound.forward(x, residual, weight, bias))
     return _autograd.apply(bound, op, x, residual, weight, bias)
