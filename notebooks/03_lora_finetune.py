@@ -77,18 +77,14 @@ display(table(list(environment().items()), ["component", "version or device"]))
 # (`liger`), `torch_frontend.patch_model` (`normkit`) and the same with the residual add fused into the
 # norm (`normkit_fused`); eager and under `torch.compile`. `hf#2`, where a run has it, is a second,
 # independently compiled copy of the HF model timed beside the others: its distance to `hf` is what
-# that run cannot resolve. `normkit_input` is normkit told to keep the norm's input (`save="input"`), as
-# the other libraries do: its distance to `normkit` is what keeping the output saves. Step time is the
-# median of the timed steps; memory is the peak allocation during one round of the variant's own steps
-# above what was allocated when the round began (the step's activations, gradients and temporaries;
-# runs whose files lack `step_peak_gb` measured a peak shared by all their variants, so no memory
-# bar is drawn for them); the norms' own time is their kernels' device time per step from
+# that run cannot resolve. Step time is the median of the timed steps; memory is the step's peak
+# allocation above the resident model; the norms' own time is their kernels' device time per step from
 # a profile. One group of bars per committed run (the file's name after `lora_step_h200_`) and mode.
 # Nothing here is measured where the notebook runs.
 
 # %%
 VARIANT_COLORS = {"hf": "tab:orange", "hf#2": "navajowhite", "liger": "tab:blue", "normkit": "black",
-                  "normkit_fused": "tab:gray", "normkit_input": "tab:green"}
+                  "normkit_fused": "tab:gray"}
 lora_files = sorted(RESULTS_DIR.glob("lora_step_*.json"))
 step_rows, lora_sources = [], []
 for path in lora_files:
@@ -103,7 +99,7 @@ for path in lora_files:
                           "mode": {"compile": "compiled"}.get(r["mode"], r["mode"]),
                           "variant": r["variant"], "step (ms)": r["step_ms"]["median"],
                           "step min (ms)": r["step_ms"]["min"], "step max (ms)": r["step_ms"]["max"],
-                          "step memory (GB)": r.get("step_peak_gb"),
+                          "step memory (GB)": r.get("step_peak_over_resident_gb"),
                           # 0 ms "by kernel name": no normkit kernel ran (Inductor generated the frozen norm)
                           "norm kernels (ms per step)": r.get("norm_ms") or None,
                           "norm share of step (%)": r.get("norm_pct") or None,
