@@ -29,6 +29,9 @@
 # no history of its own; benchmarks/env.py). Usage: bash scripts/gpu-check.sh [target] [args...]
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-check-out}
+if [ -n "${NORMKIT_GIT_COMMIT:-}" ] && ! [[ "$NORMKIT_GIT_COMMIT" =~ ^[0-9a-f]{7,40}(-dirty)?$ ]]; then
+  echo "NORMKIT_GIT_COMMIT=$NORMKIT_GIT_COMMIT is not a commit hash (results files would record it as one)"; exit 2
+fi
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   # GPU_CHECK_INSTALLED=1: already installed (two targets running side by side must not both install)
