@@ -50,9 +50,10 @@ class Backend(Protocol):
         """``a`` as contiguous ``[M, N]`` rows, copied (and said so: a warning naming ``name``).
         Optional, for ``Bound``."""
 
-    def key(self, a) -> tuple:
-        """What a plan fixes of array ``a``: class, shape, strides, dtype and device. Optional, for
-        ``Bound`` (its backward plans are kept per the keys of the arrays they read)."""
+    def keys(self, *arrays) -> tuple:
+        """What a plan fixes of each array: class, shape, strides, dtype and device (None for None), in
+        one call. Optional, for ``Bound`` (its backward plans are kept per the keys of the arrays they
+        read)."""
 
     def bind(self, call, like, rows_shape: tuple | None = None):
         """Optional, for a frontend that launches one plan many times (``bind_forward``,
@@ -215,7 +216,7 @@ class Bound:
 
     A signature is what the plans fix: the op, the options, whether statistics are stored, and each
     array's shape, strides, dtype and device; the frontend keys its cache of ``Bound``s on that
-    (``Backend.key``), so every call of one ``Bound`` passes arrays of the layouts of its first.
+    (``Backend.keys``), so every call of one ``Bound`` passes arrays of the layouts of its first.
     Arrays keep the caller's shape ``(..., N)``; rows that cannot be read in place are copied at
     every call (``Backend.copy_rows``, which says so). ``from_output``: the backward reads the
     forward's output y rather than its input (see ``backward``), which the frontend saves instead.
@@ -262,10 +263,7 @@ class Bound:
 
     def backward(self, saved, weight, bias, dy, dres, mean, rstd, grads) -> tuple:
         """``grads``: a ``Grads``, or its ``(dx, dw, db)`` flags (a tuple hashes faster)."""
-        key = self.backend.key
-        k = (grads, key(saved), None if weight is None else key(weight),
-             None if bias is None or not self.from_output else key(bias), key(dy),
-             None if dres is None else key(dres))
+        k = (grads, self.backend.keys(saved, weight, bias if self.from_output else None, dy, dres))
         bound = self._bwd.get(k)
         if bound is None:
             bound = self._bwd[k] = self._bind_backward(saved, weight, bias, dy, dres, grads)

@@ -74,9 +74,12 @@ def resolve_neg(t: torch.Tensor | None, name: str) -> torch.Tensor | None:
     return t.resolve_neg()
 
 
-def key(t: torch.Tensor) -> tuple:
-    """What a plan fixes of ``t``: class, shape, strides, dtype and device."""
-    return t.__class__, t.shape, t.stride(), t.dtype, t.device
+def keys(*tensors) -> tuple:
+    """What a plan fixes of each tensor: class, shape, strides, dtype and device (None for None)."""
+    out = []
+    for t in tensors:
+        out.append(None if t is None else (t.__class__, t.shape, t.stride(), t.dtype, t.device))
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,7 +114,7 @@ class TorchBackend:
 
     rows = staticmethod(row_view)
     copy_rows = staticmethod(copy_rows)
-    key = staticmethod(key)
+    keys = staticmethod(keys)
 
     @staticmethod
     def launch(call: KernelCall, arrays: dict, rows_shape: tuple | None = None) -> dict:
