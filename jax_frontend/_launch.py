@@ -260,6 +260,10 @@ class JaxBackend:
     def strides(a) -> tuple[int, ...]:
         return (a.shape[1], 1) if a.ndim == 2 else (1,)  # JAX arrays are always contiguous
 
+    @classmethod
+    def describe(cls, *arrays) -> tuple:
+        return tuple(None if a is None else (dtype_name(a.dtype), cls.strides(a)) for a in arrays)
+
     @staticmethod
     def zeros(shape, dtype: str, like):
         return jnp.zeros(shape, JNP_DTYPES[dtype])

@@ -30,6 +30,10 @@ class Backend(Protocol):
     def strides(self, a) -> tuple[int, ...]:
         """Element strides of ``a``."""
 
+    def describe(self, *arrays) -> tuple:
+        """``(dtype name, strides)`` of each array (None for None), in one call: what a plan reads of
+        its arrays."""
+
     def zeros(self, shape: tuple, dtype: str, like) -> Any:
         """A zero-filled array on ``like``'s device (dW/dB of no rows; empty results)."""
 
@@ -67,12 +71,13 @@ def _dtype(backend: Backend, a) -> str | None:
     return backend.dtype(a) if a is not None else None
 
 
-def _rows_layout(backend: Backend, a) -> tuple[int, int]:
-    """(row stride, column stride) of 2-D rows; the column stride must be 0 or 1 (frontends copy
-    other layouts first). An absent array reads as contiguous."""
+def _rows_layout(a, described) -> tuple[int, int]:
+    """(row stride, column stride) of 2-D rows ``a`` (``described``: its ``Backend.describe`` entry);
+    the column stride must be 0 or 1 (frontends copy other layouts first). An absent array reads as
+    contiguous."""
     if a is None:
         return 0, 1
-    stride_m, stride_n = backend.strides(a)
+    stride_m, stride_n = described[1]
     if a.shape[1] == 1:
         stride_n = 1  # one column: its stride is never used
     elif stride_n not in (0, 1):
@@ -80,8 +85,12 @@ def _rows_layout(backend: Backend, a) -> tuple[int, int]:
     return stride_m, stride_n
 
 
-def _param_stride(backend: Backend, a) -> int:
-    return backend.strides(a)[0] if a is not None else 1
+def _param_stride(described) -> int:
+    return described[1][0] if described is not None else 1
+
+
+def _name(described) -> str | None:
+    return described[0] if described is not None else None
 
 
 def forward_plan(backend: Backend, op: Op, x, residual, weight, bias, opts: Options, store_stats: bool):
@@ -90,10 +99,10 @@ def forward_plan(backend: Backend, op: Op, x, residual, weight, bias, opts: Opti
     M, N = x.shape
     if M == 0:
         return None
-    layout = (*_rows_layout(backend, x), *_rows_layout(backend, residual if op.has_residual else None),
-              _param_stride(backend, weight), _param_stride(backend, bias))
-    return plan_forward(op, M, N, backend.dtype(x), _dtype(backend, weight), _dtype(backend, bias), opts, store_stats,
-                        layout, backend.num_sms(x))
+    residual = residual if op.has_residual else None
+    d_x, d_res, d_w, d_b = backend.describe(x, residual, weight, bias)
+    layout = (*_rows_layout(x, d_x), *_rows_layout(residual, d_res), _param_stride(d_w), _param_stride(d_b))
+    return plan_forward(op, M, N, d_x[0], _name(d_w), _name(d_b), opts, store_stats, layout, backend.num_sms(x))
 
 
 def forward(backend: Backend, op: Op, x, residual, weight, bias, opts: Options, store_stats: bool) -> tuple:
@@ -123,16 +132,17 @@ def backward_plan(backend: Backend, op: Op, x, weight, dy, dres, opts: Options, 
     if not grads.any:
         return None
     M, N = x.shape
-    x_dtype = backend.dtype(x)
-    for name, a in (("dy", dy), ("the gradient of residual_out", dres)):
-        if a is not None and backend.dtype(a) != x_dtype:
-            raise TypeError(f"normkit: {name} has dtype {backend.dtype(a)}; expected the output's dtype {x_dtype}")
+    bias = bias if from_output else None
+    d_x, d_dy, d_dres, d_w, d_b = backend.describe(x, dy, dres, weight, bias)
+    x_dtype = d_x[0]
+    for name, d in (("dy", d_dy), ("the gradient of residual_out", d_dres)):
+        if d is not None and d[0] != x_dtype:
+            raise TypeError(f"normkit: {name} has dtype {d[0]}; expected the output's dtype {x_dtype}")
     if M == 0:
         return None
-    bias = bias if from_output else None
-    layout = (*_rows_layout(backend, x), *_rows_layout(backend, dy), *_rows_layout(backend, dres),
-              _param_stride(backend, weight), _param_stride(backend, bias))
-    return plan_backward(op, M, N, x_dtype, _dtype(backend, weight), b_dtype if grads.db else None, dres is not None,
+    layout = (*_rows_layout(x, d_x), *_rows_layout(dy, d_dy), *_rows_layout(dres, d_dres), _param_stride(d_w),
+              _param_stride(d_b))
+    return plan_backward(op, M, N, x_dtype, _name(d_w), b_dtype if grads.db else None, dres is not None,
                          opts, grads, layout, backend.num_sms(x), from_output, bias is not None)
 
 

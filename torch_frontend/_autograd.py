@@ -125,9 +125,9 @@ def apply(route, op: Op, x, residual, weight, bias):
 
 
 def _saved(tensors, dy, ds) -> tuple:
-    """``(saved, weight, bias, mean, rstd)`` of ``ctx.saved_tensors`` as the kernels read them: the saved rows in the dtype and on
-    the device of the gradients arriving (the output's), the per-row statistics contiguous, in fp32,
-    on their device.
+    """``(saved, weight, bias, mean, rstd)`` of ``ctx.saved_tensors`` as the kernels read them: the saved
+    rows in the dtype and on the device of the gradients arriving (the output's), the per-row statistics
+    contiguous, in fp32, on their device.
 
     A saved-tensor hook may hand back other tensors than were saved: in another dtype (one that
     widens or compresses what it stores), on another device (one that offloads), as a strided view,

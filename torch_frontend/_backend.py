@@ -109,6 +109,13 @@ class TorchBackend:
         return a.stride()
 
     @staticmethod
+    def describe(*arrays) -> tuple:
+        out = []
+        for a in arrays:
+            out.append(None if a is None else (dtype_name(a.dtype), a.stride()))
+        return tuple(out)
+
+    @staticmethod
     def zeros(shape, dtype: str, like: torch.Tensor) -> torch.Tensor:
         return torch.zeros(shape, dtype=TORCH_DTYPES[dtype], device=like.device)
 
