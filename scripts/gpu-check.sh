@@ -7,7 +7,8 @@
 #              jupytext/nbclient, which that machine lacks: the notebooks target runs them instead);
 #              about 560 s on one H200 with 16 workers. TEST_PART=parity runs tests/test_parity.py alone
 #              (about 60% of the work), TEST_PART=rest everything else: two calls that each end well
-#              inside a 10-minute limit;
+#              inside a 10-minute limit; TEST_PART=files runs only the files or node ids given after
+#              the target (`TEST_PART=files bash scripts/gpu-check.sh tests tests/test_nnx.py`);
 #   timing     time per call where the host sets it (bf16 4096x1024), normkit through autograd against
 #              Liger, eager and torch.compile: benchmarks/bench.py at that shape, results in $OUT/timing.json;
 #   bench      the full benchmark (benchmarks/bench.py); results in $OUT/h200.json;
@@ -70,11 +71,12 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     all) part=(tests) ;;
     parity) part=(tests/test_parity.py) ;;
     rest) part=(tests --ignore=tests/test_parity.py) ;;
-    *) echo "TEST_PART must be all, parity or rest, not ${TEST_PART}"; exit 2 ;;
+    files) part=() ;;  # only the test files (or node ids) given as arguments
+    *) echo "TEST_PART must be all, parity, rest or files, not ${TEST_PART}"; exit 2 ;;
   esac
   NORMKIT_FAILURE_LOG="$OUT/failures.txt" NORMKIT_TEST_SHAPES=gpu NORMKIT_TEST_GPUS=$gpus timeout ${TEST_TIMEOUT:-570} \
     python3 -m pytest -q -n ${TEST_WORKERS:-$(nproc)} --dist $dist -p no:cacheprovider -p no:benchmark --durations=15 \
-    --junitxml="$OUT/tests.xml" --ignore=tests/test_notebooks.py -m "slow or not slow" "${part[@]}" "$@" 2>&1 | tee "$OUT/tests.log" | tail -40
+    --junitxml="$OUT/tests.xml" --ignore=tests/test_notebooks.py -m "slow or not slow" ${part[@]+"${part[@]}"} "$@" 2>&1 | tee "$OUT/tests.log" | tail -40
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [ "$what" = timing ]; then
