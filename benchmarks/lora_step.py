@@ -250,6 +250,7 @@ class Row:
         self.ids = ids
         self.times_ms: list = []
         self.rounds_ms: list = []
+        self.step_peak_gb = None  # GiB above the allocation at a round's start, the largest of the rounds (CUDA)
         self.last_loss = None
 
     def step(self, check: bool = False):
@@ -287,7 +288,7 @@ class Row:
         us = Timer.each(self.step, steps, torch_sync)
         if cuda:
             peak = (torch.cuda.max_memory_allocated(self.device) - before) / 2**30
-            self.step_peak_gb = max(getattr(self, "step_peak_gb", 0.0), peak)
+            self.step_peak_gb = peak if self.step_peak_gb is None else max(self.step_peak_gb, peak)
         ms = [t / 1e3 for t in us]
         self.times_ms += ms
         self.rounds_ms.append(statistics.median(ms))

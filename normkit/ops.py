@@ -60,12 +60,14 @@ class Grads:
     dx: bool  # x (and, for the fused add, residual: they share one gradient)
     dw: bool
     db: bool = False
-    any: bool = dataclasses.field(init=False, repr=False, compare=False)  # any gradient at all
-    reduces: bool = dataclasses.field(init=False, repr=False, compare=False)  # dW/dB: fp32 partials and a reduction
 
-    def __post_init__(self):
-        object.__setattr__(self, "any", bool(self.dx or self.dw or self.db))
-        object.__setattr__(self, "reduces", bool(self.dw or self.db))
+    @property
+    def any(self) -> bool:
+        return self.dx or self.dw or self.db
+
+    @property
+    def reduces(self) -> bool:  # dW/dB come from fp32 per-program partials and a reduction launch
+        return self.dw or self.db
 
 
 @dataclasses.dataclass(frozen=True)

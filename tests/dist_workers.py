@@ -400,20 +400,12 @@ ERROR_EXPECTATIONS = {  # case -> (exception type, words the message must contai
 }
 
 
-def _crash_and_error_failures(case: dict) -> tuple[list[str], bool]:
-    """A case's failed error checks (``name: what: message``), and whether it crashed (then the only entry)."""
-    if "crash" in case:
-        return [f"{case['name']} crashed:\n{case['crash']}"], True
-    errors = case.get("errors", {}).items()
-    return [f"{case['name']}: {k}: {v.get('message')}" for k, v in errors if not v.get("ok")], False
-
-
 def torch_failures(case: dict) -> list[str]:
     """What is wrong with one torch case's result (empty: it passes)."""
     name = case["name"]
-    bad, crashed = _crash_and_error_failures(case)
-    if crashed:
-        return bad
+    if "crash" in case:
+        return [f"{name} crashed:\n{case['crash']}"]
+    bad = [f"{name}: {k}: {v.get('message')}" for k, v in case.get("errors", {}).items() if not v.get("ok")]
     kind = case["kind"]
     if kind == "dtensor":
         sharded = case["placement"] != "R"
@@ -1032,9 +1024,9 @@ def _any_collective(h: dict) -> bool:
 def jax_failures(case: dict) -> list[str]:
     """What is wrong with one JAX case's result (empty: it passes)."""
     name = case["name"]
-    bad, crashed = _crash_and_error_failures(case)
-    if crashed:
-        return bad
+    if "crash" in case:
+        return [f"{name} crashed:\n{case['crash']}"]
+    bad = [f"{name}: {k}: {v.get('message')}" for k, v in case.get("errors", {}).items() if not v.get("ok")]
     kind = case["kind"]
     if kind == "sharded":
         N, params = case["N"], case["params"]

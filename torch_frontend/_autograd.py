@@ -124,10 +124,10 @@ def apply(route, op: Op, x, residual, weight, bias):
     return LayerNormFunction.apply(route, x, weight, bias)
 
 
-def _saved(tensors, dy, ds) -> tuple:
-    """``(saved, weight, bias, mean, rstd)`` of ``ctx.saved_tensors`` as the kernels read them: the saved
-    rows in the dtype and on the device of the gradients arriving (the output's), the per-row statistics
-    contiguous, in fp32, on their device.
+def _saved(ctx, dy, ds) -> tuple:
+    """``(saved, weight, bias, mean, rstd)`` as the kernels read them: the saved rows in the dtype and on
+    the device of the gradients arriving (the output's), the per-row statistics contiguous, in fp32,
+    on their device.
 
     A saved-tensor hook may hand back other tensors than were saved: in another dtype (one that
     widens or compresses what it stores), on another device (one that offloads), as a strided view,
@@ -135,7 +135,7 @@ def _saved(tensors, dy, ds) -> tuple:
     misread wider ones, a kernel reads a strided buffer as contiguous and a negated view's raw memory
     without its sign, and it cannot read host memory. The statistics are one number per row, so
     moving or copying them costs little; the rows are converted back only when a hook changed them."""
-    saved, weight, bias, mean, rstd = tensors
+    saved, weight, bias, mean, rstd = ctx.saved_tensors
     like = dy if dy is not None else ds
     if like is not None and (saved.dtype != like.dtype or saved.device != like.device):
         saved = saved.to(like.device, like.dtype)
@@ -148,11 +148,6 @@ def _saved(tensors, dy, ds) -> tuple:
     if mean is not None:
         mean = _statistic(mean, saved, traced)
     return saved, weight, bias, mean, rstd
-
-
-def _ready(t, like) -> bool:
-    """Whether per-row statistics can be read as they are: fp32, contiguous, on ``like``'s device."""
-    return t.dtype == torch.float32 and t.device == like.device and not t.is_neg() and t.is_contiguous()
 
 
 def _statistic(t, like, traced: bool):
@@ -195,19 +190,9 @@ def _backward(ctx, flags: tuple, dy, ds) -> tuple:
     tensors: by the route's kernels, or, under ``create_graph=True`` with something to differentiate
     or for a batched gradient, by differentiable torch operations."""
     route = ctx.route
-    tensors = ctx.saved_tensors  # unpacked once: a saved-tensor hook's unpack runs once per backward
-    if dy is not None and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        # the common case (a training loop's), every check of _incoming, _saved and _batched at once
-        saved, weight, bias, mean, rstd = tensors
-        if (not dy.is_neg() and not _is_legacy_batched(dy)
-                and (ds is None or not (ds.is_neg() or _is_legacy_batched(ds)))
-                and saved.dtype == dy.dtype and saved.device == dy.device and not saved.is_neg()
-                and (weight is None or not weight.is_neg()) and (bias is None or not bias.is_neg())
-                and _ready(rstd, saved) and (mean is None or _ready(mean, saved))):
-            return route.backward(saved, weight, bias, dy, ds, mean, rstd, flags)
     dy, ds = _incoming(dy, ds)
-    saved, weight, bias, mean, rstd = _saved(tensors, dy, ds)
-    if dy is not None and not torch.is_grad_enabled() and not _batched(dy) and not _batched(ds):
+    saved, weight, bias, mean, rstd = _saved(ctx, dy, ds)
+    if dy is not None and not torch.is_grad_enabled() and not _batched(dy) and not _batched(ds):  # the common case
         return route.backward(saved, weight, bias, dy, ds, mean, rstd, flags)
     if dy is None and ds is None:
         return None, None, None

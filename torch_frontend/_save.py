@@ -11,13 +11,13 @@ gradient, rows are longer than one element (a one-element row's dx cancels to ne
 recovering x_hat would cost relative accuracy), and the weight is *safe*: no column of
 ``weight + offset`` so small, nor of the bias so large against it, that dividing by it loses x_hat
 in x's dtype (``normkit.ops.OUTPUT_W_MIN``, ``OUTPUT_BIAS_RATIO``). Otherwise it keeps the input.
-The rule is ``normkit.saving.decide``, shared with the JAX frontend. ``"input"`` always keeps the input;
-``"output"`` always keeps the output, and raises where a parameter is trained or the weight is
-unsafe.
+The rule is ``normkit.saving.decide``, shared with the JAX frontend. ``"input"`` always keeps the
+input; ``"output"`` always keeps the output, and raises where a parameter is trained or the weight
+is unsafe.
 
 Safety is read from the weight's values once per version of it (the tensor object, its data
-pointer and ``_version``): one host synchronization when a frozen weight is first seen or changed, never one
-per call. ``save_decision`` answers the same question for a weight, with the reason.
+pointer and ``_version``): one host synchronization when a frozen weight is first seen or changed,
+never one per call. ``save_decision`` answers the same question for a weight, with the reason.
 
 Where the values cannot be read (``torch.compile`` traces fake tensors), ``"auto"`` keeps the output
 where no column can be unsafe but for a weight of exactly zero: no bias and no offset. A LayerNorm's

@@ -26,7 +26,7 @@ import torch.autograd.forward_ad as _forward_ad
 from normkit import checks, saving
 from normkit.ops import FUSED_ADD_RMS_NORM, LAYER_NORM, RMS_NORM, Op, Options
 from torch_frontend import _autograd, _bound, _composite, _save
-from torch_frontend._backend import DTYPE_NAMES, NormkitCopyWarning, dtype_name, resolve_neg
+from torch_frontend._backend import NormkitCopyWarning, dtype_name, resolve_neg
 from torch_frontend._library_ops import subclassed
 
 __all__ = ["rms_norm", "layer_norm", "fused_add_rms_norm", "NormkitCopyWarning"]
@@ -45,10 +45,7 @@ def _check(op: Op, x, residual, weight, bias, eps, offset, casting_mode, save) -
         if t.layout != torch.strided:
             raise TypeError(f"normkit: {name} has layout {t.layout}; normkit normalizes dense (torch.strided) tensors: "
                             f"pass {name}.to_dense()")
-
-    def spec(t):
-        return None if t is None else (tuple(t.shape), DTYPE_NAMES.get(t.dtype) or str(t.dtype).removeprefix("torch."))
-
+    spec = lambda t: None if t is None else (tuple(t.shape), dtype_name(t.dtype))  # noqa: E731
     checks.check(op, x_shape=spec(x)[0], x_dtype=spec(x)[1], residual=spec(residual), weight=spec(weight),
                  bias=spec(bias))
     opts = op.options(eps=eps, offset=offset, casting_mode=casting_mode)
