@@ -237,21 +237,21 @@ class Bound:
     is what the frontend kept: x (the fused add's sum s), or y when ``from_output``.
     """
 
-    __slots__ = ("backend", "op", "opts", "store_stats", "from_output", "b_dtype", "fwd", "_forward", "_bwd")
+    __slots__ = ("backend", "op", "opts", "store_stats", "from_output", "b_dtype", "fwd", "forward", "_bwd")
 
     def __init__(self, backend: Backend, op: Op, opts: Options, store_stats: bool, from_output: bool = False,
                  b_dtype: str = "float32"):
         self.backend, self.op, self.opts, self.store_stats = backend, op, opts, store_stats
         self.from_output, self.b_dtype = from_output, b_dtype
         self.fwd = None  # the forward plan, once bound (None also where there are no rows)
-        self._forward = None
+        # ``forward`` is the bound launch itself once the first call has bound it: a repeated call
+        # goes straight to the launch
+        self.forward = self._first_forward
         self._bwd: dict = {}
 
-    def forward(self, x, residual, weight, bias) -> tuple:
-        launch = self._forward
-        if launch is None:
-            launch = self._forward = self._bind_forward(x, residual, weight, bias)
-        return launch(x, residual, weight, bias)
+    def _first_forward(self, x, residual, weight, bias) -> tuple:
+        self.forward = self._bind_forward(x, residual, weight, bias)
+        return self.forward(x, residual, weight, bias)
 
     def _bind_forward(self, x, residual, weight, bias):
         """``launch(x, residual, weight, bias)`` for arrays of these layouts."""

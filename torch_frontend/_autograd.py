@@ -124,7 +124,7 @@ def apply(route, op: Op, x, residual, weight, bias):
     return LayerNormFunction.apply(route, x, weight, bias)
 
 
-def _saved(ctx, dy, ds) -> tuple:
+def _saved(ctx, dy, ds, traced: bool) -> tuple:
     """``(saved, weight, bias, mean, rstd)`` as the kernels read them: the saved rows in the dtype and on
     the device of the gradients arriving (the output's), the per-row statistics contiguous, in fp32,
     on their device.
@@ -134,17 +134,21 @@ def _saved(ctx, dy, ds) -> tuple:
     or as a lazily negated view. A launch bound to the compiled kernel of fp32 statistics would
     misread wider ones, a kernel reads a strided buffer as contiguous and a negated view's raw memory
     without its sign, and it cannot read host memory. The statistics are one number per row, so
-    moving or copying them costs little; the rows are converted back only when a hook changed them."""
+    moving or copying them costs little; the rows are converted back only when a hook changed them.
+    ``traced``: under ``torch.compile``, where dynamo reads values, not raw memory, and bans
+    ``is_neg``."""
     saved, weight, bias, mean, rstd = ctx.saved_tensors
     like = dy if dy is not None else ds
     if like is not None and (saved.dtype != like.dtype or saved.device != like.device):
         saved = saved.to(like.device, like.dtype)
-    traced = torch.compiler.is_compiling()  # dynamo reads values, not raw memory, and bans is_neg there
     if not traced and (saved.is_neg() or (weight is not None and weight.is_neg())
                        or (bias is not None and bias.is_neg())):
         saved = resolve_neg(saved, "the saved input")
         weight, bias = resolve_neg(weight, "the saved weight"), resolve_neg(bias, "the saved bias")
-    rstd = _statistic(rstd, saved, traced)
+    device = saved.device
+    if rstd.dtype != torch.float32 or rstd.device != device or not rstd.is_contiguous() or (not traced
+                                                                                           and rstd.is_neg()):
+        rstd = _statistic(rstd, saved, traced)
     if mean is not None:
         mean = _statistic(mean, saved, traced)
     return saved, weight, bias, mean, rstd
@@ -161,9 +165,7 @@ def _statistic(t, like, traced: bool):
 def _incoming(dy, ds) -> tuple:
     """The gradients arriving at the backward, with a lazy negation applied (autograd hands them on
     as the caller made them: ``z.conj().imag`` or ``torch._neg_view`` carry their sign as a flag that
-    a kernel reading the memory would not see)."""
-    if torch.compiler.is_compiling():  # traced: dynamo reads values, not raw memory, and bans is_neg here
-        return dy, ds
+    a kernel reading the memory would not see). Eager only: dynamo bans ``is_neg``."""
     if dy is not None and dy.is_neg():
         dy = resolve_neg(dy, "the output gradient")
     if ds is not None and ds.is_neg():
@@ -171,10 +173,10 @@ def _incoming(dy, ds) -> tuple:
     return dy, ds
 
 
-def _batched(t) -> bool:
-    """A gradient batched by ``autograd.grad(..., is_grads_batched=True)`` or a vectorized
-    ``autograd.functional.jacobian``: a tensor without storage, which no kernel can read."""
-    return t is not None and not torch.compiler.is_compiling() and _is_legacy_batched(t)
+def _batched(dy, ds) -> bool:
+    """An output gradient batched by ``autograd.grad(..., is_grads_batched=True)`` or a vectorized
+    ``autograd.functional.jacobian``: a tensor without storage, which no kernel can read. Eager only."""
+    return (dy is not None and _is_legacy_batched(dy)) or (ds is not None and _is_legacy_batched(ds))
 
 
 _is_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
@@ -190,13 +192,17 @@ def _backward(ctx, flags: tuple, dy, ds) -> tuple:
     tensors: by the route's kernels, or, under ``create_graph=True`` with something to differentiate
     or for a batched gradient, by differentiable torch operations."""
     route = ctx.route
-    dy, ds = _incoming(dy, ds)
-    saved, weight, bias, mean, rstd = _saved(ctx, dy, ds)
-    if dy is not None and not torch.is_grad_enabled() and not _batched(dy) and not _batched(ds):  # the common case
+    traced = torch.compiler.is_compiling()
+    batched = False
+    if not traced:
+        dy, ds = _incoming(dy, ds)
+        batched = _batched(dy, ds)
+    saved, weight, bias, mean, rstd = _saved(ctx, dy, ds, traced)
+    if dy is not None and not batched and not torch.is_grad_enabled():  # the common case
         return route.backward(saved, weight, bias, dy, ds, mean, rstd, flags)
     if dy is None and ds is None:
         return None, None, None
-    if _batched(dy) or _batched(ds):  # one backward per batch element: torch operations vmap over them
+    if batched:  # one backward per batch element: torch operations vmap over them
         return differentiable_backward(route, saved, weight, bias, dy, ds, rstd, GRADS[flags])
     if torch.is_grad_enabled():  # only under create_graph=True
         if any(t is not None and t.requires_grad for t in (dy, ds, saved, weight)):

@@ -76,10 +76,7 @@ def resolve_neg(t: torch.Tensor | None, name: str) -> torch.Tensor | None:
 
 def keys(*tensors) -> tuple:
     """What a plan fixes of each tensor: class, shape, strides, dtype and device (None for None)."""
-    out = []
-    for t in tensors:
-        out.append(None if t is None else (t.__class__, t.shape, t.stride(), t.dtype, t.device))
-    return tuple(out)
+    return tuple([None if t is None else (t.__class__, t.shape, t.stride(), t.dtype, t.device) for t in tensors])
 
 
 @functools.lru_cache(maxsize=None)

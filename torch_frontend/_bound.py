@@ -37,10 +37,11 @@ class Signature:
     """A validated call signature: its ``Bound`` for each choice of what the backward keeps, and the
     choices made for the weights seen with it."""
 
-    __slots__ = ("op", "opts", "store_stats", "b_dtype", "save", "_bounds", "_decisions")
+    __slots__ = ("op", "opts", "store_stats", "b_dtype", "save", "_decides", "_bounds", "_decisions")
 
     def __init__(self, op: Op, opts: Options, store_stats: bool, b_dtype: str, save: str):
         self.op, self.opts, self.store_stats, self.b_dtype, self.save = op, opts, store_stats, b_dtype, save
+        self._decides = store_stats and save != "input"  # else every call keeps the input
         self._bounds = [None, None]  # keeping the input, keeping the output
         self._decisions: dict = {}
 
@@ -56,14 +57,21 @@ class Signature:
         """The ``Bound``s made so far."""
         return [b for b in self._bounds if b is not None]
 
+    def route(self, x, weight, bias) -> driver.Bound:
+        """The ``Bound`` of this call: keeping the output where ``saves_output`` says so, else the input."""
+        from_output = self._decides and self.saves_output(x, weight, bias)
+        return self._bounds[from_output] or self.bound(from_output)
+
     def saves_output(self, x, weight, bias) -> bool:
         """Whether this call keeps its output (``_save.saves_output``); x's dtype and row length, and
         every option, are the signature's, so the answer is remembered per weight and bias identity,
         data pointer, version and grad flag."""
-        if not self.store_stats or self.save == "input":
+        if not self._decides:
             return False
-        k = (None if weight is None else (_save.uid(weight), weight.data_ptr(), weight._version, weight.requires_grad),
-             None if bias is None else (_save.uid(bias), bias.data_ptr(), bias._version, bias.requires_grad))
+        k = (None if weight is None else (getattr(weight, "_normkit_uid", None) or _save.uid(weight), weight.data_ptr(),
+                                          weight._version, weight.requires_grad),
+             None if bias is None else (getattr(bias, "_normkit_uid", None) or _save.uid(bias), bias.data_ptr(),
+                                        bias._version, bias.requires_grad))
         decision = self._decisions.get(k)
         if decision is None:
             if len(self._decisions) >= DECISIONS_LIMIT:

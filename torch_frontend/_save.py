@@ -49,12 +49,13 @@ class SaveDecision:
 
 _SAFETY: dict = {}
 _SAFETY_LIMIT = 1024
-_UIDS = itertools.count()
+_UIDS = itertools.count(1)
 
 
 def uid(t) -> int:
-    """The tensor object's own number, given on first sight: a data pointer alone is not an identity (a
-    freed weight's memory is handed to the next tensor, whose ``_version`` starts at 0 again)."""
+    """The tensor object's own number (from 1), given on first sight: a data pointer alone is not an
+    identity (a freed weight's memory is handed to the next tensor, whose ``_version`` starts at 0
+    again)."""
     n = getattr(t, "_normkit_uid", None)
     if n is None:
         n = t._normkit_uid = next(_UIDS)
