@@ -522,7 +522,7 @@ def markdown(result: dict) -> str:
         f"Llama (random init): {c['layers']} layers, hidden {c['hidden']}, intermediate {c['intermediate']}, "
         f"{c['heads']} heads, vocab {c['vocab']}; batch {c['batch']} x seq {c['seq']}, {c['dtype']} on "
         f"{env.get('device_name', c['device'])}. PEFT LoRA r=16 alpha 32 on {', '.join(c['lora']['targets'])} "
-        f"(norm weights frozen); AdamW over the LoRA parameters. {c['steps']} timed steps after {c['warmup']} "
+        f"(norm weights frozen; adapters in {c['lora'].get('adapter_dtype', 'float32')}); AdamW over the LoRA parameters. {c['steps']} timed steps after {c['warmup']} "
         f"warmup{' (dry run: numbers mean nothing)' if c['dry_run'] else ''}.",
         "",
         f"Versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + ".",
@@ -604,6 +604,10 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES))
     p.add_argument("--targets", choices=sorted(TARGETS), default="attn",
                    help="the LoRA-wrapped linears: attn (q/k/v/o_proj) or all-linear (also gate/up/down_proj)")
+    p.add_argument("--adapter-dtype", choices=("float32", "model"), default="float32",
+                   help="float32: PEFT's default (autocast_adapter_dtype=True: fp32 adapters on a bf16 model, each "
+                        "keeping an fp32 copy of its input); model: the adapters in the model's dtype, keeping "
+                        "their input (the norm's output) itself (benchmarks.models.llama_lora)")
     p.add_argument("--steps", type=int, help="timed steps per variant, split over --rounds")
     p.add_argument("--rounds", type=int, default=3, help="rounds of timed steps, interleaved across a mode's variants")
     p.add_argument("--warmup", type=int, help="steps before timing, the first (checked, compiling) one included")
@@ -654,7 +658,7 @@ def main(argv=None) -> int:
     cfg = {k: getattr(args, k) for k in ("layers", "hidden", "intermediate", "heads", "vocab", "seq", "batch",
                                          "dtype", "steps", "warmup", "seed")}
     cfg.update(device=device.type, dry_run=dry, modes=modes, variants=variants, lora={
-        "r": 16, "alpha": 32, "dropout": 0.0, "targets": list(TARGETS[args.targets])},
+        "r": 16, "alpha": 32, "dropout": 0.0, "targets": list(TARGETS[args.targets]), "adapter_dtype": args.adapter_dtype},
         optimizer="AdamW(lr=1e-4), LoRA params",
         loss_rtol=args.loss_rtol, grad_rtol=args.grad_rtol)
     log(f"config {json.dumps(cfg)}")
@@ -662,7 +666,7 @@ def main(argv=None) -> int:
 
     base, _ = llama_lora(layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, heads=args.heads,
                          vocab=args.vocab, max_positions=max(args.seq, 128), dtype=dtype, device=device, seed=args.seed,
-                         targets=TARGETS[args.targets])
+                         targets=TARGETS[args.targets], adapter_dtype=args.adapter_dtype)
     cfg["intermediate"] = base.config.intermediate_size
     cfg["attn_implementation"] = getattr(base.config, "_attn_implementation", None)
     cfg["total_params"] = sum(p.numel() for p in base.parameters())

@@ -40,12 +40,21 @@ class Unavailable(Exception):
 def llama_lora(*, layers: int, hidden: int, heads: int, vocab: int, intermediate: int | None = None,
                kv_heads: int | None = None, max_positions: int = 2048, dtype: torch.dtype = torch.float32,
                device="cpu", seed: int = 0, norms: str = "hf", r: int = 16, alpha: int | None = None,
-               targets=LORA_TARGETS, init_lora_weights: bool = True, attn_implementation: str | None = None):
+               targets=LORA_TARGETS, init_lora_weights: bool = True, attn_implementation: str | None = None,
+               adapter_dtype: str = "float32"):
     """``(model, info)``: the LoRA-wrapped Llama with ``norms``, and ``swap_norms``' account of them.
 
     ``intermediate`` defaults to Llama's 11008 / 4096 of ``hidden`` (64-aligned), ``kv_heads`` to
     ``heads``, ``alpha`` to ``2 * r``. ``init_lora_weights=False`` draws B at random too (PEFT's default
-    starts it at zero), so that every LoRA gradient is non-zero from the first step."""
+    starts it at zero), so that every LoRA gradient is non-zero from the first step.
+
+    ``adapter_dtype``: ``"float32"`` (PEFT's default, ``autocast_adapter_dtype=True``: a bf16 or fp16
+    model's adapters are fp32, and each adapter keeps an fp32 copy of its input for the backward, not the
+    input itself) or ``"model"`` (``autocast_adapter_dtype=False``: the adapters in the model's dtype keep
+    their input, the norm's output, itself). Which one decides what a norm that keeps its output saves:
+    only with ``"model"`` is that output alive anyway, so that the norm's input is freed at no cost."""
+    if adapter_dtype not in ("float32", "model"):
+        raise ValueError(f"adapter_dtype must be 'float32' or 'model', not {adapter_dtype!r}")
     import peft
     import transformers
 
@@ -71,7 +80,7 @@ def llama_lora(*, layers: int, hidden: int, heads: int, vocab: int, intermediate
     with warnings.catch_warnings():
         # peft 0.21 reads transformers' deprecated is_gradient_checkpointing; harmless here.
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        model = peft.get_peft_model(model, lora)
+        model = peft.get_peft_model(model, lora, autocast_adapter_dtype=adapter_dtype == "float32")
     model.train()
     return model, swap_norms(model, norms)
 

@@ -127,6 +127,22 @@ def test_llama_lora_trains_the_adapters_only():
         swap_norms(model, "liger")
 
 
+@pytest.mark.parametrize("adapter_dtype, expected", [("float32", "float32"), ("model", "bfloat16")])
+def test_llama_lora_adapter_dtype(adapter_dtype, expected):
+    """PEFT's default gives a bf16 model fp32 adapters; ``adapter_dtype="model"`` keeps them in bf16."""
+    import torch
+
+    from benchmarks.models import llama_lora
+
+    expected = getattr(torch, expected)
+    model, _ = llama_lora(layers=1, hidden=32, heads=2, vocab=64, intermediate=64, r=4, targets=("q_proj",),
+                          dtype=torch.bfloat16, adapter_dtype=adapter_dtype)
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {expected}
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
+    with pytest.raises(ValueError, match="adapter_dtype must be"):
+        llama_lora(layers=1, hidden=32, heads=2, vocab=64, adapter_dtype="fp16")
+
+
 # ---------------------------------------------------------------------------------------------
 # The report's arithmetic on a made-up file.
 
