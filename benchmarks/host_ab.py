@@ -24,14 +24,28 @@ GPU machine, from the repository root::
     git archive 8e63874 normkit torch_frontend | (mkdir -p build/ab_old && tar -x -C build/ab_old)
     python3 benchmarks/host_ab.py --tree before=build/ab_old --tree after=. --rounds 3 --out "$OUT"
 
-On a CPU (``--dry-run``: 64x256 fp32 in Triton's interpreter, one call per figure) it only exercises
-the code.
+``--same-process`` measures every tree in one process instead: each tree's ``normkit`` and
+``torch_frontend`` are copied (under ``build/``) with their packages and torch.library namespace
+renamed (``nk_<i>``, ``tf_<i>``), so that all of them import side by side; then, per case, ``--blocks``
+blocks of ``--block-calls`` back-to-back calls run every tree and eager in turn (each block starting
+one later), each block timed alone and synchronized at its end. A row gives the median block time of
+the tree and of eager, the median of the per-block ratio to eager, and that of the per-block ratio to
+the first tree (``vs_first``). The machine's drift, which moves host time by tens of percent between
+processes and within one over seconds, then lands on every tree alike::
+
+    python3 benchmarks/host_ab.py --same-process --tree before=build/ab_old --tree after=. --out "$OUT"
+
+On a CPU (``--dry-run``: 64x256 fp32 in Triton's interpreter, one call per figure, or per block) it
+only exercises the code.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import shutil
 import statistics
+import time
 import subprocess
 import sys
 from pathlib import Path
@@ -70,6 +84,15 @@ def _calls(tf, F, torch, op: str, kind: str, x, r, w, b, dy):
     return wrap(ours), wrap(eager)
 
 
+def _inputs(torch, dry: bool):
+    device, dtype, shape = ("cpu", torch.float32, (64, 256)) if dry else ("cuda", torch.bfloat16, (4096, 1024))
+    gen = torch.Generator(device=device).manual_seed(0)
+    rand = lambda *s: torch.randn(*s, generator=gen, device=device, dtype=dtype)  # noqa: E731
+    x, r, dy = rand(*shape).requires_grad_(), rand(*shape).requires_grad_(), rand(*shape)
+    w, b = rand(shape[1]) * 0.1 + 1, rand(shape[1]) * 0.1
+    return x, r, w, b, dy
+
+
 def worker(dry: bool) -> dict:
     """Time every case in this process (the tree to measure is first on sys.path)."""
     import torch
@@ -78,11 +101,7 @@ def worker(dry: bool) -> dict:
     import torch_frontend as tf
     from benchmarks.timing import Timer, torch_sync
 
-    device, dtype, shape = ("cpu", torch.float32, (64, 256)) if dry else ("cuda", torch.bfloat16, (4096, 1024))
-    gen = torch.Generator(device=device).manual_seed(0)
-    rand = lambda *s: torch.randn(*s, generator=gen, device=device, dtype=dtype)  # noqa: E731
-    x, r, dy = rand(*shape).requires_grad_(), rand(*shape).requires_grad_(), rand(*shape)
-    w, b = rand(shape[1]) * 0.1 + 1, rand(shape[1]) * 0.1
+    x, r, w, b, dy = _inputs(torch, dry)
     timer = Timer(dry=True) if dry else Timer(warmup_ms=100, rep_ms=400, batches=7)
     out = {"normkit_file": tf.__file__}
     for op, kind in CASES:
@@ -93,12 +112,96 @@ def worker(dry: bool) -> dict:
     return out
 
 
+def renamed_copy(src: Path, dst: Path, i: int) -> tuple[str, str]:
+    """``src``'s ``normkit`` and ``torch_frontend`` copied into ``dst`` as ``nk_<i>`` and ``tf_<i>`` (imports,
+    module references, the torch.library namespace and resource lookups renamed), so that several
+    trees import in one process; returns the two package names."""
+    nk, tf = f"nk_{i}", f"tf_{i}"
+    rules = [(r"\b(from|import) normkit\b", rf"\1 {nk}"), (r"\b(from|import) torch_frontend\b", rf"\1 {tf}"),
+             (r"\bnormkit\.(?=[A-Za-z_])", f"{nk}."), (r"\btorch_frontend\.(?=[A-Za-z_])", f"{tf}."),
+             (r'"normkit(::|")', rf'"{nk}\1')]
+    for pkg, new in (("normkit", nk), ("torch_frontend", tf)):
+        shutil.rmtree(dst / new, ignore_errors=True)
+        shutil.copytree(src / pkg, dst / new, ignore=shutil.ignore_patterns("__pycache__"))
+        for f in (dst / new).rglob("*.py"):
+            text = f.read_text()
+            for pattern, repl in rules:
+                text = re.sub(pattern, repl, text)
+            f.write_text(text)
+    return nk, tf
+
+
+def same_process_worker(packages: list, dry: bool, blocks: int, block_calls: int) -> dict:
+    """Every tree's calls and eager's, in one process, in interleaved blocks (the module docstring)."""
+    import importlib
+
+    import torch
+    import torch.nn.functional as F
+
+    from benchmarks.timing import torch_sync
+
+    x, r, w, b, dy = _inputs(torch, dry)
+    mods = {name: importlib.import_module(tf) for name, tf in packages}
+    out = {"files": {name: m.__file__ for name, m in mods.items()}, "cases": {}}
+    sync = torch_sync if not dry else (lambda _out: None)
+    for op, kind in CASES:
+        fns = {}
+        for name, m in mods.items():
+            fns[name], eager = _calls(m, F, torch, op, kind, x, r, w, b, dy)
+        fns["eager"] = eager
+        for fn in fns.values():  # compile / first-call work, and a warm-up, outside the timing
+            for _ in range(1 if dry else 20):
+                fn()
+        names, times = list(fns), {name: [] for name in fns}
+        for block in range(blocks):
+            for name in names[block % len(names):] + names[:block % len(names)]:
+                fn = fns[name]
+                sync(fn())
+                t = time.perf_counter()
+                for _ in range(block_calls):
+                    last = fn()
+                sync(last)
+                times[name].append((time.perf_counter() - t) / block_calls * 1e6)
+        out["cases"][f"{op} {kind}"] = times
+    return out
+
+
+def _same_process(a, trees: dict) -> dict:
+    work = REPO / "build" / "host_ab_trees"
+    work.mkdir(parents=True, exist_ok=True)
+    packages = [(name, renamed_copy(Path(path).resolve(), work, i)[1]) for i, (name, path) in enumerate(trees.items())]
+    code = ("import sys, json; sys.path[:0] = [%r, %r]; from benchmarks.host_ab import same_process_worker; "
+            "print(json.dumps(same_process_worker(%r, %r, %d, %d)))"
+            % (str(work), str(REPO), packages, a.dry_run, a.blocks, a.block_calls))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    if proc.returncode:
+        sys.stderr.write(proc.stderr)
+        raise SystemExit("host_ab: the same-process worker failed")
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, tf in packages:
+        if not res["files"][name].startswith(str(work / tf)):
+            raise SystemExit(f"host_ab: tree {name} imported {res['files'][name]}, not its renamed copy")
+    names, rows = list(trees), []
+    for op, kind in CASES:
+        times = res["cases"][f"{op} {kind}"]
+        for name in names:
+            rows.append({"op": op, "call": kind, "tree": name, "normkit_us": statistics.median(times[name]),
+                         "eager_us": statistics.median(times["eager"]),
+                         "ratio": statistics.median(o / e for o, e in zip(times[name], times["eager"])),
+                         "vs_first": statistics.median(o / f for o, f in zip(times[name], times[names[0]]))})
+    return {"rows": rows, "runs": res}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tree", action="append", default=[], help="NAME=PATH of a checkout (repeat)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=None, help="directory for host_ab.json and host_ab.md")
     p.add_argument("--dry-run", action="store_true", help="CPU: tiny fp32 shapes, one call per figure")
+    p.add_argument("--same-process", action="store_true",
+                   help="every tree in one process, interleaved blocks of calls (the module docstring)")
+    p.add_argument("--blocks", type=int, default=40, help="--same-process: blocks per case")
+    p.add_argument("--block-calls", type=int, default=100, help="--same-process: calls per block")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
@@ -111,6 +214,10 @@ def main(argv=None) -> int:
         if not (Path(path) / "torch_frontend").is_dir():
             p.error(f"--tree {name}={path}: no torch_frontend/ there")
     names = list(trees)
+    if a.same_process:
+        if a.dry_run:
+            a.blocks, a.block_calls = min(a.blocks, 2), 1
+        return _report(a, trees, **_same_process(a, trees))
     runs = {name: [] for name in names}
     for rnd in range(a.rounds):
         for name in names[rnd % len(names):] + names[:rnd % len(names)]:
@@ -136,13 +243,21 @@ def main(argv=None) -> int:
             rows.append({"op": op, "call": kind, "tree": name, "normkit_us": statistics.median(ours),
                          "eager_us": statistics.median(eager),
                          "ratio": statistics.median(o / e for o, e in zip(ours, eager))})
+    return _report(a, trees, rows, runs)
+
+
+def _report(a, trees: dict, rows: list, runs) -> int:
     from benchmarks.env import versions
 
-    result = {"trees": trees, "rounds": a.rounds, "dry_run": a.dry_run, "versions": versions(), "rows": rows,
-              "runs": runs}
-    lines = ["| op | call | tree | normkit µs | eager µs | normkit ÷ eager |", "|---|---|---|---|---|---|"]
+    same = a.same_process
+    result = {"trees": trees, "mode": "same-process" if same else "processes", "dry_run": a.dry_run,
+              "versions": versions(), "rows": rows, "runs": runs}
+    result.update({"blocks": a.blocks, "block_calls": a.block_calls} if same else {"rounds": a.rounds})
+    extra = " ÷ first tree |" if same else ""
+    lines = ["| op | call | tree | normkit µs | eager µs | normkit ÷ eager |" + extra,
+             "|---|---|---|---|---|---|" + ("---|" if same else "")]
     lines += [f"| {r['op']} | {r['call']} | {r['tree']} | {r['normkit_us']:.1f} | {r['eager_us']:.1f} | {r['ratio']:.2f} |"
-              for r in rows]
+              + (f" {r['vs_first']:.3f} |" if same else "") for r in rows]
     print("\n".join(lines))
     if a.out:
         out = Path(a.out)

@@ -522,7 +522,8 @@ def markdown(result: dict) -> str:
         f"Llama (random init): {c['layers']} layers, hidden {c['hidden']}, intermediate {c['intermediate']}, "
         f"{c['heads']} heads, vocab {c['vocab']}; batch {c['batch']} x seq {c['seq']}, {c['dtype']} on "
         f"{env.get('device_name', c['device'])}. PEFT LoRA r=16 alpha 32 on {', '.join(c['lora']['targets'])} "
-        f"(norm weights frozen; adapters in {c['lora'].get('adapter_dtype', 'float32')}); AdamW over the LoRA parameters. {c['steps']} timed steps after {c['warmup']} "
+        f"(norm weights frozen; adapters in "
+        f"{'the model dtype' if c['lora'].get('adapter_dtype') == 'model' else 'float32, PEFT default'}); AdamW over the LoRA parameters. {c['steps']} timed steps after {c['warmup']} "
         f"warmup{' (dry run: numbers mean nothing)' if c['dry_run'] else ''}.",
         "",
         f"Versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()) + ".",

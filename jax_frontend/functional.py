@@ -272,8 +272,8 @@ def rms_norm(x: jax.Array, weight: jax.Array | None = None, eps: float = 1e-6, *
             y: by value where the weight is known when the rule is traced (not a tracer), else always
             but for a LayerNorm with a bias (the kernels then give a NaN dx where a column's weight is
             too small to divide by). ``"input"`` keeps x; ``"output"`` keeps y, and raises where a
-            parameter is differentiated or its known values are unsafe. Keeping y frees x, which a
-            LoRA step otherwise holds for the norm alone.
+            parameter is differentiated or its known values are unsafe. Keeping y frees x where y is
+            kept anyway (an adapter in x's dtype) and x is held for the norm alone.
 
     Returns:
         ``(..., D)`` in x.dtype. The math is in ``normkit.reference.rms_norm``.

@@ -15,7 +15,8 @@
 #   tune       the launch-configuration sweep (scripts/tune.py; --write-tiles updates normkit/tiles.json);
 #   multi      the two-GPU check (scripts/multi_gpu.py: torchrun + NCCL, then JAX on a 2-device mesh);
 #   host-ab    host time of two checkouts' Torch calls, alternately (benchmarks/host_ab.py; name them
-#              with --tree NAME=PATH, e.g. a `git archive` of an older commit carried in build/);
+#              with --tree NAME=PATH, e.g. a `git archive` of an older commit carried in build/;
+#              --same-process interleaves them in one process, the steadier comparison);
 #   lora       the LoRA training-step benchmark (benchmarks/lora_step.py);
 #   nnx        the Flax NNX LoRA training-step benchmark (benchmarks/nnx_lora_step.py);
 #   build-notebooks  regenerate the executed .ipynb at full size (notebooks/build.py --size full [names]),

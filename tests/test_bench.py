@@ -330,3 +330,42 @@ def test_host_ab_dry_run_alternates_trees_and_reports_every_case(tmp_path):
     assert doc["runs"]["b"][0]["normkit_file"].startswith(str(copy))
     assert doc["runs"]["a"][0]["normkit_file"].startswith(str(REPO))
     assert (out / "host_ab.md").read_text().count("\n") == 2 + 2 * len(host_ab.CASES)
+
+
+@pytest.mark.slow
+def test_host_ab_same_process_imports_every_tree_renamed(tmp_path):
+    """benchmarks/host_ab.py --same-process: each tree's packages load under their own names in one
+    process (the renamed copy's files, its own torch.library namespace), a row per case and tree, the
+    first tree's ratio to itself exactly 1."""
+    from benchmarks import host_ab
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "host_ab.py"), "--dry-run", "--same-process",
+           "--tree", f"a={REPO}", "--tree", f"b={REPO}", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((out / "host_ab.json").read_text())
+    assert doc["mode"] == "same-process"
+    assert {(r["op"], r["call"], r["tree"]) for r in doc["rows"]} == {
+        (op, kind, t) for op, kind in host_ab.CASES for t in ("a", "b")}
+    for r in doc["rows"]:
+        assert r["normkit_us"] > 0 and r["eager_us"] > 0
+        assert r["vs_first"] == 1.0 if r["tree"] == "a" else r["vs_first"] > 0
+    files = doc["runs"]["files"]
+    assert files["a"].endswith("tf_0/__init__.py") and files["b"].endswith("tf_1/__init__.py")
+
+
+def test_renamed_copy_leaves_no_reference_to_the_original_packages(tmp_path):
+    """The renamed copy imports nothing of ``normkit`` / ``torch_frontend`` (those would be the other
+    tree's) and registers its torch.library ops under its own namespace."""
+    import re
+
+    from benchmarks.host_ab import renamed_copy
+
+    nk, tf = renamed_copy(REPO, tmp_path, 7)
+    assert (nk, tf) == ("nk_7", "tf_7")
+    for f in list((tmp_path / nk).rglob("*.py")) + list((tmp_path / tf).rglob("*.py")):
+        text = f.read_text()
+        assert not re.search(r"\b(from|import) (normkit|torch_frontend)\b", text), f
+        assert '"normkit::' not in text and 'files("normkit")' not in text, f
+    assert '"nk_7::norm_fwd"' in (tmp_path / tf / "_library_ops.py").read_text()

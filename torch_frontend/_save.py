@@ -2,9 +2,11 @@
 
 With the weight and bias frozen (LoRA, PEFT), the normalized row can be recovered from the output:
 ``x_hat = (y - bias) / (weight + offset)``, so the backward needs y instead of x (``normkit.driver``,
-``from_output``). In a LoRA model y is kept alive anyway (the adapter's first linear saves it), so
-the norm's saved x, often the only reference left to that activation, is freed: one activation per
-norm less.
+``from_output``). Where y is kept alive anyway (a LoRA adapter in the activations' dtype saves it
+as its input), the norm's saved x, often the only reference left to that activation, is freed: one
+activation per norm less. An adapter that computes in another dtype (PEFT's default fp32 adapters on
+a bf16 model) saves its own converted copy instead; then keeping y saves nothing, and costs nothing
+either.
 
 ``save="auto"`` (the default) keeps the output where every parameter is frozen, x needs a
 gradient, rows are longer than one element (a one-element row's dx cancels to nearly zero, where

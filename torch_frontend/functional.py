@@ -143,8 +143,9 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float 
             round at the end) or ``"none"`` (products rounded to x.dtype).
         save: what the backward keeps: ``"auto"`` (the output where every parameter is frozen and the
             weight allows recovering x_hat from it, else the input), ``"input"`` or ``"output"`` (raises
-            for a trained parameter or such a weight). Keeping the output frees x, which a LoRA model
-            otherwise holds for the norm alone; see ``torch_frontend.save_decision``.
+            for a trained parameter or such a weight). Keeping the output frees x where y is kept
+            anyway (a LoRA adapter in x's dtype keeps it) and x is held for the norm alone; see
+            ``torch_frontend.save_decision``.
 
     Returns:
         ``(..., D)`` in x.dtype. The math is in ``normkit.reference.rms_norm``.

@@ -402,7 +402,8 @@ def patch_model(
             listed in the report with the reason.
         save: what the new modules' backward keeps (``torch_frontend.rms_norm``'s ``save``): with
             ``"auto"``, a norm whose parameters are frozen keeps its output rather than its input
-            where its weight allows (one activation per norm less in a LoRA model); the report lists,
+            where its weight allows (one activation per norm less in a LoRA model whose adapters
+            compute in the activations' dtype); the report lists,
             for each patched norm, which it keeps and why (``PatchReport.saves``).
 
     Returns:
