@@ -229,6 +229,7 @@ def test_peer_selection_names_the_jax_implementations():
 # A CPU dry run, end to end.
 
 
+@pytest.mark.slow  # a tool's end-to-end dry run: the slow tier
 def test_dry_run_writes_schema_report_and_readme(tmp_path):
     out = tmp_path / "results" / "dry.json"
     readme = tmp_path / "README.md"

@@ -568,6 +568,7 @@ def test_import_jax_frontend_does_not_import_flax():
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@pytest.mark.slow  # a tool's end-to-end dry run: the slow tier
 def test_benchmark_smoke_run(tmp_path):
     """benchmarks/nnx_lora_step.py --smoke: the JSON and Markdown, every row ok and checked."""
     pytest.importorskip("pandas")  # its Markdown table (not in the [jax] install)

@@ -87,6 +87,7 @@ def _stderr(nb):
             if o.output_type == "stream" and o.name == "stderr" and not ALLOWED_STDERR.search(o.text)]
 
 
+@pytest.mark.slow  # every notebook end to end, about 2 minutes of CPU: the slow tier
 @pytest.mark.parametrize("source", SOURCES, ids=[p.stem for p in SOURCES])
 def test_notebook_executes_at_smoke_size(source, tmp_path, monkeypatch):
     synthetic = source.stem.startswith("02_") and not COMMITTED_RESULTS.exists()

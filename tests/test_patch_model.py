@@ -137,6 +137,47 @@ def test_lora_path_runs_dw_free_backward(kind):
         assert_close(_np(p.grad), _np(ref_params[name].grad), "float32", f"grad {name}")
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_lora_under_hf_gradient_checkpointing(use_reentrant):
+    """transformers' gradient checkpointing over a patched LoRA model: the checkpointed layers' forward
+    runs twice (once without keeping anything, once again in the backward), and the norms' backward,
+    from the recomputed forward, still keeps the output, computes no dW and gives the unpatched,
+    un-checkpointed model's LoRA gradients. What keeping the output saves is then transient: a
+    checkpointed layer holds its activations only while its own backward runs, so one norm input at a
+    time, not one per norm."""
+    ref = _lora(_tiny("llama", seed=31))
+    model = copy.deepcopy(ref)
+    tf.patch_model(model)
+    model.train()
+    if hasattr(model, "activation_checkpointing_enable"):  # the name from transformers 5.2x on
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    if use_reentrant:  # the reentrant checkpoint needs an input that requires grad (the embeddings are frozen)
+        model.enable_input_require_grads()
+    ids = _tokens(32)
+    out_ref = ref(input_ids=ids, labels=ids)
+    out_ref.loss.backward()
+    with normkit.record_launches() as log:
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+    fwd, bwd = log.of("norm_fwd_kernel"), log.of("norm_bwd_kernel")
+    assert len(fwd) == 2 * (2 * LAYERS) + 1  # the layers' norms twice (forward, then recomputed), the final one once
+    # checkpointing a model with frozen embeddings makes their output require grad (transformers' own
+    # enable_input_require_grads for adapters): the first norm computes a dx as well
+    assert len(bwd) == 2 * LAYERS + 1
+    for launch in bwd:
+        assert launch.flags["FROM_Y"] and launch.flags["COMPUTE_DX"] and not launch.flags["COMPUTE_DW"], launch.flags
+    assert log.of("partial_sum_kernel") == []
+    assert_close(out.loss.item(), out_ref.loss.item(), "float32", "loss")
+    ref_params = dict(ref.named_parameters())
+    lora = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert lora and all("lora_" in n for n, _ in lora)
+    for name, p in lora:
+        assert np.abs(_np(ref_params[name].grad)).max() > 0, name
+        assert_close(_np(p.grad), _np(ref_params[name].grad), "float32", f"grad {name}")
+
+
 def test_lora_with_one_trained_norm_reduces_only_that_one():
     ref = _lora(_tiny("llama", seed=31))
     ref.base_model.model.model.norm.weight.requires_grad_(True)  # e.g. a norm listed in modules_to_save

@@ -27,6 +27,7 @@ def run_script(*argv: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow  # a tool's end-to-end dry run: the slow tier
 def test_tune_dry_run():
     out = run_script("scripts/tune.py", "--dry-run", "--shapes", "72x48")
     for op in OPS:
@@ -149,6 +150,7 @@ def test_shipped_tiles_name_their_measurement():
         assert 0 < m["us"] < m["baseline_us"] and m["baseline"] != e["tile"], e
 
 
+@pytest.mark.slow  # a tool's end-to-end dry run: the slow tier
 def test_lora_step_runs_an_independent_copy_of_a_variant_as_its_control(tmp_path):
     import json
 
@@ -168,6 +170,7 @@ def test_lora_step_runs_an_independent_copy_of_a_variant_as_its_control(tmp_path
         run_script("benchmarks/lora_step.py", "--dry-run", "--variants", "hf,hf", "--out", str(tmp_path))
 
 
+@pytest.mark.slow  # a tool's end-to-end dry run: the slow tier
 def test_lora_step_dry_run(tmp_path):
     import json
 
