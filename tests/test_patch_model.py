@@ -61,6 +61,27 @@ def _tokens(seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
+def _step_both(ref, model, seed: int):
+    """``(ref's output, model's output, model's launch log)`` of one forward and backward of each."""
+    ids = _tokens(seed)
+    out_ref = ref(input_ids=ids, labels=ids)
+    out_ref.loss.backward()
+    with normkit.record_launches() as log:
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+    return out_ref, out, log
+
+
+def _assert_lora_grads_match(model, ref) -> None:
+    """Only LoRA parameters are trained in ``model``, and their gradients are ``ref``'s (non-zero)."""
+    ref_params = dict(ref.named_parameters())
+    lora = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert lora and all("lora_" in n for n, _ in lora)
+    for name, p in lora:
+        assert np.abs(_np(ref_params[name].grad)).max() > 0, name  # a comparison that can fail
+        assert_close(_np(p.grad), _np(ref_params[name].grad), "float32", f"grad {name}")
+
+
 # ---------------------------------------------------------------------------------------------
 # Whole models: full fine-tuning and LoRA.
 
@@ -75,12 +96,7 @@ def test_full_model_outputs_and_gradients_match(kind):
     assert {old.__name__ for _, old, _ in report.patched} == {norm_cls}
     assert not any(type(m).__name__ == norm_cls for m in model.modules())
 
-    ids = _tokens(12)
-    out_ref = ref(input_ids=ids, labels=ids)
-    out_ref.loss.backward()
-    with normkit.record_launches() as log:
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
+    out_ref, out, log = _step_both(ref, model, 12)
     assert len(log.of("norm_fwd_kernel")) == 2 * LAYERS + 1
     # Every norm weight is trained here, so every backward reduces dW.
     assert len(log.of("partial_sum_kernel")) == 2 * LAYERS + 1
@@ -111,12 +127,7 @@ def test_lora_path_runs_dw_free_backward(kind):
     norm_weights = [m.weight for m in model.modules() if isinstance(m, tf.RMSNorm)]
     assert len(norm_weights) == 2 * LAYERS + 1 and not any(w.requires_grad for w in norm_weights)
 
-    ids = _tokens(22)
-    out_ref = ref(input_ids=ids, labels=ids)
-    out_ref.loss.backward()
-    with normkit.record_launches() as log:
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
+    out_ref, out, log = _step_both(ref, model, 22)
 
     bwd = log.of("norm_bwd_kernel")
     # The first input norm sees the frozen embeddings (no grad needed at all); every later norm's
@@ -129,12 +140,7 @@ def test_lora_path_runs_dw_free_backward(kind):
     assert all(w.grad is None for w in norm_weights)
 
     assert_close(out.loss.item(), out_ref.loss.item(), "float32", "loss")
-    ref_params = dict(ref.named_parameters())
-    lora = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    assert lora and all("lora_" in n for n, _ in lora)
-    for name, p in lora:
-        assert np.abs(_np(ref_params[name].grad)).max() > 0, name  # a comparison that can fail
-        assert_close(_np(p.grad), _np(ref_params[name].grad), "float32", f"grad {name}")
+    _assert_lora_grads_match(model, ref)
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
@@ -155,12 +161,7 @@ def test_lora_under_hf_gradient_checkpointing(use_reentrant):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
     if use_reentrant:  # the reentrant checkpoint needs an input that requires grad (the embeddings are frozen)
         model.enable_input_require_grads()
-    ids = _tokens(32)
-    out_ref = ref(input_ids=ids, labels=ids)
-    out_ref.loss.backward()
-    with normkit.record_launches() as log:
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
+    out_ref, out, log = _step_both(ref, model, 32)
     fwd, bwd = log.of("norm_fwd_kernel"), log.of("norm_bwd_kernel")
     assert len(fwd) == 2 * (2 * LAYERS) + 1  # the layers' norms twice (forward, then recomputed), the final one once
     # checkpointing a model with frozen embeddings makes their output require grad (transformers' own
@@ -170,12 +171,7 @@ def test_lora_under_hf_gradient_checkpointing(use_reentrant):
         assert launch.flags["FROM_Y"] and launch.flags["COMPUTE_DX"] and not launch.flags["COMPUTE_DW"], launch.flags
     assert log.of("partial_sum_kernel") == []
     assert_close(out.loss.item(), out_ref.loss.item(), "float32", "loss")
-    ref_params = dict(ref.named_parameters())
-    lora = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    assert lora and all("lora_" in n for n, _ in lora)
-    for name, p in lora:
-        assert np.abs(_np(ref_params[name].grad)).max() > 0, name
-        assert_close(_np(p.grad), _np(ref_params[name].grad), "float32", f"grad {name}")
+    _assert_lora_grads_match(model, ref)
 
 
 def test_lora_with_one_trained_norm_reduces_only_that_one():
