@@ -145,10 +145,7 @@ def _saved(ctx, dy, ds, traced: bool) -> tuple:
                        or (bias is not None and bias.is_neg())):
         saved = resolve_neg(saved, "the saved input")
         weight, bias = resolve_neg(weight, "the saved weight"), resolve_neg(bias, "the saved bias")
-    device = saved.device
-    if rstd.dtype != torch.float32 or rstd.device != device or not rstd.is_contiguous() or (not traced
-                                                                                           and rstd.is_neg()):
-        rstd = _statistic(rstd, saved, traced)
+    rstd = _statistic(rstd, saved, traced)
     if mean is not None:
         mean = _statistic(mean, saved, traced)
     return saved, weight, bias, mean, rstd
