@@ -19,12 +19,18 @@
 # losses and gradients stay as accurate as with the model's own norms, and what does it do to the step
 # time and memory?
 #
-# **Answer.** On the H200 (first figure, from the committed LoRA-step benchmarks) normkit's norms give
-# the fastest eager step of the three in every configuration, with less memory than Hugging Face's;
-# compiled, normkit's step is the fastest at 16 layers of hidden size 1024 and within 1% of Hugging
-# Face's at 4 layers of 4096 (the printed lines under the figure give the numbers). In this run's
-# training (later figures), the patched model's losses and LoRA gradients are as close to a float64
-# run as the unpatched model's, and the frozen norm weights get no gradient.
+# **Answer.** On the H200 (the first figures, from the committed LoRA-step benchmarks) normkit's norms
+# give the fastest eager step of the three in every configuration; compiled, a step from 0.1% faster
+# to 1.4% slower than Hugging Face's (Inductor generates a frozen norm in both). They also hold less memory: with the
+# adapters in the model's dtype, a frozen norm keeps its output for the backward, which the adapter
+# keeps anyway, instead of its input. With LoRA on every linear of a 16 x 2048 Llama at 8192 tokens the
+# step peaks at 11.38 GiB against Hugging Face's 13.35 eager (0.85x; Liger and normkit keeping the
+# input: 12.35) and 8.70 against 9.67 compiled (0.90x); with LoRA on q/k/v/o, 0.90x eager and 0.95x
+# compiled. With PEFT's default float32 adapters, keeping the output saves nothing over keeping the
+# input (each adapter keeps its own float32 copy of it). The printed lines under the figures give
+# every run's numbers. In this run's training (later figures), the patched model's losses and LoRA
+# gradients are as close to a float64 run as the unpatched model's, and the frozen norm weights get
+# no gradient.
 #
 # A fine-tuner's view of the frozen-parameter backward: drop normkit into a model that is already
 # being trained, without touching its code.
@@ -70,77 +76,117 @@ display(table(list(environment().items()), ["component", "version or device"]))
 # ## The answer on the H200: step time and memory of a LoRA step
 #
 # From the committed LoRA-step benchmarks (`benchmarks/lora_step.py`, results
-# `benchmarks/results/lora_step_*.json`, one group of bars per model and mode; the table gives each
-# model's sequence length and batch): a random-init Llama in bf16 with PEFT LoRA (r = 16) on q/k/v/o and
-# the norm weights frozen, AdamW on the adapters. Each
-# variant changes only the norms: Hugging Face's `LlamaRMSNorm` (`hf`), Liger's `LigerRMSNorm`
-# (`liger`), `torch_frontend.patch_model` (`normkit`) and the same with the residual add fused into the
-# norm (`normkit_fused`); eager and under `torch.compile`. `hf#2`, where a run has it, is a second,
-# independently compiled copy of the HF model timed beside the others: its distance to `hf` is what
-# that run cannot resolve. Step time is the median of the timed steps; memory is the step's peak
-# allocation above the resident model; the norms' own time is their kernels' device time per step from
-# a profile. One group of bars per committed run (the file's name after `lora_step_h200_`) and mode.
-# Nothing here is measured where the notebook runs.
+# `benchmarks/results/lora_step_*.json`): a random-init Llama in bf16 with PEFT LoRA (r = 16) on the
+# attention projections (q/k/v/o) or on every linear, the norm weights frozen, AdamW on the adapters.
+# Each variant changes only the norms: Hugging Face's `LlamaRMSNorm` (`hf`), Liger's `LigerRMSNorm`
+# (`liger`), `torch_frontend.patch_model` (`normkit`, which keeps the norm's output for the backward
+# where every parameter is frozen), the same with `save="input"` (`normkit_input`, which keeps the
+# input as every other library does) and with the residual add fused into the norm (`normkit_fused`);
+# eager and under `torch.compile`. `hf#2`, where a run has it, is a second, independently built copy of
+# the HF model timed beside the others: its distance to `hf` is what that run cannot resolve. Step time
+# is the median of the timed steps. Nothing here is measured where the notebook runs.
+#
+# **Memory** is each variant's own step peak: the largest allocation during its timed steps above what
+# was allocated when they began (the models and optimizer states). Runs before that measure existed
+# recorded one peak over variants that had already run and are left out of the memory figure. Keeping
+# the output frees the norm's input only where something else keeps the output anyway: a LoRA adapter
+# whose input is the norm's output keeps it when the adapter computes in the model's dtype (`bf16
+# adapters`, PEFT's `autocast_adapter_dtype=False`). PEFT's default gives a bf16 model float32 adapters,
+# which keep a float32 copy of their input instead; then keeping y costs what keeping x did (`fp32
+# adapters`: the same memory as keeping the input).
 
 # %%
-VARIANT_COLORS = {"hf": "tab:orange", "hf#2": "navajowhite", "liger": "tab:blue", "normkit": "black",
-                  "normkit_fused": "tab:gray"}
+VARIANT_COLORS = {"hf": "tab:orange", "hf#2": "navajowhite", "liger": "tab:blue", "normkit_input": "silver",
+                  "normkit": "black", "normkit_fused": "tab:gray"}
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def run_label(cfg: dict, mode: str, source: Source) -> str:
+    """A short label of a run's model, LoRA, mode and commit (one group of bars per run: variants are
+    compared only within one), e.g. '16x2048 all linear, 8192x1\\nbf16 adapters, compiled, 519f690'."""
+    lora = cfg.get("lora") or {}
+    targets = "q/k/v/o" if lora.get("targets", ATTENTION) == ATTENTION else "all linear"
+    adapters = {"model": f"{cfg['dtype']} adapters", "float32": "fp32 adapters"}.get(lora.get("adapter_dtype"),
+                                                                                   "fp32 adapters")
+    return (f"{cfg['layers']}x{cfg['hidden']} {targets}, {cfg['seq']}x{cfg['batch']}\n{adapters}, {mode}, "
+            f"{(source.commit or 'no commit')[:7]}")
+
+
 lora_files = sorted(RESULTS_DIR.glob("lora_step_*.json"))
 step_rows, lora_sources = [], []
 for path in lora_files:
     doc = json.loads(path.read_text())
-    lora_sources.append(Source.of(path, doc))
+    source = Source.of(path, doc)
+    lora_sources.append(source)
     cfg = doc["config"]
     for r in doc["rows"]:
         if r.get("status") != "ok":
             continue
-        step_rows.append({"run": path.stem.removeprefix("lora_step_").removeprefix("h200_"),
-                          "config": f"{cfg['layers']} x {cfg['hidden']}", "seq x batch": f"{cfg['seq']} x {cfg['batch']}",
-                          "mode": {"compile": "compiled"}.get(r["mode"], r["mode"]),
+        mode = {"compile": "compiled"}.get(r["mode"], r["mode"])
+        step_rows.append({"run": run_label(cfg, mode, source), "file": path.stem.removeprefix("lora_step_"),
                           "variant": r["variant"], "step (ms)": r["step_ms"]["median"],
                           "step min (ms)": r["step_ms"]["min"], "step max (ms)": r["step_ms"]["max"],
-                          "step memory (GB)": r.get("step_peak_over_resident_gb"),
+                          # each variant's own peak; older files have none (one peak over several variants)
+                          "step memory (GiB)": r.get("step_peak_gb"),
                           # 0 ms "by kernel name": no normkit kernel ran (Inductor generated the frozen norm)
                           "norm kernels (ms per step)": r.get("norm_ms") or None,
-                          "norm share of step (%)": r.get("norm_pct") or None,
-                          "norm attribution": (r.get("norm_method") or "").split(":")[0],
                           "loss Δ vs hf eager": r.get("loss_diff_vs_hf"), "timed steps": r.get("steps")})
+# two files of one commit, model and mode are two runs: number the second, so that no group mixes runs
+labels: dict = {}
+for r in step_rows:
+    taken = [f for (label, f) in labels if label == r["run"]]
+    if r["file"] not in taken:
+        labels[r["run"], r["file"]] = r["run"] + (f" ({len(taken) + 1})" if taken else "")
+    r["run"] = labels[r["run"], r["file"]]
 STEPS = table(step_rows)
+
+
+def bars(rows: list[dict], column: str, ylabel: str, title: str, fmt: str, ax) -> None:
+    groups = list(dict.fromkeys(r["run"] for r in rows))
+    variants = [v for v in VARIANT_COLORS if any(r["variant"] == v for r in rows)]
+    at = {(r["run"], r["variant"]): r[column] for r in rows}
+    grouped_bars(ax, groups, {v: [at.get((g, v)) for g in groups] for v in variants}, colors=VARIANT_COLORS,
+                 annotate=fmt)
+    ax.tick_params(axis="x", labelsize=7, rotation=90)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(title="norms", fontsize=7, ncol=3, loc="upper left")
+
+
 if step_rows:
-    groups = list(dict.fromkeys(f"{r['run']}\n{r['mode']}" for r in step_rows))
-    variants = [v for v in VARIANT_COLORS if any(r["variant"] == v for r in step_rows)]
-    at = {(f"{r['run']}\n{r['mode']}", r["variant"]): r for r in step_rows}
-
-    def series(column):
-        return {v: [at.get((g, v), {}).get(column) for g in groups] for v in variants}
-
-    fig, axes = plt.subplots(3, 1, figsize=(14, 12))
-    panels = [("step (ms)", "median step time (ms)", "Step time (lower is better)", "{:.1f}"),
-              ("step memory (GB)", "step peak above the model (GB)", "Memory of a step", "{:.2f}"),
-              ("norm kernels (ms per step)", "norm device time per step (ms)", "Time in the norms' kernels", "{:.2f}")]
-    for ax, (column, ylabel, title, fmt) in zip(axes, panels):
-        grouped_bars(ax, groups, series(column), colors=VARIANT_COLORS, annotate=fmt)
-        ax.set_ylabel(ylabel)
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("run (model: layers x hidden size) and mode")
-        ax.legend(title="norms", fontsize=7, ncol=2, loc="upper left")
-    axes[2].text(0.98, 0.97, "no bar: no kernel is the norm's alone\n(compiled, Inductor generates the norm\n"
-                 "and fuses it with its neighbours)", transform=axes[2].transAxes, ha="right", va="top", fontsize=7)
     devices = ", ".join(dict.fromkeys(s.device or "an unrecorded device" for s in lora_sources))
+    sources = "Committed results:\n" + "\n".join(s.label() for s in lora_sources)
+    memory_rows = [r for r in step_rows if r["step memory (GiB)"] is not None]
+    if memory_rows:
+        fig, ax = plt.subplots(figsize=(12, 6))
+        bars(memory_rows, "step memory (GiB)", "step peak above the models (GiB)",
+             "Memory of a LoRA step (lower is better)", "{:.2f}", ax)
+        fig.suptitle(f"LoRA training step on the {devices}: what the norms' saved tensors cost (Llama, bf16)")
+        fig.tight_layout()
+        footnote(fig, sources)
+        show(fig)
+        for run, g in STEPS[STEPS["step memory (GiB)"].notna()].groupby("run", sort=False):
+            mem = dict(zip(g["variant"], g["step memory (GiB)"]))
+            if {"hf", "normkit"} <= mem.keys():
+                others = ", ".join(f"{v} {m:.2f}" for v, m in mem.items() if v not in ("hf", "normkit"))
+                print(f"{run.replace(chr(10), ', ')}: normkit {mem['normkit']:.2f} GiB = "
+                      f"{mem['normkit'] / mem['hf']:.3f} x hf's {mem['hf']:.2f}" + (f" ({others})" if others else ""))
+    fig, ax = plt.subplots(figsize=(14, 6))
+    bars(step_rows, "step (ms)", "median step time (ms)", "Step time of a LoRA step (lower is better)", "{:.1f}", ax)
     fig.suptitle(f"LoRA training step on the {devices}: Hugging Face, Liger and normkit norms (Llama, bf16)")
     fig.tight_layout()
-    footnote(fig, "Committed results:\n" + "\n".join(s.label() for s in lora_sources))
+    footnote(fig, sources)
     show(fig)
     display(STEPS.round(3))
-    for (run, config, mode), g in STEPS.groupby(["run", "config", "mode"], sort=False):
+    for run, g in STEPS.groupby("run", sort=False):
         ms = dict(zip(g["variant"], g["step (ms)"]))
         ranked = ", ".join(f"{v} {t:.1f} ms" for v, t in sorted(ms.items(), key=lambda kv: kv[1]))
         against = f"; normkit against hf: {100 * (ms['normkit'] / ms['hf'] - 1):+.1f}%" if {"hf", "normkit"} <= ms.keys() else ""
         control = f", hf#2 against hf: {100 * (ms['hf#2'] / ms['hf'] - 1):+.1f}%" if {"hf", "hf#2"} <= ms.keys() else ""
-        print(f"{run} ({config}), {mode}: {ranked}{against}{control}")
+        print(f"{run.replace(chr(10), ', ')}: {ranked}{against}{control}")
 else:
     print("No LoRA-step results are committed (benchmarks/results/lora_step_*.json): run "
-          "`bash scripts/gpu-check.sh lora` on the GPU machine and commit its JSON to draw this figure.")
+          "`bash scripts/gpu-check.sh lora` on the GPU machine and commit its JSON to draw these figures.")
 
 # %% [markdown]
 # ## Torch: a tiny Llama, LoRA, and `patch_model`
