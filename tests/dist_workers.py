@@ -151,6 +151,8 @@ def torch_case(mesh, name: str, op_name: str, placement: str, shape, trained: tu
     from torch.distributed.tensor import Replicate, distribute_tensor
     from torch.distributed.tensor.debug import CommDebugMode
 
+    import normkit
+
     op = OPS[op_name]
     dtype = getattr(torch, dtype_name)
     data = _torch_inputs(op_name, shape, dtype, device, _seed(name))
@@ -167,8 +169,10 @@ def torch_case(mesh, name: str, op_name: str, placement: str, shape, trained: tu
     dist_cots = [distribute_tensor(c, mesh, [pl]) for c in cots]
     with CommDebugMode() as fwd:
         out = _call_torch(op_name, dist_in)
-    with CommDebugMode() as bwd:
+    with CommDebugMode() as bwd, normkit.record_launches() as log:
         torch.autograd.backward(out, dist_cots)
+    # what each backward read: the output (FROM_Y, every parameter frozen) or the input
+    from_output = [bool(launch.flags.get("FROM_Y")) for launch in log if "bwd" in launch.kernel]
     grad_placements = {n: (str(tuple(dist_in[n].grad.placements)) if dist_in[n].grad is not None else None)
                        for n in op.inputs}
     with CommDebugMode() as red:  # what reducing the parameter gradients costs (Partial -> Replicate)
@@ -189,7 +193,7 @@ def torch_case(mesh, name: str, op_name: str, placement: str, shape, trained: tu
                                  reduced_over=M if n in op.params else 1)
     return {"kind": "dtensor", "name": name, "op": op_name, "placement": placement, "shape": list(shape),
             "trained": list(trained), "params": list(op.params), "errors": errs,
-            "grad_placements": grad_placements,
+            "grad_placements": grad_placements, "backward_from_output": from_output,
             "comms": {"forward": comm_counts(fwd), "backward": comm_counts(bwd), "reduce": comm_counts(red)}}
 
 
@@ -320,6 +324,8 @@ def torch_data_parallel(mesh, device: str, shape=TINY) -> list[dict]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    import normkit
+
     try:
         from torch.distributed.fsdp import fully_shard
     except ImportError:  # pragma: no cover  (torch < 2.6)
@@ -337,24 +343,25 @@ def torch_data_parallel(mesh, device: str, shape=TINY) -> list[dict]:
 
     ddp = DistributedDataParallel(_small_model(device, D), device_ids=[torch.device(device).index]
                                   if torch.device(device).type == "cuda" else None)
-    (ddp(local) ** 2).mean().backward()
-    out.append(_dp_record("ddp", {n: p.grad for n, p in ddp.module.named_parameters()}, ref_grads, B * S))
+    with normkit.record_launches() as log:
+        (ddp(local) ** 2).mean().backward()
+    out.append(_dp_record("ddp", {n: p.grad for n, p in ddp.module.named_parameters()}, ref_grads, B * S, log))
 
     model = _small_model(device, D)
     for layer in model:
         if any(True for _ in layer.parameters()):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    with comm_counter() as comms:
+    with comm_counter() as comms, normkit.record_launches() as log:
         (model(local) ** 2).mean().backward()
     grads = {n: (p.grad.full_tensor() if p.grad is not None else None) for n, p in model.named_parameters()}
-    record = _dp_record("fsdp2", grads, ref_grads, B * S)
+    record = _dp_record("fsdp2", grads, ref_grads, B * S, log)
     record["comms"] = comms.summary()
     out.append(record)
     return out
 
 
-def _dp_record(name, grads: dict, ref_grads: dict, rows: int) -> dict:
+def _dp_record(name, grads: dict, ref_grads: dict, rows: int, log) -> dict:
     errs = {}
     for n, rg in ref_grads.items():
         g = grads.get(n)
@@ -363,7 +370,10 @@ def _dp_record(name, grads: dict, ref_grads: dict, rows: int) -> dict:
         elif g is not None:
             errs[n] = _err(g.detach().float().cpu(), rg.float().cpu(), "float32", n, reduced_over=rows)
     return {"kind": "data_parallel", "name": name, "errors": errs,
-            "frozen_without_grad": sorted(n for n, g in ref_grads.items() if g is None and grads.get(n) is None)}
+            "frozen_without_grad": sorted(n for n, g in ref_grads.items() if g is None and grads.get(n) is None),
+            # per backward launch, by kernel: whether it read the output (the RMSNorm, its weight frozen)
+            "backward_from_output": sorted((launch.kernel, bool(launch.flags.get("FROM_Y")))
+                                           for launch in log if "bwd" in launch.kernel)}
 
 
 def torch_cases(device: str, shape=TINY, dtype_name: str = "float32") -> list[dict]:
@@ -420,6 +430,11 @@ def torch_failures(case: dict) -> list[str]:
             want = None if p not in case["trained"] else "(Partial(sum),)" if sharded else "(Replicate(),)"
             if got != want:
                 bad.append(f"{name}: {p}.grad placements {got}, expected {want}")
+        # save="auto": the backward keeps the output exactly when every parameter is frozen
+        if case["backward_from_output"] != [not trained_params] * len(case["backward_from_output"]) or not \
+                case["backward_from_output"]:
+            bad.append(f"{name}: backward launches read the output: {case['backward_from_output']}, expected "
+                       f"{not trained_params} in each")
         for o in ("y", "residual_out"):
             if o in case["errors"] and case["errors"][o]["placements"] != str((_placement(case["placement"]),)):
                 bad.append(f"{name}: {o} placements {case['errors'][o]['placements']}")
@@ -440,6 +455,10 @@ def torch_failures(case: dict) -> list[str]:
         frozen = {"1.weight", "3.bias"}
         if set(case["frozen_without_grad"]) != frozen:
             bad.append(f"{name}: parameters without gradient {case['frozen_without_grad']}, expected {sorted(frozen)}")
+        # the RMSNorm (weight frozen) keeps its output; the LayerNorm (weight trained) its input
+        if sorted(f for _, f in case["backward_from_output"]) != [False, True]:
+            bad.append(f"{name}: backward launches reading the output: {case['backward_from_output']}, expected "
+                       "the RMSNorm's alone")
     return bad
 
 

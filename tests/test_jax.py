@@ -15,6 +15,7 @@ import zlib
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
@@ -782,7 +783,8 @@ def _row_residuals(f, *args) -> list:
 def test_a_frozen_norm_keeps_its_output_in_the_residuals(op, implementation):
     """A frozen norm followed by a LoRA-style linear that keeps its input (the norm's output y): with
     save="auto" the residuals hold one row-sized array (y, kept once for both), with save="input" two
-    (x, or the fused add's sum, and y); under jit, scan and checkpoint alike; and the gradients agree
+    (x, or the fused add's sum, and y); under jit, scan, checkpoint and a shard_map over a mesh alike;
+    and the gradients agree
     with the float64 reference either way."""
     try:
         jf.resolve_implementation(implementation)
@@ -808,7 +810,13 @@ def test_a_frozen_norm_keeps_its_output_in_the_residuals(op, implementation):
     def checkpointed(x, a, save):
         return jax.checkpoint(lambda t, b: loss(t, b, save), policy=jax.checkpoint_policies.everything_saveable)(x, a)
 
-    for how, f in (("plain", loss), ("scan", scanned), ("checkpoint", checkpointed)):
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def on_a_mesh(x, a, save):  # rows split over a mesh axis, in a shard_map (the parameters closed over)
+        return jax.shard_map(lambda t, b: jax.lax.psum(loss(t, b, save), "data"), mesh=mesh,
+                             in_specs=(P("data"), P()), out_specs=P())(x, a)
+
+    for how, f in (("plain", loss), ("scan", scanned), ("checkpoint", checkpointed), ("shard_map", on_a_mesh)):
         kept = {save: _row_residuals(lambda t, b: f(t, b, save), x, a) for save in ("auto", "input")}
         # inside a scan or a checkpoint the closed-over parameters are traced: "auto" cannot see a
         # LayerNorm's bias against its weight there, and keeps the input (jax_frontend.rms_norm's docstring)

@@ -104,7 +104,8 @@ def test_frozen_weight_skips_dw_in_every_implementation(impl, how):
     assert bwd.partial_buffers == () and not log.of("partial_sum_kernel")
 
 
-@pytest.mark.parametrize("impl", IMPLS_HERE)
+@pytest.mark.parametrize("impl", [pytest.param(*p.values, marks=[*p.marks, pytest.mark.slow]) if p.values[0] == "pallas"
+                                  else p for p in IMPLS_HERE])  # Pallas's interpreter: about 10 s each, the slow tier
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_transformations_in_every_implementation(impl, op):
     """grad of vmap, vmap of grad (per-example dW), scan over layers and checkpoint: each against the

@@ -254,17 +254,21 @@ def test_parity(impl, op_name, dtype):
     _run_and_check(impl, cases, stats_free=True)
 
 
-def test_row_lengths(impl, monkeypatch):
-    """N = 1, a power of two plus one (4097) and the longest row (65536); LayerNorm's long rows also
-    through the persistent grids (the default for them: forward and dx-only backward, bf16 and fp32),
-    several tiles per program."""
+def test_row_lengths(impl):
+    """N = 1 and a power of two plus one (4097)."""
+    _run_and_check(impl, [Case(name, Config(Casting.FP32, 0.0, True, name == "layer_norm"), shape, "float32")
+                          for name in sorted(OPS) for shape in ((3, 1), (2, 4097))])
+
+
+@pytest.mark.slow  # about 18 s in the Pallas interpreter
+def test_long_row_lengths(impl, monkeypatch):
+    """The longest row (65536); LayerNorm's long rows also through the persistent grids (the default
+    for them: forward and dx-only backward, bf16 and fp32), several tiles per program."""
     monkeypatch.setattr(_pallas, "NUM_SMS", 4)
     monkeypatch.setattr(_pallas, "PERSISTENT_LAYER_NORM", True)
-    cases = [Case(name, Config(Casting.FP32, 0.0, True, name == "layer_norm"), shape, "float32")
-             for name in sorted(OPS) for shape in ((3, 1), (2, 4097))]
-    cases.append(Case("rms_norm", Config(Casting.ROUND_NORMALIZED, 1.0, True, False), (2, 65536), "bfloat16"))
-    cases.append(Case("layer_norm", Config(Casting.FP32, 0.0, True, True), (20, 5000), "bfloat16"))
-    cases.append(Case("layer_norm", Config(Casting.FP32, 0.0, True, True), (20, 3000), "float32"))  # fp32: persistent from 4096
+    cases = [Case("rms_norm", Config(Casting.ROUND_NORMALIZED, 1.0, True, False), (2, 65536), "bfloat16"),
+             Case("layer_norm", Config(Casting.FP32, 0.0, True, True), (20, 5000), "bfloat16"),
+             Case("layer_norm", Config(Casting.FP32, 0.0, True, True), (20, 3000), "float32")]  # fp32: persistent from 4096
     if impl is _pallas:
         for backward in (False, True):
             for dtype in ("bfloat16", "float32"):
