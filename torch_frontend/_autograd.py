@@ -124,7 +124,7 @@ def apply(route, op: Op, x, residual, weight, bias):
     return LayerNormFunction.apply(route, x, weight, bias)
 
 
-def _saved(saved_tensors: tuple, dy, ds, traced: bool) -> tuple:
+def _saved(ctx, dy, ds, traced: bool) -> tuple:
     """``(saved, weight, bias, mean, rstd)`` as the kernels read them: the saved rows in the dtype and on
     the device of the gradients arriving (the output's), the per-row statistics contiguous, in fp32,
     on their device.
@@ -137,7 +137,7 @@ def _saved(saved_tensors: tuple, dy, ds, traced: bool) -> tuple:
     moving or copying them costs little; the rows are converted back only when a hook changed them.
     ``traced``: under ``torch.compile``, where dynamo reads values, not raw memory, and bans
     ``is_neg``."""
-    saved, weight, bias, mean, rstd = saved_tensors
+    saved, weight, bias, mean, rstd = ctx.saved_tensors
     like = dy if dy is not None else ds
     if like is not None and (saved.dtype != like.dtype or saved.device != like.device):
         saved = saved.to(like.device, like.dtype)
@@ -177,7 +177,6 @@ def _batched(dy, ds) -> bool:
 
 
 _is_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
-_F32 = torch.float32
 
 SECOND_ORDER_ERROR = (
     "normkit: this norm kept its output rather than its input for the backward (save='auto' with every "
@@ -191,25 +190,12 @@ def _backward(ctx, flags: tuple, dy, ds) -> tuple:
     or for a batched gradient, by differentiable torch operations."""
     route = ctx.route
     traced = torch.compiler.is_compiling()
-    saved_tensors = ctx.saved_tensors
-    if not traced:
-        saved, weight, bias, mean, rstd = saved_tensors
-        # The common eager case, every check of ``_incoming``, ``_batched``, ``_saved`` and
-        # ``_statistic`` passing in one expression: kernels read every tensor as it is.
-        if (dy is not None and not torch.is_grad_enabled() and not dy.is_neg() and not _is_legacy_batched(dy)
-                and (ds is None or not (ds.is_neg() or _is_legacy_batched(ds)))
-                and saved.dtype == dy.dtype and saved.device == dy.device and not saved.is_neg()
-                and (weight is None or not weight.is_neg()) and (bias is None or not bias.is_neg())
-                and rstd.dtype is _F32 and rstd.device == saved.device and not rstd.is_neg() and rstd.is_contiguous()
-                and (mean is None or (mean.dtype is _F32 and mean.device == saved.device and not mean.is_neg()
-                                      and mean.is_contiguous()))):
-            return route.backward(saved, weight, bias, dy, ds, mean, rstd, flags)
     batched = False
     if not traced:
         dy, ds = _incoming(dy, ds)
         batched = _batched(dy, ds)
-    saved, weight, bias, mean, rstd = _saved(saved_tensors, dy, ds, traced)
-    if dy is not None and not batched and not torch.is_grad_enabled():
+    saved, weight, bias, mean, rstd = _saved(ctx, dy, ds, traced)
+    if dy is not None and not batched and not torch.is_grad_enabled():  # the common case
         return route.backward(saved, weight, bias, dy, ds, mean, rstd, flags)
     if dy is None and ds is None:
         return None, None, None
