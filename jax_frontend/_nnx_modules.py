@@ -23,7 +23,7 @@ from flax.nnx.nn import dtypes, initializers
 from jax.sharding import PartitionSpec as P
 
 from jax_frontend import functional
-from normkit import saving
+from normkit import checks
 from normkit.ops import LAYER_NORM, MAX_N, RMS_NORM, X_DTYPES
 
 __all__ = ["RMSNorm", "LayerNorm", "FusedAddRMSNorm", "unsupported"]
@@ -91,7 +91,7 @@ def _check_construction(**settings) -> None:
 def _check_options(op, *, epsilon, offset=0.0, casting_mode=FLAX_CASTING_MODE, implementation=None,
                    save="auto") -> None:
     op.options(eps=epsilon, offset=offset, casting_mode=casting_mode)  # raises, naming a bad option
-    saving.check_save(save)
+    checks.check_save(save)
     if implementation is not None and implementation not in functional.IMPLEMENTATIONS:
         raise ValueError(f"normkit: unknown implementation {implementation!r}; expected None or one of "
                          f"{functional.IMPLEMENTATIONS}")

@@ -23,7 +23,7 @@ from flax import nnx
 
 from jax_frontend import _nnx_modules as modules
 from jax_frontend import functional
-from normkit import saving
+from normkit import checks
 from normkit.patch_report import PatchReport as _PatchReport
 
 __all__ = ["patch_model", "unpatch_model", "PatchReport"]
@@ -111,7 +111,7 @@ def patch_model(model: nnx.Module, *, rms_norm: bool = True, layer_norm: bool = 
     if implementation is not None and implementation not in functional.IMPLEMENTATIONS:
         raise ValueError(f"normkit: unknown implementation {implementation!r}; expected None or one of "
                          f"{functional.IMPLEMENTATIONS}")
-    saving.check_save(save)
+    checks.check_save(save)
     report = PatchReport()
     for path, module in list(nnx.iter_modules(model)):
         cls = type(module)

@@ -30,7 +30,7 @@ from normkit.ops import FUSED_ADD_RMS_NORM, LAYER_NORM, RMS_NORM, Grads, Op, Opt
 
 __all__ = ["rms_norm", "layer_norm", "fused_add_rms_norm", "IMPLEMENTATIONS", "resolve_implementation"]
 
-SAVES = saving.SAVES
+SAVES = checks.SAVES
 
 # ---------------------------------------------------------------------------------------------
 # Implementations: the same op, its frozen semantics and its custom_vjp, over three sets of kernels.
@@ -235,7 +235,7 @@ def _call(op: Op, x, residual=None, weight=None, bias=None, *, eps, offset=0.0, 
     checks.check(op, x_shape=tuple(x.shape), x_dtype=_launch.dtype_name(x.dtype), residual=spec(residual),
                  weight=spec(weight), bias=spec(bias))
     opts = op.options(eps=eps, offset=offset, casting_mode=casting_mode)
-    saving.check_save(save)
+    checks.check_save(save)
     base = _implementation_module(resolve_implementation(implementation, x))
     # Distributed (jax_frontend/_shard_map.py, _custom_partitioning.py): inside a caller's shard_map,
     # inputs varying alike; a parameter sharded over Explicit mesh axes gathered; x sharded over

@@ -6,6 +6,14 @@ from __future__ import annotations
 
 from normkit.ops import MAX_N, PARAM_DTYPES, X_DTYPES, Op
 
+SAVES = ("auto", "input", "output")  # what a norm keeps for its backward (``normkit.saving``)
+
+
+def check_save(save) -> None:
+    """Raises, naming the argument, for anything but one of ``SAVES``."""
+    if not isinstance(save, str) or save not in SAVES:
+        raise ValueError(f"normkit: save must be one of {SAVES}; got {save!r}")
+
 
 def _dtype(name: str, dtype: str, allowed: tuple) -> None:
     if dtype not in allowed:

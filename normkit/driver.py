@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from normkit.launch import plan_backward, plan_forward
-from normkit.ops import Grads, Op, Options
+from normkit.ops import GRADS, Grads, Op, Options
 
 
 class Backend(Protocol):
@@ -100,9 +100,10 @@ def forward_plan(backend: Backend, op: Op, x, residual, weight, bias, opts: Opti
     if M == 0:
         return None
     residual = residual if op.has_residual else None
+    num_sms = backend.num_sms(x)
     d_x, d_res, d_w, d_b = backend.describe(x, residual, weight, bias)
     layout = (*_rows_layout(x, d_x), *_rows_layout(residual, d_res), _param_stride(d_w), _param_stride(d_b))
-    return plan_forward(op, M, N, d_x[0], _name(d_w), _name(d_b), opts, store_stats, layout, backend.num_sms(x))
+    return plan_forward(op, M, N, d_x[0], _name(d_w), _name(d_b), opts, store_stats, layout, num_sms)
 
 
 def forward(backend: Backend, op: Op, x, residual, weight, bias, opts: Options, store_stats: bool) -> tuple:
@@ -133,6 +134,7 @@ def backward_plan(backend: Backend, op: Op, x, weight, dy, dres, opts: Options, 
         return None
     M, N = x.shape
     bias = bias if from_output else None
+    num_sms = backend.num_sms(x)
     d_x, d_dy, d_dres, d_w, d_b = backend.describe(x, dy, dres, weight, bias)
     x_dtype = d_x[0]
     for name, d in (("dy", d_dy), ("the gradient of residual_out", d_dres)):
@@ -143,7 +145,7 @@ def backward_plan(backend: Backend, op: Op, x, weight, dy, dres, opts: Options, 
     layout = (*_rows_layout(x, d_x), *_rows_layout(dy, d_dy), *_rows_layout(dres, d_dres), _param_stride(d_w),
               _param_stride(d_b))
     return plan_backward(op, M, N, x_dtype, _name(d_w), b_dtype if grads.db else None, dres is not None,
-                         opts, grads, layout, backend.num_sms(x), from_output, bias is not None)
+                         opts, grads, layout, num_sms, from_output, bias is not None)
 
 
 def _check_statistics(backend: Backend, M: int, mean, rstd) -> None:
@@ -268,8 +270,9 @@ class Bound:
                              backend.zeros(shape if len(buffers[name][0]) == 2 else shape[:-1], buffers[name][1], x)
                              for name in ("Y", "S", "MEAN", "RSTD"))
             return no_rows
-        return _copying(backend, backend.bind(self.fwd, x, tuple(x.shape)),
-                        {i: name for i, name in enumerate(("x", "residual")) if copies[i]})
+        copied = {i: name for i, name in enumerate(("x", "residual")) if copies[i]} if any(copies) else None
+        launch = backend.bind(self.fwd, x, tuple(x.shape))
+        return launch if copied is None else _copying(backend, launch, copied)
 
     def backward(self, saved, weight, bias, dy, dres, mean, rstd, grads) -> tuple:
         """``grads``: a ``Grads``, or its ``(dx, dw, db)`` flags (a tuple hashes faster)."""
@@ -289,7 +292,7 @@ class Bound:
         ``launch(saved, weight, bias, dy, dres, mean, rstd) -> (DX, DW, DB)`` for arrays of these
         layouts, rows copied first where they cannot be read in place."""
         backend, op = self.backend, self.op
-        grads = grads if isinstance(grads, Grads) else Grads(*grads)
+        grads = grads if isinstance(grads, Grads) else GRADS[grads]
         bias = bias if self.from_output else None
         if not grads.any:
             return None, lambda *_: (None, None, None)
@@ -308,24 +311,25 @@ class Bound:
             return None, no_rows
         # the launch takes (saved, weight, bias, dy, dres, mean, rstd): rows at positions 0, 3 and 4
         positions = {0: "the saved input", 3: "the output gradient", 4: "the residual_out gradient"}
-        return plan, _copying(backend, bind_backward(backend, plan, saved, tuple(saved.shape)),
-                              {i: name for (i, name), c in zip(positions.items(), copies) if c})
+        copied = {i: name for (i, name), c in zip(positions.items(), copies) if c} if any(copies) else None
+        launch = bind_backward(backend, plan, saved, tuple(saved.shape))
+        return plan, launch if copied is None else _copying(backend, launch, copied)
 
 
 def _row_views(backend: Backend, named) -> tuple[list, tuple]:
     """``(rows, copies)`` of ``(name, array or None)`` pairs: each array as ``[M, N]`` rows, viewed in
     place or, where it cannot be, copied (``copies[i]``: the i-th must be copied at every call)."""
-    views = [backend.rows(a) if a is not None else None for _, a in named]
-    copies = tuple(a is not None and v is None for (_, a), v in zip(named, views))
-    rows = [backend.copy_rows(a, name) if c else v for (name, a), v, c in zip(named, views, copies)]
-    return rows, copies
+    rows, copies = [], []
+    for name, a in named:  # a loop, not a comprehension: the backend's calls follow each other
+        view = backend.rows(a) if a is not None else None
+        copies.append(a is not None and view is None)
+        rows.append(backend.copy_rows(a, name) if copies[-1] else view)
+    return rows, tuple(copies)
 
 
 def _copying(backend: Backend, launch, copied: dict):
     """``launch``, with the arguments at the positions of ``copied`` (position -> name, for the warning)
     copied into rows first."""
-    if not copied:
-        return launch
 
     def copy_then_launch(*arrays) -> tuple:
         arrays = list(arrays)

@@ -242,12 +242,13 @@ def plan_backward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_d
     stride_xm, x_col, stride_dym, dy_col, stride_dresm, dres_col, w_stride, b_stride = layout
     has_w = w_dtype is not None
     has_b = from_output and has_bias
-    assert not (from_output and grads.reduces), "the output-saving backward computes dx alone"
+    reduces = grads.reduces
+    assert not (from_output and reduces), "the output-saving backward computes dx alone"
     block_m, block_n, num_warps = tile_config(M, N)
     tiles = -(-M // block_m)
-    grid = num_partials(M, N, num_sms) if grads.reduces else tiles
+    grid = num_partials(M, N, num_sms) if reduces else tiles
     stages = 1
-    if grads.reduces:
+    if reduces:
         streams = 2 + (1 if has_dres else 0)  # x and dy (and d_residual) are prefetched
         stages = _stages(block_m, block_n, ELEM_BYTES[x_dtype], streams, 4 if block_m * block_n >= 8192 else 3)
     out_specs = {}

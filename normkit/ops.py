@@ -60,14 +60,17 @@ class Grads:
     dx: bool  # x (and, for the fused add, residual: they share one gradient)
     dw: bool
     db: bool = False
+    # derived once, read as plain attributes (a plan reads them on every first call)
+    any: bool = dataclasses.field(init=False, repr=False, compare=False)
+    reduces: bool = dataclasses.field(init=False, repr=False, compare=False)  # dW/dB: fp32 partials, a reduction
 
-    @property
-    def any(self) -> bool:
-        return self.dx or self.dw or self.db
+    def __post_init__(self):
+        object.__setattr__(self, "any", bool(self.dx or self.dw or self.db))
+        object.__setattr__(self, "reduces", bool(self.dw or self.db))
 
-    @property
-    def reduces(self) -> bool:  # dW/dB come from fp32 per-program partials and a reduction launch
-        return self.dw or self.db
+
+# Every Grads, by its (dx, dw, db) flags: a frontend that holds the flags as a tuple looks it up.
+GRADS = {(dx, dw, db): Grads(dx, dw, db) for dx in (False, True) for dw in (False, True) for db in (False, True)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,12 +34,9 @@ import array_api_compat.torch as _xp  # named, not looked up: dynamo warns on ar
 import torch
 
 from normkit import norm_math
-from normkit.ops import Grads, Op, Options
+from normkit.ops import GRADS, Grads, Op, Options
 from torch_frontend import _library_ops
 from torch_frontend._backend import resolve_neg
-
-GRADS = {(dx, dw, db): Grads(dx, dw, db) for dx in (False, True) for dw in (False, True) for db in (False, True)}
-
 
 @dataclasses.dataclass(frozen=True)
 class Traced:
@@ -160,20 +157,21 @@ def _statistic(t, like, traced: bool):
 
 
 def _incoming(dy, ds) -> tuple:
-    """The gradients arriving at the backward, with a lazy negation applied (autograd hands them on
-    as the caller made them: ``z.conj().imag`` or ``torch._neg_view`` carry their sign as a flag that
-    a kernel reading the memory would not see). Eager only: dynamo bans ``is_neg``."""
-    if dy is not None and dy.is_neg():
-        dy = resolve_neg(dy, "the output gradient")
-    if ds is not None and ds.is_neg():
-        ds = resolve_neg(ds, "the gradient of residual_out")
-    return dy, ds
-
-
-def _batched(dy, ds) -> bool:
-    """An output gradient batched by ``autograd.grad(..., is_grads_batched=True)`` or a vectorized
-    ``autograd.functional.jacobian``: a tensor without storage, which no kernel can read. Eager only."""
-    return (dy is not None and _is_legacy_batched(dy)) or (ds is not None and _is_legacy_batched(ds))
+    """``(dy, ds, batched)``: the gradients arriving at the backward, with a lazy negation applied
+    (autograd hands them on as the caller made them: ``z.conj().imag`` or ``torch._neg_view`` carry
+    their sign as a flag that a kernel reading the memory would not see), and whether one is batched
+    by ``autograd.grad(..., is_grads_batched=True)`` or a vectorized ``autograd.functional.jacobian``:
+    a tensor without storage, which no kernel can read. Eager only: dynamo bans ``is_neg``."""
+    batched = False
+    if dy is not None:
+        if dy.is_neg():
+            dy = resolve_neg(dy, "the output gradient")
+        batched = _is_legacy_batched(dy)
+    if ds is not None:
+        if ds.is_neg():
+            ds = resolve_neg(ds, "the gradient of residual_out")
+        batched = batched or _is_legacy_batched(ds)
+    return dy, ds, batched
 
 
 _is_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
@@ -192,8 +190,7 @@ def _backward(ctx, flags: tuple, dy, ds) -> tuple:
     traced = torch.compiler.is_compiling()
     batched = False
     if not traced:
-        dy, ds = _incoming(dy, ds)
-        batched = _batched(dy, ds)
+        dy, ds, batched = _incoming(dy, ds)
     saved, weight, bias, mean, rstd = _saved(ctx, dy, ds, traced)
     if dy is not None and not batched and not torch.is_grad_enabled():  # the common case
         return route.backward(saved, weight, bias, dy, ds, mean, rstd, flags)

@@ -76,7 +76,10 @@ def resolve_neg(t: torch.Tensor | None, name: str) -> torch.Tensor | None:
 
 def keys(*tensors) -> tuple:
     """What a plan fixes of each tensor: class, shape, strides, dtype and device (None for None)."""
-    return tuple([None if t is None else (t.__class__, t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+    out = []
+    for t in tensors:  # a loop: a comprehension would be a call of its own, on every backward
+        out.append(None if t is None else (t.__class__, t.shape, t.stride(), t.dtype, t.device))
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=None)
@@ -271,7 +274,8 @@ class _BoundLaunch:
         if not self.compiled:
             _interpreter.interpreted(call.kernel)[call.grid](*args, **call.constexprs, num_warps=call.num_warps,
                                                              num_stages=call.num_stages)
-            call.record("torch", True)
+            if record.active():
+                call.record("torch", True)
             return
         if index != torch._C._cuda_getDevice():
             with torch.cuda.device(index):
@@ -286,7 +290,8 @@ class _BoundLaunch:
                 direct = self.prep.direct[index] = _DirectLaunch.of(call, compiled)
             if direct:  # False: a kernel Triton's launcher must launch
                 self.direct = direct
-        call.record("torch", False)
+        if record.active():
+            call.record("torch", False)
 
 
 def _allocator(shape: tuple, dtype: torch.dtype, device: torch.device):

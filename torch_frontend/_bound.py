@@ -5,7 +5,7 @@ for a backward, and each tensor's class, shape, strides, dtype and device: every
 ``normkit.driver.Bound``'s plans fix. Its first eager call is validated (``bind``); a repeated one (a
 training loop's) finds its ``Signature`` by ``key`` and launches its ``Bound`` with no validation,
 planning or reshaping. A signature holds one ``Bound`` per choice of what the backward keeps (input or
-output) and remembers that choice per frozen weight (its identity and version: ``saves_output``), so
+output) and remembers that choice per frozen weight (its identity and version: ``Signature.route``), so
 a repeated call decides it with one small lookup. The backward plans live on each ``Bound``, keyed on
 what they read (a saved-tensor hook may hand the backward other layouts than the forward saw).
 """
@@ -58,28 +58,23 @@ class Signature:
         return [b for b in self._bounds if b is not None]
 
     def route(self, x, weight, bias) -> driver.Bound:
-        """The ``Bound`` of this call: keeping the output where ``saves_output`` says so, else the input."""
-        from_output = self._decides and self.saves_output(x, weight, bias)
-        return self._bounds[from_output] or self.bound(from_output)
-
-    def saves_output(self, x, weight, bias) -> bool:
-        """Whether this call keeps its output (``_save.saves_output``); x's dtype and row length, and
-        every option, are the signature's, so the answer is remembered per weight and bias identity,
-        data pointer, version and grad flag."""
+        """The ``Bound`` of this call: keeping the output where ``_save.saves_output`` says so, else the
+        input. x's dtype and row length, and every option, are the signature's, so the answer is
+        remembered per weight and bias identity, data pointer, version and grad flag."""
         if not self._decides:
-            return False
+            return self._bounds[False] or self.bound(False)
         k = (None if weight is None else (getattr(weight, "_normkit_uid", None) or _save.uid(weight), weight.data_ptr(),
                                           weight._version, weight.requires_grad),
              None if bias is None else (getattr(bias, "_normkit_uid", None) or _save.uid(bias), bias.data_ptr(),
                                         bias._version, bias.requires_grad))
-        decision = self._decisions.get(k)
-        if decision is None:
+        from_output = self._decisions.get(k)
+        if from_output is None:
             if len(self._decisions) >= DECISIONS_LIMIT:
                 self._decisions.clear()
             opts = self.opts
-            decision = self._decisions[k] = _save.saves_output(self.op, self.save, x, weight, bias, opts.offset,
-                                                               opts.casting)
-        return decision
+            from_output = self._decisions[k] = _save.saves_output(self.op, self.save, x, weight, bias, opts.offset,
+                                                                  opts.casting)
+        return self._bounds[from_output] or self.bound(from_output)
 
 
 def bind(k: tuple | None, op: Op, opts: Options, store_stats: bool, b_dtype: str = "float32",

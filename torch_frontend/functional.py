@@ -23,10 +23,10 @@ from typing import Optional
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
-from normkit import checks, saving
+from normkit import checks
 from normkit.ops import FUSED_ADD_RMS_NORM, LAYER_NORM, RMS_NORM, Op, Options
 from torch_frontend import _autograd, _bound, _composite, _save
-from torch_frontend._backend import NormkitCopyWarning, dtype_name, resolve_neg
+from torch_frontend._backend import DTYPE_NAMES, NormkitCopyWarning, dtype_name, resolve_neg
 from torch_frontend._library_ops import subclassed
 
 __all__ = ["rms_norm", "layer_norm", "fused_add_rms_norm", "NormkitCopyWarning"]
@@ -45,11 +45,12 @@ def _check(op: Op, x, residual, weight, bias, eps, offset, casting_mode, save) -
         if t.layout != torch.strided:
             raise TypeError(f"normkit: {name} has layout {t.layout}; normkit normalizes dense (torch.strided) tensors: "
                             f"pass {name}.to_dense()")
-    spec = lambda t: None if t is None else (tuple(t.shape), dtype_name(t.dtype))  # noqa: E731
+    # the dtype's name from the table (``dtype_name`` names the others, for the error)
+    spec = lambda t: None if t is None else (tuple(t.shape), DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype))  # noqa: E731
     checks.check(op, x_shape=spec(x)[0], x_dtype=spec(x)[1], residual=spec(residual), weight=spec(weight),
                  bias=spec(bias))
+    checks.check_save(save)
     opts = op.options(eps=eps, offset=offset, casting_mode=casting_mode)
-    saving.check_save(save)
     for name, t in (("residual", residual), ("weight", weight), ("bias", bias)):
         if t is not None and t.device != x.device:
             raise ValueError(f"normkit: {name} is on {t.device} but x is on {x.device}; all tensors must share a device")

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from normkit.ops import LAYER_NORM, RMS_NORM
-from normkit.saving import check_save
+from normkit.checks import check_save
 from torch_frontend import functional as F
 
 __all__ = ["RMSNorm", "LayerNorm", "FusedAddRMSNorm"]

@@ -37,7 +37,7 @@ from torch import nn
 from normkit.ops import MAX_N
 from normkit.patch_report import PatchReport as _PatchReport
 from normkit.patch_report import listed
-from normkit.saving import check_save
+from normkit.checks import check_save
 from torch_frontend import functional as F
 from torch_frontend._save import SaveDecision, save_decision
 from torch_frontend.modules import FusedAddRMSNorm, LayerNorm, RMSNorm
