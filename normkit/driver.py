@@ -270,9 +270,8 @@ class Bound:
                              backend.zeros(shape if len(buffers[name][0]) == 2 else shape[:-1], buffers[name][1], x)
                              for name in ("Y", "S", "MEAN", "RSTD"))
             return no_rows
-        copied = {i: name for i, name in enumerate(("x", "residual")) if copies[i]} if any(copies) else None
         launch = backend.bind(self.fwd, x, tuple(x.shape))
-        return launch if copied is None else _copying(backend, launch, copied)
+        return _copying(backend, launch, {0: "x", 1: "residual"}, copies) if any(copies) else launch
 
     def backward(self, saved, weight, bias, dy, dres, mean, rstd, grads) -> tuple:
         """``grads``: a ``Grads``, or its ``(dx, dw, db)`` flags (a tuple hashes faster)."""
@@ -311,9 +310,8 @@ class Bound:
             return None, no_rows
         # the launch takes (saved, weight, bias, dy, dres, mean, rstd): rows at positions 0, 3 and 4
         positions = {0: "the saved input", 3: "the output gradient", 4: "the residual_out gradient"}
-        copied = {i: name for (i, name), c in zip(positions.items(), copies) if c} if any(copies) else None
         launch = bind_backward(backend, plan, saved, tuple(saved.shape))
-        return plan, launch if copied is None else _copying(backend, launch, copied)
+        return plan, _copying(backend, launch, positions, copies) if any(copies) else launch
 
 
 def _row_views(backend: Backend, named) -> tuple[list, tuple]:
@@ -327,9 +325,11 @@ def _row_views(backend: Backend, named) -> tuple[list, tuple]:
     return rows, tuple(copies)
 
 
-def _copying(backend: Backend, launch, copied: dict):
-    """``launch``, with the arguments at the positions of ``copied`` (position -> name, for the warning)
-    copied into rows first."""
+def _copying(backend: Backend, launch, positions: dict, copies: tuple):
+    """``launch``, with the row arguments that must be copied (``positions``: argument position -> name,
+    for the warning, of the rows ``_row_views`` saw, in order; ``copies``: its flags) copied into rows
+    first. Callers take the launch itself where nothing is copied."""
+    copied = {i: name for (i, name), c in zip(positions.items(), copies) if c}
 
     def copy_then_launch(*arrays) -> tuple:
         arrays = list(arrays)

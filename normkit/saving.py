@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from normkit.checks import SAVES  # noqa: F401  (the choices, checked by checks.check_save)
 from normkit.ops import Op
+
 
 def decide(op: Op, save: str, *, trained: list, needs_dx: bool, row_length: int, has_params: bool,
            has_bias: bool, offset: float, unsafe: Optional[Callable[[], Optional[str]]]) -> bool:

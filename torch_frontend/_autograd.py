@@ -38,6 +38,7 @@ from normkit.ops import GRADS, Grads, Op, Options
 from torch_frontend import _library_ops
 from torch_frontend._backend import resolve_neg
 
+
 @dataclasses.dataclass(frozen=True)
 class Traced:
     """The route of a call under ``torch.compile`` or on tensor subclasses: the torch.library ops."""

@@ -46,7 +46,8 @@ def _check(op: Op, x, residual, weight, bias, eps, offset, casting_mode, save) -
             raise TypeError(f"normkit: {name} has layout {t.layout}; normkit normalizes dense (torch.strided) tensors: "
                             f"pass {name}.to_dense()")
     # the dtype's name from the table (``dtype_name`` names the others, for the error)
-    spec = lambda t: None if t is None else (tuple(t.shape), DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype))  # noqa: E731
+    spec = lambda t: (None if t is None else  # noqa: E731
+                      (tuple(t.shape), DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype)))
     checks.check(op, x_shape=spec(x)[0], x_dtype=spec(x)[1], residual=spec(residual), weight=spec(weight),
                  bias=spec(bias))
     checks.check_save(save)
