@@ -236,10 +236,13 @@ class Bound:
 
     ``forward(x, residual, weight, bias) -> (Y, S, MEAN, RSTD)``;
     ``backward(saved, weight, bias, dy, dres, mean, rstd, grads) -> (DX, DW, DB)``, where ``saved``
-    is what the frontend kept: x (the fused add's sum s), or y when ``from_output``.
+    is what the frontend kept: x (the fused add's sum s), or y when ``from_output``; and
+    ``backward_as_saved``, the same keyed on the gradients alone, where the frontend knows the saved
+    arrays are the forward's own.
     """
 
-    __slots__ = ("backend", "op", "opts", "store_stats", "from_output", "b_dtype", "fwd", "forward", "_bwd")
+    __slots__ = ("backend", "op", "opts", "store_stats", "from_output", "b_dtype", "fwd", "forward", "_bwd",
+                 "_as_saved")
 
     def __init__(self, backend: Backend, op: Op, opts: Options, store_stats: bool, from_output: bool = False,
                  b_dtype: str = "float32"):
@@ -250,6 +253,7 @@ class Bound:
         # goes straight to the launch
         self.forward = self._first_forward
         self._bwd: dict = {}
+        self._as_saved: dict = {}  # the frontend's key of the gradients -> launch (``backward_as_saved``)
 
     def _first_forward(self, x, residual, weight, bias) -> tuple:
         self.forward = self._bind_forward(x, residual, weight, bias)
@@ -275,11 +279,26 @@ class Bound:
 
     def backward(self, saved, weight, bias, dy, dres, mean, rstd, grads) -> tuple:
         """``grads``: a ``Grads``, or its ``(dx, dw, db)`` flags (a tuple hashes faster)."""
+        return self._backward_launch(grads, saved, weight, bias, dy, dres)(saved, weight, bias, dy, dres, mean, rstd)
+
+    def backward_as_saved(self, k, saved, weight, bias, dy, dres, mean, rstd, grads) -> tuple:
+        """``backward`` where the frontend vouches that ``saved``, ``weight``, ``bias``, ``mean`` and
+        ``rstd`` are exactly what this Bound's forward was given and returned (nothing changed them
+        in between), and that ``dy`` and ``dres`` have the output's shape, dtype and device. Then only
+        the gradients' layouts differ from call to call: ``k``, the frontend's key of them and of
+        ``grads``, finds the launch without reading the other arrays."""
+        launch = self._as_saved.get(k)
+        if launch is None:
+            launch = self._as_saved[k] = self._backward_launch(grads, saved, weight, bias, dy, dres)
+        return launch(saved, weight, bias, dy, dres, mean, rstd)
+
+    def _backward_launch(self, grads, saved, weight, bias, dy, dres):
+        """The bound backward launch for arrays of these layouts (bound on first sight)."""
         k = (grads, self.backend.keys(saved, weight, bias if self.from_output else None, dy, dres))
         bound = self._bwd.get(k)
         if bound is None:
             bound = self._bwd[k] = self._bind_backward(saved, weight, bias, dy, dres, grads)
-        return bound[1](saved, weight, bias, dy, dres, mean, rstd)
+        return bound[1]
 
     @property
     def backward_plans(self) -> list:

@@ -20,7 +20,12 @@ twice (the statistics it would need are gone): that raises, naming ``save="input
 gradient (``autograd.grad(..., is_grads_batched=True)``, a vectorized ``autograd.functional.jacobian``)
 has no storage a kernel could read: it takes differentiable torch operations too, which vmap
 batches. Tensors handed back by a saved-tensor hook, and incoming gradients, are read as their
-values whatever their dtype, device, strides or lazy negation (``_saved``, ``_incoming``).
+values whatever their dtype, device, strides or lazy negation (``_saved``, ``_incoming``). Where no
+hook can have touched the saved tensors (``ctx.as_saved``) they are read as the forward left them,
+and the backward's launch is found by the gradients' layouts alone.
+
+An eager call enters its Function through torch's C ``apply`` (``_DirectApply``): the calls
+``Function.apply`` makes, without its Python wrapper.
 
 Inputs keep the caller's shape ``(..., D)`` across the Function (the bound launches allocate the
 outputs in it), so no view is recorded: the fused add's x and residual, which share one gradient,
@@ -29,6 +34,9 @@ receive separate tensors, and their ``.grad`` never alias.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
+from typing import Any
 
 import array_api_compat.torch as _xp  # named, not looked up: dynamo warns on array_namespace's lru_cache
 import torch
@@ -65,6 +73,7 @@ class RMSNormFunction(torch.autograd.Function):
         y, _, _, rstd = route.forward(x, None, weight, None)
         ctx.route = route
         ctx.save_for_backward(y if route.from_output else x, weight, None, None, rstd)
+        ctx.as_saved = route.__class__ is not Traced and _default_hooks(False) is None
         return y
 
     @staticmethod
@@ -85,6 +94,7 @@ class LayerNormFunction(torch.autograd.Function):
             ctx.save_for_backward(y, weight, bias, None, rstd)
         else:
             ctx.save_for_backward(x, weight, None, mean, rstd)
+        ctx.as_saved = route.__class__ is not Traced and _default_hooks(False) is None
         return y
 
     @staticmethod
@@ -103,6 +113,7 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
         ctx.route = route
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(y if route.from_output else s, weight, None, None, rstd)
+        ctx.as_saved = route.__class__ is not Traced and _default_hooks(False) is None
         return y, s
 
     @staticmethod
@@ -114,12 +125,99 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
 
 
 def apply(route, op: Op, x, residual, weight, bias):
-    """The op's outputs through its Function: y, or ``(y, residual_out)``."""
+    """The op's outputs through its Function: y, or ``(y, residual_out)``. An eager call (a ``Bound``
+    route) with no torch.func transform active enters the Function's C ``apply`` directly
+    (``_direct_apply``)."""
+    if route.__class__ is not Traced and _DIRECT is not None and not _DIRECT.transforms_active():
+        unwrap, c_apply = _DIRECT.unwrap_if_dead, _DIRECT.c_apply
+        x, weight = unwrap(x), weight if weight is None else unwrap(weight)
+        if op.has_residual:
+            return c_apply[FusedAddRMSNormFunction](route, x, unwrap(residual), weight)
+        if op.params == ("weight",):
+            return c_apply[RMSNormFunction](route, x, weight)
+        return c_apply[LayerNormFunction](route, x, weight, bias if bias is None else unwrap(bias))
     if op.has_residual:
         return FusedAddRMSNormFunction.apply(route, x, residual, weight)
     if op.params == ("weight",):
         return RMSNormFunction.apply(route, x, weight)
     return LayerNormFunction.apply(route, x, weight, bias)
+
+
+@dataclasses.dataclass(frozen=True)
+class _DirectApply:
+    """What ``torch.autograd.Function.apply`` does for a Function without ``setup_context`` when no
+    torch.func transform is active: unwrap each tensor argument a finished transform left wrapped
+    (``unwrap_if_dead``), then call the C ``apply`` of ``torch._C._FunctionBase``. Its Python wrapper
+    (which also binds default arguments and builds generators) costs about a sixth of an eager
+    forward's host time; these are the same calls, made directly. Under a transform the wrapper runs,
+    and raises (normkit's Functions have no vmap or jvp rule)."""
+
+    c_apply: dict  # Function -> its C apply
+    unwrap_if_dead: Any
+    transforms_active: Any
+
+
+def _direct_apply() -> _DirectApply | None:
+    """The direct calls, where this torch has them and its ``Function.apply`` is the wrapper described
+    above; else None, and every call goes through ``Function.apply``."""
+    try:
+        c_apply = torch._C._FunctionBase.__dict__["apply"]
+        direct = _DirectApply({fn: c_apply.__get__(None, fn) for fn in _FUNCTIONS},
+                              torch._C._functorch.unwrap_if_dead, torch._C._are_functorch_transforms_active)
+        wrapper = inspect.getsource(torch.autograd.Function.apply)
+    except (AttributeError, KeyError, OSError, TypeError):
+        return None
+    if any(fn.setup_context is not torch.autograd.Function.setup_context for fn in _FUNCTIONS) or not all(
+            call in wrapper for call in ("_are_functorch_transforms_active()", "unwrap_dead_wrappers(args)",
+                                         "super().apply(*args, **kwargs)")):
+        return None
+    return direct
+
+
+# --- whether the saved tensors come back as the forward saved them -------------------------------
+# Two ways let a saved-tensor hook change what ``ctx.saved_tensors`` hands the backward: default hooks
+# active when the forward saves (``torch.autograd.graph.saved_tensors_hooks``; checkpointing and
+# offloading use them), and hooks registered later on one node's saved tensors, which only
+# ``grad_fn._raw_saved_tensors`` reaches. The forward asks torch for the first (``ctx.as_saved``);
+# reading the second clears ``as_saved``. Where it is set, the backward reads the saved tensors as
+# they are, keyed on the gradients alone (``driver.Bound.backward_as_saved``); elsewhere it checks
+# them (``_saved``). Both accessors are torch's private ones: ``_hook_accessors`` checks that they
+# behave as expected, and where they do not, every backward checks.
+
+
+def _hook_accessors():
+    """torch's accessor of the innermost default saved-tensor hooks (None where none is active), with
+    ``_raw_saved_tensors`` of each Function's node wrapped to clear ``as_saved``; or, where this torch
+    lacks either or answers otherwise, a stand-in that always reports a hook."""
+    try:
+        top = torch._C._autograd._top_saved_tensors_default_hooks
+        raw = torch._C._FunctionBase.__dict__["_raw_saved_tensors"]
+        nodes = [fn._backward_cls for fn in _FUNCTIONS]  # the class of each Function's grad_fn (its ctx)
+        with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+            inside = top(False)
+        if inside is not None and inside[0] is _identity:  # the innermost hooks: those just entered
+            for node in nodes:
+                node._raw_saved_tensors = property(functools.partial(_raw_saved_tensors, raw))
+            return top
+    except (AttributeError, KeyError, TypeError, RuntimeError):
+        pass
+    return lambda _: True
+
+
+def _identity(t):
+    return t
+
+
+def _raw_saved_tensors(raw, ctx):
+    """``grad_fn._raw_saved_tensors``, through which a hook may be registered on one saved tensor: the
+    node's backward checks what it unpacks from then on."""
+    ctx.as_saved = False
+    return raw.__get__(ctx)
+
+
+_FUNCTIONS = (RMSNormFunction, LayerNormFunction, FusedAddRMSNormFunction)
+_DIRECT = _direct_apply()
+_default_hooks = _hook_accessors()
 
 
 def _saved(ctx, dy, ds, traced: bool) -> tuple:
@@ -188,6 +286,12 @@ def _backward(ctx, flags: tuple, dy, ds) -> tuple:
     tensors: by the route's kernels, or, under ``create_graph=True`` with something to differentiate
     or for a batched gradient, by differentiable torch operations."""
     route = ctx.route
+    if (ctx.as_saved and dy is not None and not dy.is_neg() and not _is_legacy_batched(dy)
+            and (ds is None or not (ds.is_neg() or _is_legacy_batched(ds))) and not torch.is_grad_enabled()):
+        # the common case: the tensors saved as the forward left them, plain gradients, no create_graph
+        saved, weight, bias, mean, rstd = ctx.saved_tensors
+        k = (flags, dy.__class__, dy.stride(), None if ds is None else (ds.__class__, ds.stride()))
+        return route.backward_as_saved(k, saved, weight, bias, dy, ds, mean, rstd, flags)
     traced = torch.compiler.is_compiling()
     batched = False
     if not traced:

@@ -37,13 +37,15 @@ class Signature:
     """A validated call signature: its ``Bound`` for each choice of what the backward keeps, and the
     choices made for the weights seen with it."""
 
-    __slots__ = ("op", "opts", "store_stats", "b_dtype", "save", "_decides", "_bounds", "_decisions")
+    __slots__ = ("op", "opts", "store_stats", "b_dtype", "save", "fixed", "_bounds", "_decisions")
 
     def __init__(self, op: Op, opts: Options, store_stats: bool, b_dtype: str, save: str):
         self.op, self.opts, self.store_stats, self.b_dtype, self.save = op, opts, store_stats, b_dtype, save
-        self._decides = store_stats and save != "input"  # else every call keeps the input
         self._bounds = [None, None]  # keeping the input, keeping the output
         self._decisions: dict = {}
+        # where there is nothing to decide (no backward, or save="input"), every call's Bound: the
+        # input-keeping one; else None, and ``route`` decides per call
+        self.fixed = self.bound(False) if not store_stats or save == "input" else None
 
     def bound(self, from_output: bool) -> driver.Bound:
         b = self._bounds[from_output]
@@ -58,11 +60,12 @@ class Signature:
         return [b for b in self._bounds if b is not None]
 
     def route(self, x, weight, bias) -> driver.Bound:
-        """The ``Bound`` of this call: keeping the output where ``_save.saves_output`` says so, else the
-        input. x's dtype and row length, and every option, are the signature's, so the answer is
-        remembered per weight and bias identity, data pointer, version and grad flag."""
-        if not self._decides:
-            return self._bounds[False] or self.bound(False)
+        """The ``Bound`` of this call (``fixed`` where that is set): keeping the output where
+        ``_save.saves_output`` says so, else the input. x's dtype and row length, and every option,
+        are the signature's, so the answer is remembered per weight and bias identity, data pointer,
+        version and grad flag."""
+        if self.fixed is not None:
+            return self.fixed
         k = (None if weight is None else (getattr(weight, "_normkit_uid", None) or _save.uid(weight), weight.data_ptr(),
                                           weight._version, weight.requires_grad),
              None if bias is None else (getattr(bias, "_normkit_uid", None) or _save.uid(bias), bias.data_ptr(),

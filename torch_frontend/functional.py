@@ -101,9 +101,10 @@ def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode, save):
             return _subclassed(op, opts, store_stats, from_output, x, residual, weight, bias)
         sig = _bound.bind(k, op, opts, store_stats,  # k None (not keyable): not remembered
                           dtype_name(bias.dtype) if bias is not None else "float32", save)
-    bound = sig.route(x, weight, bias)
+    bound = sig.fixed or sig.route(x, weight, bias)
     if not store_stats and _no_transforms():  # no gradient can reach the call: the forward alone
-        return _outputs(op, bound.forward(x, residual, weight, bias))
+        y, s, _, _ = bound.forward(x, residual, weight, bias)
+        return (y, s) if op.has_residual else y
     return _autograd.apply(bound, op, x, residual, weight, bias)
 
 
