@@ -184,7 +184,8 @@ def repeats_default_casting(case: Case) -> bool:
             and case.trained != frozenset(case.inputs))
 
 
-def quick_cases(shapes, *, each_frozen_set: bool = True, full_and_frozen_at=None) -> list[Case]:
+def quick_cases(shapes, *, each_frozen_set: bool = True, each_casting: bool = True,
+                full_and_frozen_at=None) -> list[Case]:
     """The part of ``parity_cases(shapes)`` (less ``repeats_default_casting``) that the default test
     run takes; the rest is the slow tier. It still meets every variant and every shape:
 
@@ -193,7 +194,10 @@ def quick_cases(shapes, *, each_frozen_set: bool = True, full_and_frozen_at=None
       casting mode, offset, parameter set, and the gradient flags COMPUTE_DX/DW/DB) and, with
       ``each_frozen_set``, each frozen set that maps to it (x, residual or both trained give the same
       COMPUTE_DX: the frontend routes one gradient to them). Without it, one frozen set per kernel
-      variant: for an implementation behind a frontend whose routing another run already covers;
+      variant: for an implementation behind a frontend whose routing another run already covers.
+      Without ``each_casting``, the variants of the default casting mode without offset, and each
+      other casting mode and offset once per op and dtype (they change the row math, not which
+      gradients are computed): for an implementation whose every example costs a compilation;
     - every shape (of ``full_and_frozen_at``, default ``shapes``) with every op and dtype, twice, in
       the default casting with every parameter: the full backward (dX, and dW/dB through the fp32
       partials and their reduction) and the frozen one (only the row inputs trained: no partials).
@@ -203,6 +207,8 @@ def quick_cases(shapes, *, each_frozen_set: bool = True, full_and_frozen_at=None
     chosen, seen = [], set()
     for v in variants():
         key = v if each_frozen_set else (v.op, v.dtype, v.casting, v.offset, v.params, v.spec.grads(v.trained))
+        if not each_casting and (v.casting, v.offset) != (DEFAULT_CASTING_MODE, 0.0):
+            key = (v.op, v.dtype, v.casting, v.offset)
         if not repeats_default_casting(v) and key not in seen:
             seen.add(key)
             chosen.append(v)

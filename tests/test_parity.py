@@ -10,7 +10,8 @@ all of them.
 The default run takes ``quick_cases`` (tests/harness.py): every variant once, at a rotating shape,
 and every shape with every op and dtype, frozen and not. That still meets every kernel flag
 combination, every frozen set and every shape through Torch and the JAX frontend, and every kernel
-flag combination and every shape through the Pallas and XLA implementations. The other cases are
+flag combination (in the default casting; each casting mode and offset with every op and dtype) and
+every shape through the Pallas and XLA implementations. The other cases are
 marked ``slow`` (run after the default run by .ci/run, and by scripts/gpu-check.sh). fp32 cases
 that only repeat the default casting (``repeats_default_casting``) are left out.
 """
@@ -22,8 +23,8 @@ import pytest
 
 from normkit.shapes import shapes
 from tests.frontends import FRONTENDS
-from tests.harness import (check_against_reference, check_launch_flags, make_inputs, parity_cases, quick_cases,
-                           reference, repeats_default_casting)
+from tests.harness import (DEFAULT_CASTING_MODE, check_against_reference, check_launch_flags, make_inputs,
+                           parity_cases, quick_cases, reference, repeats_default_casting)
 
 SIZE_TAG = os.environ.get("NORMKIT_TEST_SHAPES", "ci")  # "gpu" on the GPU machine: larger shapes too
 SHAPES = shapes("ci", "gpu") if SIZE_TAG == "gpu" else shapes("ci")  # each shape once
@@ -35,9 +36,10 @@ FEWER_SHAPES = [s for s in SHAPES if s.name in ("d1", "many_rows", "d4097") or s
 # the offset run at the small shapes, where they cost nothing).
 OTHER_CASES = [c for c in parity_cases(FEWER_SHAPES) if not repeats_default_casting(c)
                and (c.shape.tags != frozenset({"gpu"}) or (c.casting, c.offset) == ("llama", 0.0))]
-# Their default run: one frozen set per kernel variant (the frontend's routing of the others runs
-# through "jax"), rotating over every shape; the full and frozen backward at the fewer shapes.
-OTHER_QUICK = set(quick_cases(SHAPES, each_frozen_set=False, full_and_frozen_at=FEWER_SHAPES))
+# Their default run: one frozen set per kernel variant of the default casting (the frontend's routing
+# of the others runs through "jax"), each other casting mode and offset once per op and dtype,
+# rotating over every shape; the full and frozen backward at the fewer shapes.
+OTHER_QUICK = set(quick_cases(SHAPES, each_frozen_set=False, each_casting=False, full_and_frozen_at=FEWER_SHAPES))
 OTHER_IMPLEMENTATIONS = [name for name in sorted(FRONTENDS) if name not in ("torch", "jax")]
 
 
@@ -86,15 +88,23 @@ def test_parity(case, name):
 
 def test_default_run_meets_every_variant_and_shape():
     """What the module docstring claims of the default run, checked on the case lists: every
-    combination but the shape (Torch and JAX), every kernel flag combination (Pallas and XLA), and
-    every shape with every op and dtype, trained and frozen, that the whole suite runs."""
+    combination but the shape (Torch and JAX); every kernel flag combination in the default casting,
+    and every casting mode and offset with every op and dtype (Pallas and XLA); and every shape with
+    every op and dtype, trained and frozen, that the whole suite runs."""
     def kernel(c):
         return c.op, c.dtype, c.casting, c.offset, c.params, c.spec.grads(c.trained)
 
     def frozen_sets(c):
         return kernel(c) + (c.trained,)
 
-    for quick, every, key in ((QUICK, CASES, frozen_sets), (OTHER_QUICK, OTHER_CASES, kernel)):
+    def default_casting(cases):
+        return [c for c in cases if (c.casting, c.offset) == (DEFAULT_CASTING_MODE, 0.0)]
+
+    def casting(c):
+        return c.op, c.dtype, c.casting, c.offset
+
+    for quick, every, key in ((QUICK, CASES, frozen_sets), (default_casting(OTHER_QUICK), default_casting(OTHER_CASES),
+                                                             kernel), (OTHER_QUICK, OTHER_CASES, casting)):
         assert {key(c) for c in every} == {key(c) for c in quick}
         assert {(c.shape, c.op, c.dtype, c.spec.grads(c.trained)) for c in every
                 if c.params == c.spec.params and c.trained in (frozenset(c.inputs), frozenset(c.spec.row_inputs))
