@@ -136,6 +136,7 @@ def apply(route, op: Op, x, residual, weight, bias):
         if op.params == ("weight",):
             return c_apply[RMSNormFunction](route, x, weight)
         return c_apply[LayerNormFunction](route, x, weight, bias if bias is None else unwrap(bias))
+    # the dispatch again, as literal ``Function.apply`` calls: what dynamo traces under torch.compile
     if op.has_residual:
         return FusedAddRMSNormFunction.apply(route, x, residual, weight)
     if op.params == ("weight",):
