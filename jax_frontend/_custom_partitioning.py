@@ -61,24 +61,19 @@ import functools
 import logging
 
 import jax
-import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
-from jax._src import dispatch  # prim_requires_devices_during_lowering: below
-from jax.experimental.custom_partitioning import custom_partitioning
-from jax.interpreters import ad, batching, mlir
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_frontend import _launch, _rows, _shard_map
+from jax_frontend import _compat, _launch, _rows, _shard_map
 from jax_frontend._implementation import FORWARD_MODE_ERROR, Implementation
-from jax_frontend._rows import COLUMN, LAYOUT, ROW, STAT, Pass
+from jax_frontend._rows import COLUMN, LAYOUT, REPLICA, ROW, STAT, Pass
 from normkit.ops import Grads, Op, Options
 
 _log = logging.getLogger(__name__)
 
-rows_p = jex.core.Primitive("normkit_rows")
-rows_p.multiple_results = True
+rows_p = _compat.new_primitive("normkit_rows")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,14 +82,15 @@ class PartitionedImpl:
 
     base: Implementation
 
-    def forward(self, op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bool) -> dict:
+    def forward(self, op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bool,
+                store_rec: bool = False) -> dict:
         names, arrays = Pass.present(_rows.FWD_INPUTS, (x, residual, weight, bias))
-        return _bind(Pass(self.base, op, opts, names, store_stats=store_stats), arrays)
+        return _bind(Pass(self.base, op, opts, names, store_stats=store_stats, store_rec=store_rec), arrays)
 
     def backward(self, op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: Grads,
-                 b_dtype: str | None, bias=None, from_output: bool = False) -> dict:
+                 b_dtype: str | None, bias=None, from_output: bool = False, rec=None) -> dict:
         names, arrays = Pass.present(_rows.BWD_INPUTS, (x, weight, bias if from_output else None, dy, dres, mean,
-                                                        rstd))
+                                                        rstd, rec if from_output else None))
         return _bind(Pass(self.base, op, opts, names, grads=grads, b_dtype=b_dtype, from_output=from_output), arrays)
 
 
@@ -117,7 +113,7 @@ def _abstract(*avals, pass_: Pass, route):
     x_spec = tuple(x.sharding.spec) + (None,) * (x.ndim - len(tuple(x.sharding.spec)))
     out = []
     for name, (shape, dtype) in zip(pass_.outputs, specs):
-        spec = P(None) if LAYOUT[name] == COLUMN else P(*x_spec[:len(shape)])
+        spec = P(None) if LAYOUT[name] in (COLUMN, REPLICA) else P(*x_spec[:len(shape)])
         out.append(x.update(shape=shape, dtype=jnp.dtype(dtype), weak_type=False,
                             sharding=x.sharding.update(spec=spec)))
     return out
@@ -128,18 +124,19 @@ def _no_jvp(primals, tangents, **params):
 
 
 def _batch(args, dims, *, pass_: Pass, route):
-    columns_batched = any(d is not None for n, d in zip(pass_.inputs, dims) if LAYOUT[n] == COLUMN)
+    columns_batched = any(d is not None for n, d in zip(pass_.inputs, dims) if LAYOUT[n] in (COLUMN, REPLICA))
     if columns_batched or pass_.reduces:  # the implementation's own vmap rule, one result per batch element
         outs = jax.vmap(pass_.run, in_axes=tuple(dims))(*args)
         return list(outs), [0] * len(outs)
     (size,) = {a.shape[d] for a, d in zip(args, dims) if d is not None}
     folded = []
     for name, a, d in zip(pass_.inputs, args, dims):
-        if LAYOUT[name] != COLUMN:  # one more leading dimension: more rows
+        if LAYOUT[name] in (ROW, STAT):  # one more leading dimension: more rows
             a = jnp.broadcast_to(a, (size,) + a.shape) if d is None else jnp.moveaxis(a, d, 0)
         folded.append(a)
     outs = rows_p.bind(*folded, pass_=pass_, route=route)
-    return outs, [0] * len(outs)
+    # the weight's recovery (REC) is the weight's alone: one for the whole batch
+    return outs, [0 if LAYOUT[n] in (ROW, STAT) else None for n in pass_.outputs]
 
 
 def _eager(*args, pass_: Pass, route):
@@ -164,8 +161,8 @@ def _compiled_alone(pass_: Pass, route):
 
 rows_p.def_abstract_eval(_abstract)
 rows_p.def_impl(_eager)
-ad.primitive_jvps[rows_p] = _no_jvp
-batching.primitive_batchers[rows_p] = _batch
+_compat.register_jvp(rows_p, _no_jvp)
+_compat.register_batching(rows_p, _batch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,9 +171,9 @@ batching.primitive_batchers[rows_p] = _batch
 
 def _partitioned(ctx) -> bool:
     """Whether XLA's partitioner splits this computation over several devices. A jit's module has a
-    device assignment (``prim_requires_devices_during_lowering`` below); a shard_map body, already per
+    device assignment (``_compat.require_devices_during_lowering`` below); a shard_map body, already per
     device, has none."""
-    devices = getattr(ctx.module_context.axis_context, "device_assignment", None)
+    devices = _compat.lowering_device_assignment(ctx)
     return devices is not None and len(devices) > 1
 
 
@@ -197,34 +194,36 @@ def _lower(ctx, *args, pass_: Pass, route):
     if route is None and _partitioned(ctx):
         typed = _typed_split(ctx, pass_)
         if typed is not None:
-            return mlir.lower_fun(lambda *arrays: list(typed.run(pass_, list(arrays)).values()),
-                                  multiple_results=True)(ctx, *args)
+            return _compat.lower_fun(lambda *arrays: list(typed.run(pass_, list(arrays)).values()),
+                                     multiple_results=True)(ctx, *args)
         return _lower_partitioned(ctx, *args, pass_=pass_)
     with _launch.routed_host_callbacks(route):
-        return mlir.lower_fun(pass_.run, multiple_results=True)(ctx, *args)
+        return _compat.lower_fun(pass_.run, multiple_results=True)(ctx, *args)
 
 
 def _lower_partitioned(ctx, *args, pass_: Pass):
     # On CPU the dispatcher is registered whatever the implementation (one host callback per module;
     # only the Triton implementation's interpreted launches call it).
-    cpu = tuple(ctx.module_context.platforms) == ("cpu",)
+    cpu = _compat.lowering_platforms(ctx) == ("cpu",)
     route = _launch.host_dispatcher_index(ctx.module_context) if cpu else None
 
     def per_device(*arrays):  # custom_partitioning resolves positional arguments: no functools.partial
         return rows_p.bind(*arrays, pass_=pass_, route=route)
 
-    fn = custom_partitioning(per_device)
+    fn = _compat.custom_partitioning(per_device)
     fn.def_partition(partition=functools.partial(_partition, pass_, route),
                      infer_sharding_from_operands=functools.partial(_infer, pass_),
-                     sharding_rule=sharding_rule(pass_), need_replication_factors=("n",))
-    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+                     sharding_rule=sharding_rule(pass_),
+                     need_replication_factors=("n",) + ("r",) * any(
+                         LAYOUT[n] == REPLICA for n in pass_.inputs + pass_.outputs))
+    return _compat.lower_fun(fn, multiple_results=True)(ctx, *args)
 
 
-mlir.register_lowering(rows_p, _lower)
+_compat.register_lowering(rows_p, _lower)
 # custom_partitioning needs the device assignment when it is lowered, which jit provides only to
-# computations holding a primitive in this set (jax.nn.dot_product_attention's cuDNN path registers
+# computations holding a primitive registered so (jax.nn.dot_product_attention's cuDNN path registers
 # its wrappers the same way).
-dispatch.prim_requires_devices_during_lowering.add(rows_p)
+_compat.require_devices_during_lowering(rows_p)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,8 +231,9 @@ dispatch.prim_requires_devices_during_lowering.add(rows_p)
 
 
 def sharding_rule(pass_: Pass) -> str:
-    """The Shardy rule of a pass, e.g. ``"... n, n -> ... n, ..."`` (RMSNorm's forward with statistics)."""
-    term = {ROW: "... n", STAT: "...", COLUMN: "n"}
+    """The Shardy rule of a pass, e.g. ``"... n, n -> ... n, ..."`` (RMSNorm's forward with statistics);
+    ``r``, the weight's recovery (N + 1 values), is never sharded either."""
+    term = {ROW: "... n", STAT: "...", COLUMN: "n", REPLICA: "r"}
     return (", ".join(term[LAYOUT[n]] for n in pass_.inputs) + " -> "
             + ", ".join(term[LAYOUT[n]] for n in pass_.outputs))
 
@@ -253,13 +253,13 @@ def _shardings(mesh, x) -> tuple[dict, tuple, Mesh]:
     if mesh.empty:
         devices = sorted(sharding.device_set, key=lambda d: d.id) if sharding is not None else jax.devices()[:1]
         whole = NamedSharding(Mesh(np.array(devices), ("devices",)), P())  # HLO: replicated
-        return {ROW: whole, STAT: whole, COLUMN: whole}, (), whole.mesh
+        return {ROW: whole, STAT: whole, COLUMN: whole, REPLICA: whole}, (), whole.mesh
     spec = (_rows.spec_entries(sharding, len(x.shape)) if isinstance(sharding, NamedSharding)
             else (None,) * len(x.shape))
     lead = spec[:-1]
     row_axes = tuple(axis for entry in lead for axis in _rows.mesh_axes(entry))
     return ({ROW: NamedSharding(mesh, P(*lead, None)), STAT: NamedSharding(mesh, P(*lead)),
-             COLUMN: NamedSharding(mesh, P())}, row_axes, mesh)
+             COLUMN: NamedSharding(mesh, P()), REPLICA: NamedSharding(mesh, P())}, row_axes, mesh)
 
 
 def _gathered(pass_: Pass, mesh, x) -> str | None:

@@ -31,16 +31,19 @@ class Implementation(Protocol):
     frozen gradient) traces no work for it."""
 
     def forward(self, op: Op, x: jax.Array, residual: jax.Array | None, weight: jax.Array | None,
-                bias: jax.Array | None, *, opts: Options, store_stats: bool) -> dict[str, jax.Array]:
-        """Y (and S for the fused add; MEAN and RSTD when ``store_stats``) over rows ``x``."""
+                bias: jax.Array | None, *, opts: Options, store_stats: bool,
+                store_rec: bool = False) -> dict[str, jax.Array]:
+        """Y (and S for the fused add; MEAN and RSTD when ``store_stats``; REC, the weight's recovery
+        for a backward that reads y, when ``store_rec``) over rows ``x``."""
         ...
 
     def backward(self, op: Op, x: jax.Array, weight: jax.Array | None, dy: jax.Array, dres: jax.Array | None,
                  mean: jax.Array | None, rstd: jax.Array, *, opts: Options, grads: Grads,
-                 b_dtype: str | None, bias: jax.Array | None = None,
-                 from_output: bool = False) -> dict[str, jax.Array]:
+                 b_dtype: str | None, bias: jax.Array | None = None, from_output: bool = False,
+                 rec: jax.Array | None = None) -> dict[str, jax.Array]:
         """DX (plus ``dres`` for the fused add), DW and DB as ``grads`` asks. ``x`` is what the forward
         normalized (the fused add's sum); dW takes the weight's dtype and dB ``b_dtype``.
-        ``from_output``: ``x`` is the forward's output y instead, ``bias`` the bias, weight and bias
-        frozen (dx alone, ``mean`` not read; see ``normkit.driver.backward``)."""
+        ``from_output``: ``x`` is the forward's output y instead, ``bias`` the bias and ``rec`` the
+        forward's REC, weight and bias frozen (dx alone, ``mean`` not read; see
+        ``normkit.driver.backward``)."""
         ...

@@ -11,7 +11,7 @@ once by ``kernel_args``:
   from the plan.
 
 On GPU these go to ``jax_triton.triton_call``. On CPU ``interpreter_triton_call`` takes the same
-call and runs it from a host callback through ``normkit._interpreter.interpreted``, on zero-copy
+call and runs it from a host callback through ``normkit._compat.interpreted``, on zero-copy
 torch views of the host buffers. The CPU path is therefore also a test of the GPU path's argument
 assembly; only jax-triton itself is left for the GPU machine.
 
@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from normkit import _interpreter, driver
+from jax_frontend import _compat as _jax_compat  # JAX's private entry points (normkit._compat: Triton's)
+from normkit import _compat, driver
 from normkit.launch import INTERPRETER_NUM_SMS, KernelCall
 
 JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "float64": jnp.float64}
@@ -56,9 +57,9 @@ def _gpu_num_sms(platform: str) -> int:
     except RuntimeError:  # a platform name jax.devices does not know: the default backend's devices
         devices = jax.devices()
     for device in devices:
-        cores = getattr(device, "core_count", None)  # the SM count on CUDA devices
+        cores = _jax_compat.device_core_count(device)  # the SM count on CUDA devices
         if cores:
-            return int(cores)
+            return cores
     from triton.runtime import driver  # fallback: ask the CUDA driver through Triton (no torch)
 
     return int(driver.active.utils.get_device_properties(0)["multiprocessor_count"])
@@ -182,7 +183,8 @@ def _host_launch(runner, grid, template, out_shape, poison, options, metaparams,
 # (``host_dispatcher_index``), and while a per-device computation is lowered
 # (``routed_host_callbacks``) each launch calls jaxlib's Python-callback FFI target
 # ("xla_ffi_python_cpu_callback", the one ``jax.pure_callback`` lowers to on CPU) with the
-# dispatcher's index and a key into ``_ROUTED``.
+# dispatcher's index and a key into ``_ROUTED``. Both private steps are in ``jax_frontend._compat``
+# (``host_callback_index``, ``call_host_callback``).
 
 _ROUTE: contextvars.ContextVar = contextvars.ContextVar("normkit_host_callback_index", default=None)
 _ROUTED: list = []  # key -> host launch; one entry per launch lowered this way, kept for the process
@@ -194,11 +196,7 @@ def _dispatch(key, *host_arrays):
 
 def host_dispatcher_index(module_context) -> int:
     """The index of the launch dispatcher among a module's host callbacks (registered on first use)."""
-    for index, callback in enumerate(module_context.host_callbacks):
-        if callback is _dispatch:
-            return index
-    module_context.add_host_callback(_dispatch)
-    return len(module_context.host_callbacks) - 1
+    return _jax_compat.host_callback_index(module_context, _dispatch)
 
 
 @contextlib.contextmanager
@@ -219,7 +217,7 @@ def _host_call(host, out_shape: list, arrays: list):
         return jax.pure_callback(host, out_shape, *arrays, vmap_method="sequential")
     _ROUTED.append(host)
     key = jnp.asarray(len(_ROUTED) - 1, jnp.int32)
-    return list(jax.ffi.ffi_call("xla_ffi_python_cpu_callback", out_shape)(key, *arrays, index=np.uint64(index)))
+    return list(_jax_compat.call_host_callback(index, out_shape, key, *arrays))
 
 
 def interpreter_triton_call(*args, kernel, out_shape, grid, num_warps, num_stages, enable_fp_fusion=True, name="",
@@ -234,7 +232,7 @@ def interpreter_triton_call(*args, kernel, out_shape, grid, num_warps, num_stage
     del name, enable_fp_fusion
     template = tuple(_Array if not _is_scalar(a) else a for a in args)
     arrays = [a for a in args if not _is_scalar(a)]
-    host = functools.partial(_host_launch, _interpreter.interpreted(kernel), tuple(grid), template, tuple(out_shape),
+    host = functools.partial(_host_launch, _compat.interpreted(kernel), tuple(grid), template, tuple(out_shape),
                              driver.POISON_OUTPUTS, dict(num_warps=num_warps, num_stages=num_stages), dict(metaparams))
     return _host_call(host, list(out_shape), arrays)
 
@@ -272,7 +270,7 @@ class JaxBackend:
         """Launch ``call`` (``rows_shape`` is not used: each pass flattens and restores its rows itself,
         ``jax_frontend._rows.Pass``); under ``normkit.testing.poisoned_outputs()`` the interpreter path's
         outputs start as NaN (jax-triton allocates its outputs inside XLA and 0.3.1 can only zero them)."""
-        interpret = self.platform == "cpu" or _interpreter.is_interpreted(call.kernel)
+        interpret = self.platform == "cpu" or _compat.is_interpreted(call.kernel)
         triton_call = interpreter_triton_call if interpret else gpu_triton_call()
         args, out_shape = kernel_args(call, arrays)
         outs = triton_call(*args, kernel=call.kernel, out_shape=out_shape, grid=call.grid,

@@ -21,6 +21,7 @@ from typing import Callable, Optional
 
 from flax import nnx
 
+from jax_frontend import _compat
 from jax_frontend import _nnx_modules as modules
 from jax_frontend import functional
 from normkit import checks
@@ -84,7 +85,7 @@ def _classify(cls: type) -> tuple[Optional[type], Optional[str]]:
 
 
 def _set_class(module, cls: type) -> None:
-    object.__setattr__(module, "__class__", cls)  # past nnx's __setattr__: not an attribute of the graph
+    _compat.set_class(module, cls)  # past nnx's __setattr__: not an attribute of the graph
 
 
 def patch_model(model: nnx.Module, *, rms_norm: bool = True, layer_norm: bool = True,

@@ -60,12 +60,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jax_frontend import _launch
+from jax_frontend import _compat, _launch
 from jax_frontend._implementation import FORWARD_MODE_ERROR
-from normkit import record
+from normkit import norm_math, record
 from normkit.kernels import norm_pallas
 from normkit.launch import pallas_blocks, reduce_blocks
-from normkit.ops import MAX_N, OUTPUT_BIAS_RATIO, OUTPUT_W_MIN, Grads, Op, Options
+from normkit.ops import MAX_N, Grads, Op, Options
 
 LOWERINGS = ("triton", "mosaic_gpu")
 GPU_LOWERING = os.environ.get("NORMKIT_PALLAS_LOWERING", "triton")  # read when a call is traced
@@ -95,9 +95,7 @@ def num_sms() -> int:
 def _compiler_params(num_warps: int, num_stages: int = 1):
     lowering = GPU_LOWERING
     if lowering == "triton":
-        from jax.experimental.pallas import triton as pltriton
-
-        return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+        return _compat.pallas_triton().CompilerParams(num_warps=num_warps, num_stages=num_stages)
     if lowering == "mosaic_gpu":
         raise NotImplementedError(
             "normkit: the Pallas kernels use masked loads (Pallas-Triton primitives) and have no Mosaic GPU "
@@ -143,25 +141,10 @@ def _record(kernel: functools.partial, grid: int, num_warps: int, partials: tupl
                                   partial_buffers=partials, interpreted=cpu, implementation="pallas"))
 
 
-@functools.lru_cache(maxsize=None)
-def _varying_field() -> str | None:
-    """The ShapeDtypeStruct keyword that says over which manual (shard_map) mesh axes an output varies:
-    ``manual_axis_type`` (jax 0.10) or ``vma`` (other versions), or None if it has neither."""
-    import inspect
-
-    params = inspect.signature(jax.ShapeDtypeStruct.__init__).parameters
-    return next((name for name in ("manual_axis_type", "vma") if name in params), None)
-
-
 def _struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
     """A pallas_call output that varies over the same shard_map axes as ``like`` (under shard_map's
     check_vma every output must say so; outside shard_map that is "none")."""
-    field = _varying_field()
-    aval = jax.typeof(like)
-    value = getattr(aval, field, None) if field else None
-    if field == "manual_axis_type" and value is None:
-        value = getattr(aval, "mat", None)
-    return jax.ShapeDtypeStruct(shape, dtype, **({field: value} if value is not None else {}))
+    return jax.ShapeDtypeStruct(shape, dtype, **_compat.varying_like(like))
 
 
 _WHOLE = pl.BlockSpec()  # the whole array for every program (its tiles are indexed in the kernel)
@@ -175,8 +158,17 @@ def _col_block(block_n: int):
 # Entry points.
 
 
-def forward(op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bool) -> dict:
-    """Y (and S, MEAN, RSTD) for rows x [M, N]; keys exactly those of ``op.fwd_buffers``."""
+def forward(op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bool, store_rec: bool = False) -> dict:
+    """Y (and S, MEAN, RSTD, REC) for rows x [M, N]; keys exactly those of ``op.fwd_buffers``. REC, the
+    weight's recovery, is computed from the weight and bias alone, in ``jax.numpy``."""
+    out = _forward(op, x, residual, weight, bias, opts=opts, store_stats=store_stats)
+    if store_rec:
+        out["REC"] = norm_math.recovery_array(weight, bias, N=x.shape[1], x_dtype=x.dtype, offset=opts.offset,
+                                              casting=opts.casting, xp=jnp)
+    return out
+
+
+def _forward(op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bool) -> dict:
     M, N = x.shape
     assert 1 <= N <= MAX_N, N
     buffers = op.fwd_buffers(M, N, jnp.dtype(x.dtype).name, store_stats)
@@ -211,10 +203,10 @@ def forward(op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bo
 
 
 def backward(op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: Grads,
-             b_dtype: str | None, bias=None, from_output: bool = False) -> dict:
+             b_dtype: str | None, bias=None, from_output: bool = False, rec=None) -> dict:
     """DX (with + dres for the fused op), DW, DB as ``grads`` asks; keys exactly those of ``op.bwd_buffers``.
-    dW takes the weight's dtype, dB ``b_dtype``. ``from_output``: ``x`` is the forward's output y and
-    ``bias`` the (frozen) bias (see ``normkit.driver.backward``)."""
+    dW takes the weight's dtype, dB ``b_dtype``. ``from_output``: ``x`` is the forward's output y,
+    ``bias`` the (frozen) bias and ``rec`` the forward's REC (see ``normkit.driver.backward``)."""
     M, N = x.shape
     w_dtype = jnp.dtype(weight.dtype).name if weight is not None else None
     assert 1 <= N <= MAX_N, N
@@ -226,10 +218,12 @@ def backward(op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: G
     G = cfg.num_programs
     bias = bias if from_output else None
     inputs = {"x_ref": x, "w_ref": weight, "b_ref": bias, "dy_ref": dy, "dres_ref": dres if has_dres else None,
-              "mean_ref": None if op.is_rms or from_output else mean, "rstd_ref": rstd}
+              "mean_ref": None if op.is_rms or from_output else mean, "rstd_ref": rstd,
+              "inv_ref": rec[:N] if from_output and weight is not None else None,
+              "poison_ref": rec[N:] if from_output else None}
     inputs = {k: v for k, v in inputs.items() if v is not None}
     in_spec = {name: _WHOLE for name in inputs}
-    in_spec["w_ref"] = in_spec["b_ref"] = _col_block(cfg.block_n)
+    in_spec["w_ref"] = in_spec["b_ref"] = in_spec["inv_ref"] = _col_block(cfg.block_n)
     part_row = pl.BlockSpec((None, cfg.block_n), lambda i: (i, 0))  # this program's row of the [G, N] partials
     outs = {}  # kernel ref name -> (ShapeDtypeStruct, BlockSpec)
     if grads.dx:
@@ -241,16 +235,14 @@ def backward(op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: G
     kernel = functools.partial(
         norm_pallas.norm_bwd_kernel, M=M, N=N, offset=opts.offset, IS_RMS=op.is_rms, HAS_W=weight is not None,
         HAS_B=bias is not None, HAS_DRES=has_dres, CASTING=int(opts.casting), COMPUTE_DX=grads.dx,
-        COMPUTE_DW=grads.dw, COMPUTE_DB=grads.db, FROM_Y=from_output,
-        W_MIN=OUTPUT_W_MIN[jnp.dtype(x.dtype).name] if from_output else 0.0,
-        BIAS_RATIO=OUTPUT_BIAS_RATIO if from_output else 0.0, NUM_PROGRAMS=G, TILES_PER_PROGRAM=cfg.tiles_per_program, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n)
+        COMPUTE_DW=grads.dw, COMPUTE_DB=grads.db, FROM_Y=from_output, NUM_PROGRAMS=G,
+        TILES_PER_PROGRAM=cfg.tiles_per_program, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
     _record(kernel, G, cfg.num_warps, tuple((name.upper().removesuffix("_REF"), (G, N), "float32")
                                             for name in outs if name.endswith("_part_ref")))
     in_names, out_names = list(inputs), list(outs)
     body = _with_names(kernel, in_names, out_names,
-                       ("x_ref", "w_ref", "b_ref", "dy_ref", "dres_ref", "mean_ref", "rstd_ref", "dx_ref",
-                        "dw_part_ref", "db_part_ref"))
+                       ("x_ref", "w_ref", "b_ref", "dy_ref", "dres_ref", "mean_ref", "rstd_ref", "inv_ref",
+                        "poison_ref", "dx_ref", "dw_part_ref", "db_part_ref"))
     red = _reduce_call(G, N, buffers) if grads.reduces else None
 
     def launch(interpret, *args):

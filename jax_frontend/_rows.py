@@ -10,7 +10,9 @@ buffer is ``LAYOUT``:
 - ``ROW`` buffers ``(..., N)``, sharded like x: x, residual, dy, dres and Y, S, DX;
 - ``STAT`` buffers ``(...)``, one value per row, sharded like x's leading dimensions: MEAN, RSTD;
 - ``COLUMN`` buffers ``(N,)``, whole on every device: weight, bias and DW, DB (sums over all rows,
-  so each device's partial sum is reduced over the mesh axes the rows are split on).
+  so each device's partial sum is reduced over the mesh axes the rows are split on);
+- ``REPLICA`` buffers ``(N + 1,)``, whole and the same on every device, never reduced: REC, the
+  weight's recovery (computed from the weight and bias alone) for a backward that reads y.
 """
 from __future__ import annotations
 
@@ -24,14 +26,15 @@ from jax_frontend import _launch
 from jax_frontend._implementation import Implementation
 from normkit.ops import Grads, Op, Options
 
-ROW, STAT, COLUMN = "row", "stat", "column"
+ROW, STAT, COLUMN, REPLICA = "row", "stat", "column", "replica"
 LAYOUT = {
     "x": ROW, "residual": ROW, "dy": ROW, "dres": ROW, "Y": ROW, "S": ROW, "DX": ROW,
     "mean": STAT, "rstd": STAT, "MEAN": STAT, "RSTD": STAT,
     "weight": COLUMN, "bias": COLUMN, "DW": COLUMN, "DB": COLUMN,
+    "rec": REPLICA, "REC": REPLICA,
 }
 FWD_INPUTS = ("x", "residual", "weight", "bias")
-BWD_INPUTS = ("x", "weight", "bias", "dy", "dres", "mean", "rstd")  # x: what the forward kept (x or y)
+BWD_INPUTS = ("x", "weight", "bias", "dy", "dres", "mean", "rstd", "rec")  # x: what the forward kept (x or y)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +46,7 @@ class Pass:
     opts: Options
     inputs: tuple[str, ...]  # the inputs present, in FWD_INPUTS / BWD_INPUTS order
     store_stats: bool = False  # forward: also write MEAN/RSTD for a backward
+    store_rec: bool = False  # forward: also write REC for a backward that reads y
     grads: Grads | None = None  # backward: which gradients
     b_dtype: str | None = None  # backward: dB's dtype
     from_output: bool = False  # backward: "x" is the forward's output y (and the bias an input), dx alone
@@ -61,7 +65,7 @@ class Pass:
     def buffers(self, M: int, N: int, x_dtype: str, w_dtype: str | None) -> dict:
         """The implementation's buffers over M rows, ``name -> (shape, dtype name)``."""
         if self.grads is None:
-            return self.op.fwd_buffers(M, N, x_dtype, self.store_stats)
+            return self.op.fwd_buffers(M, N, x_dtype, self.store_stats, self.store_rec)
         return self.op.bwd_buffers(M, N, x_dtype, self.grads, w_dtype, self.b_dtype)
 
     @property
@@ -71,7 +75,7 @@ class Pass:
     @staticmethod
     def shape(name: str, lead: tuple, N: int) -> tuple:
         """A buffer's shape for x of shape ``lead + (N,)``."""
-        return {ROW: lead + (N,), STAT: lead, COLUMN: (N,)}[LAYOUT[name]]
+        return {ROW: lead + (N,), STAT: lead, COLUMN: (N,), REPLICA: (N + 1,)}[LAYOUT[name]]
 
     def out_specs(self, lead: tuple, N: int, x_dtype: str, w_dtype: str | None) -> list[tuple[tuple, str]]:
         """``(shape, dtype name)`` of each output, in ``outputs`` order."""
@@ -90,11 +94,12 @@ class Pass:
         rows = {n: t.reshape(-1, N) if LAYOUT[n] == ROW else t.reshape(-1) for n, t in a.items()}
         if self.grads is None:
             out = self.base.forward(self.op, rows["x"], rows.get("residual"), rows.get("weight"), rows.get("bias"),
-                                    opts=self.opts, store_stats=self.store_stats)
+                                    opts=self.opts, store_stats=self.store_stats, store_rec=self.store_rec)
         else:
             out = self.base.backward(self.op, rows["x"], rows.get("weight"), rows["dy"], rows.get("dres"),
                                      rows.get("mean"), rows["rstd"], opts=self.opts, grads=self.grads,
-                                     b_dtype=self.b_dtype, bias=rows.get("bias"), from_output=self.from_output)
+                                     b_dtype=self.b_dtype, bias=rows.get("bias"), from_output=self.from_output,
+                                     rec=rows.get("rec"))
         assert set(out) == set(self.outputs), (tuple(out), self.outputs)
         return [out[name].reshape(self.shape(name, lead, N)) for name in self.outputs]
 

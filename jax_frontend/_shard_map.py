@@ -38,9 +38,9 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_frontend import _rows
+from jax_frontend import _compat, _rows
 from jax_frontend._implementation import Implementation
-from jax_frontend._rows import COLUMN, LAYOUT, ROW, STAT, Pass
+from jax_frontend._rows import COLUMN, LAYOUT, REPLICA, ROW, STAT, Pass
 from normkit.ops import Grads, Op, Options
 
 
@@ -106,15 +106,7 @@ def varying(a) -> frozenset:
     """The manual mesh axes ``a`` varies over (inside shard_map; empty elsewhere)."""
     if a is None:
         return frozenset()
-    aval = jax.typeof(a)
-    manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; older releases: aval.vma
-    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
-
-
-def _pcast_varying(a, axes: tuple):
-    if hasattr(jax.lax, "pcast"):
-        return jax.lax.pcast(a, axes, to="varying")
-    return jax.lax.pvary(a, axes)  # pragma: no cover  (releases before pcast)
+    return _compat.varying_axes(a)
 
 
 def match_varying(*arrays) -> tuple:
@@ -131,7 +123,7 @@ def match_varying(*arrays) -> tuple:
     out = []
     for a in arrays:
         missing = tuple(sorted(axes - varying(a))) if a is not None else ()
-        out.append(_pcast_varying(a, missing) if missing else a)
+        out.append(_compat.pcast_varying(a, missing) if missing else a)
     return tuple(out)
 
 
@@ -146,19 +138,20 @@ class ShardedImpl:
     row_axes: tuple  # mesh axes the rows are split over: where dW/dB partials are psum-reduced
     manual_axes: tuple  # the axes the shard_map makes manual (every Explicit axis)
 
-    def forward(self, op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bool) -> dict:
+    def forward(self, op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bool,
+                store_rec: bool = False) -> dict:
         names, arrays = Pass.present(_rows.FWD_INPUTS, (x, residual, weight, bias))
-        return self.run(Pass(self.base, op, opts, names, store_stats=store_stats), arrays)
+        return self.run(Pass(self.base, op, opts, names, store_stats=store_stats, store_rec=store_rec), arrays)
 
     def backward(self, op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: Grads,
-                 b_dtype: str | None, bias=None, from_output: bool = False) -> dict:
+                 b_dtype: str | None, bias=None, from_output: bool = False, rec=None) -> dict:
         names, arrays = Pass.present(_rows.BWD_INPUTS, (x, weight, bias if from_output else None, dy, dres, mean,
-                                                        rstd))
+                                                        rstd, rec if from_output else None))
         return self.run(Pass(self.base, op, opts, names, grads=grads, b_dtype=b_dtype, from_output=from_output), arrays)
 
     def run(self, pass_: Pass, arrays: list) -> dict:
         """``pass_``'s outputs by name, each device running it on its own rows."""
-        specs = {ROW: P(*self.spec), STAT: P(*self.spec[:-1]), COLUMN: P()}
+        specs = {ROW: P(*self.spec), STAT: P(*self.spec[:-1]), COLUMN: P(), REPLICA: P()}
 
         def body(*local):
             return pass_.reduce_columns(pass_.run(*local), self.row_axes)

@@ -25,11 +25,9 @@ import dataclasses
 import functools
 
 import jax
-import jax.extend as jex
 import jax.numpy as jnp
-from jax.interpreters import ad, batching, mlir
 
-from jax_frontend import _launch
+from jax_frontend import _compat, _launch
 from jax_frontend._implementation import FORWARD_MODE_ERROR
 from normkit import driver
 from normkit.ops import Grads, Op, Options
@@ -48,6 +46,7 @@ class FwdSpec:
     store_stats: bool
     has_w: bool
     has_b: bool
+    store_rec: bool = False  # also the weight's recovery (REC), for a backward that reads y
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -55,10 +54,10 @@ class FwdSpec:
 
     @property
     def outputs(self) -> tuple[str, ...]:
-        return tuple(self.op.fwd_buffers(1, 1, "float32", self.store_stats))
+        return tuple(self.op.fwd_buffers(1, 1, "float32", self.store_stats, self.store_rec))
 
     def buffers(self, M: int, N: int, x_dtype: str) -> list:
-        return list(self.op.fwd_buffers(M, N, x_dtype, self.store_stats).values())
+        return list(self.op.fwd_buffers(M, N, x_dtype, self.store_stats, self.store_rec).values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,13 +70,13 @@ class BwdSpec:
     has_w: bool
     has_dres: bool
     b_dtype: str | None
-    from_output: bool = False  # X is the forward's output y (dx alone; no mean; the bias read if has_b)
+    from_output: bool = False  # X is the forward's output y (dx alone; no mean; the bias read if has_b; REC)
     has_b: bool = False
 
     @property
     def inputs(self) -> tuple[str, ...]:
         return (("X",) + ("W",) * self.has_w + ("B",) * self.has_b + ("DY",) + ("DRES",) * self.has_dres
-                + ("MEAN",) * (self.op.saves_mean and not self.from_output) + ("RSTD",))
+                + ("MEAN",) * (self.op.saves_mean and not self.from_output) + ("RSTD",) + ("REC",) * self.from_output)
 
     @property
     def outputs(self) -> tuple[str, ...]:
@@ -87,10 +86,8 @@ class BwdSpec:
         return list(self.op.bwd_buffers(M, N, x_dtype, self.grads, w_dtype, self.b_dtype).values())
 
 
-norm_fwd_p = jex.core.Primitive("normkit_norm_fwd")
-norm_fwd_p.multiple_results = True
-norm_bwd_p = jex.core.Primitive("normkit_norm_bwd")
-norm_bwd_p.multiple_results = True
+norm_fwd_p = _compat.new_primitive("normkit_norm_fwd")
+norm_bwd_p = _compat.new_primitive("normkit_norm_bwd")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,7 +133,8 @@ def _platform_of(arrays) -> str:
 def _fwd_impl(*args, spec: FwdSpec, platform: str | None = None):
     backend = _launch.backend(platform or _platform_of(args))
     a = dict(zip(spec.inputs, args))
-    outs = driver.forward(backend, spec.op, a["X"], a.get("R"), a.get("W"), a.get("B"), spec.opts, spec.store_stats)
+    outs = driver.forward(backend, spec.op, a["X"], a.get("R"), a.get("W"), a.get("B"), spec.opts, spec.store_stats,
+                          spec.store_rec)
     return [t for t in outs if t is not None]
 
 
@@ -144,17 +142,17 @@ def _bwd_impl(*args, spec: BwdSpec, platform: str | None = None):
     backend = _launch.backend(platform or _platform_of(args))
     a = dict(zip(spec.inputs, args))
     outs = driver.backward(backend, spec.op, a["X"], a.get("W"), a["DY"], a.get("DRES"), a.get("MEAN"), a["RSTD"],
-                           spec.opts, spec.grads, spec.b_dtype, a.get("B"), spec.from_output)
+                           spec.opts, spec.grads, spec.b_dtype, a.get("B"), spec.from_output, a.get("REC"))
     return [t for t in outs if t is not None]
 
 
 norm_fwd_p.def_impl(_fwd_impl)
 norm_bwd_p.def_impl(_bwd_impl)
 for _platform in ("cpu", "cuda", "rocm"):
-    mlir.register_lowering(norm_fwd_p, mlir.lower_fun(functools.partial(_fwd_impl, platform=_platform),
-                                                      multiple_results=True), platform=_platform)
-    mlir.register_lowering(norm_bwd_p, mlir.lower_fun(functools.partial(_bwd_impl, platform=_platform),
-                                                      multiple_results=True), platform=_platform)
+    _compat.register_lowering(norm_fwd_p, _compat.lower_fun(functools.partial(_fwd_impl, platform=_platform),
+                                                            multiple_results=True), platform=_platform)
+    _compat.register_lowering(norm_bwd_p, _compat.lower_fun(functools.partial(_bwd_impl, platform=_platform),
+                                                            multiple_results=True), platform=_platform)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,8 +162,8 @@ def _no_jvp(primals, tangents, **params):
     raise TypeError(FORWARD_MODE_ERROR)
 
 
-ad.primitive_jvps[norm_fwd_p] = _no_jvp
-ad.primitive_jvps[norm_bwd_p] = _no_jvp
+_compat.register_jvp(norm_fwd_p, _no_jvp)
+_compat.register_jvp(norm_bwd_p, _no_jvp)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,8 +202,11 @@ def _folded(prim, args, dims, spec, row_inputs):
             a = a.reshape((size * a.shape[1],) + a.shape[2:])
         folded.append(a)
     outs = prim.bind(*folded, spec=spec)
-    # Row outputs [size*M, ...] -> [size, M, ...]; no output of a folded launch is per-column.
-    return [o.reshape((size, rows) + o.shape[1:]) for o in outs], [0] * len(outs)
+    # Row outputs [size*M, ...] -> [size, M, ...]; the weight's recovery (REC) is one for the whole batch
+    # (no other output of a folded launch is per-column).
+    names = spec.outputs
+    return ([o if name == "REC" else o.reshape((size, rows) + o.shape[1:]) for name, o in zip(names, outs)],
+            [batching.not_mapped if name == "REC" else 0 for name in names])
 
 
 def _batched_params(spec, dims, row_inputs) -> bool:
@@ -224,28 +225,29 @@ def _bwd_batch(args, dims, *, spec: BwdSpec):
     return _folded(norm_bwd_p, args, dims, spec, BWD_ROW_INPUTS)
 
 
-batching.primitive_batchers[norm_fwd_p] = _fwd_batch
-batching.primitive_batchers[norm_bwd_p] = _bwd_batch
+_compat.register_batching(norm_fwd_p, _fwd_batch)
+_compat.register_batching(norm_bwd_p, _bwd_batch)
 
 
 # ---------------------------------------------------------------------------------------------
 # Entry points: jax_frontend._implementation.Implementation.
 
 
-def forward(op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bool) -> dict:
-    """The forward's buffers by name (op.fwd_buffers) over rows x [M, N]."""
-    spec = FwdSpec(op=op, opts=opts, store_stats=store_stats, has_w=weight is not None, has_b=bias is not None)
+def forward(op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bool, store_rec: bool = False) -> dict:
+    """The forward's buffers by name (op.fwd_buffers) over rows x [M, N]; ``store_rec``: REC too."""
+    spec = FwdSpec(op=op, opts=opts, store_stats=store_stats, has_w=weight is not None, has_b=bias is not None,
+                   store_rec=store_rec)
     args = [a for a in (x, residual, weight, bias) if a is not None]
     return dict(zip(spec.outputs, norm_fwd_p.bind(*args, spec=spec)))
 
 
 def backward(op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: Grads, b_dtype: str | None,
-             bias=None, from_output: bool = False) -> dict:
+             bias=None, from_output: bool = False, rec=None) -> dict:
     """The backward's results by name (op.bwd_buffers): DX, DW, DB as ``grads`` asks (dW in the weight's
     dtype, dB in ``b_dtype``); ``from_output``: x is the forward's output y (``Implementation``)."""
     has_b = from_output and bias is not None
     spec = BwdSpec(op=op, opts=opts, grads=grads, has_w=weight is not None, has_dres=dres is not None,
                    b_dtype=b_dtype if grads.db else None, from_output=from_output, has_b=has_b)
     args = ([x] + [weight] * spec.has_w + [bias] * has_b + [dy] + [dres] * spec.has_dres
-            + [mean] * (op.saves_mean and not from_output) + [rstd])
+            + [mean] * (op.saves_mean and not from_output) + [rstd] + [rec] * from_output)
     return dict(zip(spec.outputs, norm_bwd_p.bind(*args, spec=spec)))

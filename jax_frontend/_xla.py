@@ -24,8 +24,8 @@ def _record(name: str, **flags) -> None:
                                   flags=flags, partial_buffers=(), interpreted=False, implementation="xla"))
 
 
-def forward(op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bool) -> dict:
-    """Y (and S, MEAN, RSTD) for rows x [M, N]; keys exactly those of ``op.fwd_buffers``."""
+def forward(op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bool, store_rec: bool = False) -> dict:
+    """Y (and S, MEAN, RSTD, REC) for rows x [M, N]; keys exactly those of ``op.fwd_buffers``."""
     M, N = x.shape
     _record("xla_norm_fwd", **op.fwd_flags, HAS_W=weight is not None, HAS_B=bias is not None,
             CASTING=int(opts.casting), STORE_STATS=store_stats)
@@ -38,15 +38,19 @@ def forward(op: Op, x, residual, weight, bias, *, opts: Options, store_stats: bo
         out["MEAN"] = mean
     if store_stats:
         out["RSTD"] = rstd
-    assert out.keys() == op.fwd_buffers(M, N, jnp.dtype(x.dtype).name, store_stats).keys()
+    if store_rec:
+        out["REC"] = norm_math.recovery_array(weight, bias, N=N, x_dtype=x.dtype, offset=opts.offset,
+                                              casting=opts.casting, xp=jnp)
+    assert out.keys() == op.fwd_buffers(M, N, jnp.dtype(x.dtype).name, store_stats, store_rec).keys()
     return out
 
 
 def backward(op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: Grads,
-             b_dtype: str | None, bias=None, from_output: bool = False) -> dict:
+             b_dtype: str | None, bias=None, from_output: bool = False, rec=None) -> dict:
     """DX (with + dres for the fused op), DW, DB as ``grads`` asks; keys exactly those of ``op.bwd_buffers``.
     dW takes the weight's dtype, dB ``b_dtype``. ``from_output``: x is the forward's output y and
-    ``bias`` the (frozen) bias: ``norm_math.output_backward`` (dx alone)."""
+    ``bias`` the (frozen) bias and ``rec`` the forward's recovery of the weight: ``norm_math.output_backward``
+    (dx alone)."""
     M, N = x.shape
     w_dtype = jnp.dtype(weight.dtype).name if weight is not None else None
     _record("xla_norm_bwd", IS_RMS=op.is_rms, HAS_W=weight is not None, HAS_DRES=dres is not None,
@@ -55,7 +59,8 @@ def backward(op: Op, x, weight, dy, dres, mean, rstd, *, opts: Options, grads: G
     if from_output:
         assert not grads.reduces, "the output-saving backward computes dx alone"
         dx = norm_math.output_backward(x, weight, bias, dy, dres, rstd, is_rms=op.is_rms, offset=opts.offset,
-                                       casting=opts.casting, xp=jnp)
+                                       casting=opts.casting, rec=norm_math.split_recovery(rec, N, weight is not None),
+                                       xp=jnp)
         return {"DX": dx.astype(x.dtype)} if grads.dx else {}
     dx, dw, db = norm_math.input_backward(x, weight, dy, dres, mean, rstd, is_rms=op.is_rms, offset=opts.offset,
                                           casting=opts.casting, compute_dx=grads.dx, compute_dw=grads.dw,

@@ -21,9 +21,9 @@ import importlib.util
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.custom_derivatives import SymbolicZero
 
 from jax_frontend import _custom_partitioning, _launch, _shard_map, _triton
+from jax_frontend._compat import SymbolicZero
 from jax_frontend._implementation import Implementation
 from normkit import checks, launch, norm_math, saving
 from normkit.ops import FUSED_ADD_RMS_NORM, LAYER_NORM, RMS_NORM, Grads, Op, Options
@@ -118,7 +118,7 @@ class _Needs:
     weight: bool
     bias: bool
     b_dtype: str | None
-    from_output: bool = False  # the residuals hold y (and the bias), not x: weight and bias frozen
+    from_output: bool = False  # the residuals hold y, the bias and REC, not x: weight and bias frozen
 
     @property
     def grads(self) -> Grads:  # the fused op's x and residual share one gradient
@@ -129,14 +129,15 @@ def _outputs(cfg: _Config, out: dict):
     return (out["Y"], out["S"]) if cfg.op.has_residual else out["Y"]
 
 
-def _forward(cfg: _Config, x, residual, weight, bias, *, store_stats: bool) -> dict:
-    return cfg.impl.forward(cfg.op, x, residual, weight, bias, opts=cfg.opts, store_stats=store_stats)
+def _forward(cfg: _Config, x, residual, weight, bias, *, store_stats: bool, store_rec: bool = False) -> dict:
+    return cfg.impl.forward(cfg.op, x, residual, weight, bias, opts=cfg.opts, store_stats=store_stats,
+                            store_rec=store_rec)
 
 
-def _backward(cfg: _Config, x, weight, bias, dy, dres, mean, rstd, *, grads: Grads, b_dtype,
+def _backward(cfg: _Config, x, weight, bias, dy, dres, mean, rstd, rec, *, grads: Grads, b_dtype,
               from_output: bool) -> dict:
     return cfg.impl.backward(cfg.op, x, weight, dy, dres, mean, rstd, opts=cfg.opts, grads=grads, b_dtype=b_dtype,
-                             bias=bias, from_output=from_output)
+                             bias=bias, from_output=from_output, rec=rec)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -155,19 +156,17 @@ def _perturbed(p) -> bool:
 
 def _saves_output(cfg: _Config, needs: "_Needs", x, weight, bias) -> bool:
     """Whether the residuals hold the output y rather than the input: ``save`` (``rms_norm``'s docstring)
-    for a call whose weight and bias are not differentiated. Where their values are known (not
-    traced) "auto" checks that x_hat can be recovered from y (``normkit.norm_math``); traced, it keeps
-    y where only an exactly zero weight could prevent that (no bias, no offset: a LayerNorm's trained
-    bias often exceeds its weight in some column, and Gemma's ``1 + w`` vanishes where a 16-bit w is
-    -1), and the kernels' dx is NaN where a weight turns out unsafe."""
+    for a call whose weight and bias are not differentiated (``normkit.saving.decide``). Where their
+    values are known (not traced) "auto" applies the safety rule to them (``normkit.norm_math``);
+    traced, ``saving.traced_rule``, and the kernels' dx is NaN where a weight turns out unsafe."""
     traced = any(isinstance(p, jax.core.Tracer) for p in (weight, bias) if p is not None)
+    x_dtype = _launch.dtype_name(x.dtype)
     return saving.decide(
         cfg.op, cfg.save, trained=[n for n in ("weight", "bias") if getattr(needs, n)],
         needs_dx=needs.x or needs.residual, row_length=x.shape[-1], has_params=weight is not None or bias is not None,
-        has_bias=bias is not None, offset=cfg.opts.offset,
+        has_bias=bias is not None, offset=cfg.opts.offset, x_dtype=x_dtype,
         unsafe=None if traced else lambda: norm_math.unsafe_reason(
-            _host(weight), _host(bias), x_dtype=_launch.dtype_name(x.dtype), offset=cfg.opts.offset,
-            casting=cfg.opts.casting))
+            _host(weight), _host(bias), x_dtype=x_dtype, offset=cfg.opts.offset, casting=cfg.opts.casting))
 
 
 def _host(a):
@@ -179,13 +178,14 @@ def _norm_fwd(cfg: _Config, x, residual, weight, bias):
     b = _value(bias)
     needs = _Needs(x=_perturbed(x), residual=_perturbed(residual), weight=_perturbed(weight), bias=_perturbed(bias),
                    b_dtype=None if b is None else _launch.dtype_name(b.dtype))
-    store = needs.grads.any
-    out = _forward(cfg, _value(x), _value(residual), _value(weight), b, store_stats=store)
-    if not store:  # nothing will be differentiated: keep nothing alive
+    if not needs.grads.any:  # nothing will be differentiated: keep nothing alive
+        out = _forward(cfg, _value(x), _value(residual), _value(weight), b, store_stats=False)
         return _outputs(cfg, out), (None, None, None, None, None, needs)
-    if _saves_output(cfg, needs, _value(x), _value(weight), b):
+    from_output = _saves_output(cfg, needs, _value(x), _value(weight), b)
+    out = _forward(cfg, _value(x), _value(residual), _value(weight), b, store_stats=True, store_rec=from_output)
+    if from_output:  # y, the bias and the weight's recovery (REC) in the mean's place
         needs = dataclasses.replace(needs, from_output=True)
-        return _outputs(cfg, out), (out["Y"], _value(weight), b, None, out["RSTD"], needs)
+        return _outputs(cfg, out), (out["Y"], _value(weight), b, out["REC"], out["RSTD"], needs)
     saved_x = out["S"] if cfg.op.has_residual else _value(x)  # the fused op normalized s = x + residual
     return _outputs(cfg, out), (saved_x, _value(weight), None, out.get("MEAN"), out["RSTD"], needs)
 
@@ -195,7 +195,8 @@ def _zero(ct):
 
 
 def _norm_bwd(cfg: _Config, res, ct):
-    x, w, b, mean, rstd, needs = res
+    x, w, b, aux, rstd, needs = res
+    mean, rec = (None, aux) if needs.from_output else (aux, None)
     dy, ds = ct if cfg.op.has_residual else (ct, None)
     dy = None if _zero(dy) else dy
     ds = None if _zero(ds) else ds  # residual_out unused: the kernel reads no DRES
@@ -204,7 +205,7 @@ def _norm_bwd(cfg: _Config, res, ct):
         return None, None, None, None
     if dy is None:  # only residual_out was used: y's gradient is exactly zero
         dy = jnp.zeros_like(x)
-    out = _backward(cfg, x, w, b, dy, ds, mean, rstd, grads=grads, b_dtype=needs.b_dtype,
+    out = _backward(cfg, x, w, b, dy, ds, mean, rstd, rec, grads=grads, b_dtype=needs.b_dtype,
                     from_output=needs.from_output)
     assert set(out) == set(cfg.op.bwd_buffers(1, 1, "float32", grads, "float32", "float32")), out.keys()
     dx = out.get("DX")
@@ -268,12 +269,14 @@ def rms_norm(x: jax.Array, weight: jax.Array | None = None, eps: float = 1e-6, *
             ``resolve_implementation``. Every one computes the same function with the same frozen
             semantics; the launch record names the one that ran.
         save: what the backward keeps in its residuals (static): ``"auto"`` keeps the output y instead of
-            x where the weight and bias are not differentiated (frozen) and x_hat can be recovered from
-            y: by value where the weight is known when the rule is traced (not a tracer), else always
-            but for a LayerNorm with a bias (the kernels then give a NaN dx where a column's weight is
-            too small to divide by). ``"input"`` keeps x; ``"output"`` keeps y, and raises where a
-            parameter is differentiated or its known values are unsafe. Keeping y frees x where y is
-            kept anyway (an adapter in x's dtype) and x is held for the norm alone.
+            x where the weight and bias are not differentiated (frozen), rows are long enough and x_hat
+            can be recovered from y (``normkit.saving.decide``): by the weight's values where they are
+            known when the rule is traced (not tracers), else where only a weight of exactly zero could
+            prevent it (no bias, no offset, x not float16: ``normkit.saving.traced_rule``; the kernels'
+            dx is NaN if such a weight turns up). ``"input"`` keeps x; ``"output"`` keeps y, and raises
+            where a parameter is differentiated, rows are too short, or known values are unsafe.
+            Keeping y frees x where y is kept anyway (an adapter in x's dtype) and x is held for the
+            norm alone.
 
     Returns:
         ``(..., D)`` in x.dtype. The math is in ``normkit.reference.rms_norm``.

@@ -41,9 +41,8 @@ class Backend(Protocol):
         """Allocate ``call.out_specs`` once, launch ``call`` reading ``arrays`` (name -> array or None),
         record it, and return the outputs (name -> array).
 
-        ``rows_shape``: the caller's ``(..., N)`` shape of the plan's ``[M, N]`` rows, to allocate the
-        row outputs in that shape and the per-row statistics in ``rows_shape[:-1]`` (the same memory
-        layout); None allocates the plan's own shapes. A backend may ignore it (JAX reshapes after
+        ``rows_shape``: the caller's ``(..., N)`` shape of the plan's ``[M, N]`` rows, to allocate each
+        output in it (``caller_shape``: the same memory layout); None allocates the plan's own shapes. A backend may ignore it (JAX reshapes after
         the custom_vjp boundary instead)."""
 
     def rows(self, a):
@@ -93,9 +92,13 @@ def _name(described) -> str | None:
     return described[0] if described is not None else None
 
 
-def forward_plan(backend: Backend, op: Op, x, residual, weight, bias, opts: Options, store_stats: bool):
+def forward_plan(backend: Backend, op: Op, x, residual, weight, bias, opts: Options, store_stats: bool,
+                 store_rec: bool = False, rec_in_rstd: bool = False, has_trip: bool = False):
     """The forward's ``KernelCall`` over rows ``x [M, N]`` (None for no rows). A frontend may keep
-    it and launch it again for arrays of the same shapes, strides, dtypes and device."""
+    it and launch it again for arrays of the same shapes, strides, dtypes and device. ``store_rec``:
+    the backward will read y, so the forward also writes the weight's recovery (REC; in RSTD after its
+    rows with ``rec_in_rstd``), and sets the flag TRIP (``has_trip``) where the weight breaks the
+    safety rule (``normkit.norm_math``)."""
     M, N = x.shape
     if M == 0:
         return None
@@ -103,33 +106,47 @@ def forward_plan(backend: Backend, op: Op, x, residual, weight, bias, opts: Opti
     num_sms = backend.num_sms(x)
     d_x, d_res, d_w, d_b = backend.describe(x, residual, weight, bias)
     layout = (*_rows_layout(x, d_x), *_rows_layout(residual, d_res), _param_stride(d_w), _param_stride(d_b))
-    return plan_forward(op, M, N, d_x[0], _name(d_w), _name(d_b), opts, store_stats, layout, num_sms)
+    return plan_forward(op, M, N, d_x[0], _name(d_w), _name(d_b), opts, store_stats, layout, num_sms, store_rec,
+                        rec_in_rstd, has_trip)
 
 
-def forward(backend: Backend, op: Op, x, residual, weight, bias, opts: Options, store_stats: bool) -> tuple:
-    """``(Y, S, MEAN, RSTD)`` over rows ``x [M, N]``; an entry the op or ``store_stats`` does not
-    produce is None. S = x + residual (fused add); MEAN, RSTD: fp32 statistics for a backward."""
-    call = forward_plan(backend, op, x, residual, weight, bias, opts, store_stats)
+FWD_RESULTS = ("Y", "S", "MEAN", "RSTD", "REC")
+
+
+def _no_rows(backend: Backend, op: Op, x, store_stats: bool, store_rec: bool, rec_in_rstd: bool) -> tuple:
+    """The forward's buffers over rows ``x [0, N]``: zeros (a recovery of no rows is still the weight's,
+    but no backward reads it)."""
+    M, N = x.shape
+    out = {name: backend.zeros(shape, dtype, x) for name, (shape, dtype) in
+           op.fwd_buffers(M, N, backend.dtype(x), store_stats, store_rec, rec_in_rstd).items()}
+    return tuple(out.get(name) for name in FWD_RESULTS)
+
+
+def forward(backend: Backend, op: Op, x, residual, weight, bias, opts: Options, store_stats: bool,
+            store_rec: bool = False, rec_in_rstd: bool = False) -> tuple:
+    """``(Y, S, MEAN, RSTD, REC)`` over rows ``x [M, N]``; an entry the op or the flags do not produce is
+    None. S = x + residual (fused add); MEAN, RSTD: fp32 statistics for a backward; REC: the weight's
+    recovery for a backward that reads y (``forward_plan``)."""
+    call = forward_plan(backend, op, x, residual, weight, bias, opts, store_stats, store_rec, rec_in_rstd)
     if call is None:
-        M, N = x.shape
-        out = {name: backend.zeros(shape, dtype, x) for name, (shape, dtype) in
-               op.fwd_buffers(M, N, backend.dtype(x), store_stats).items()}
-        return out["Y"], out.get("S"), out.get("MEAN"), out.get("RSTD")
+        return _no_rows(backend, op, x, store_stats, store_rec, rec_in_rstd)
     return launch_forward(backend, call, x, residual, weight, bias)
 
 
-def launch_forward(backend: Backend, call, x, residual, weight, bias, rows_shape: tuple | None = None) -> tuple:
-    """``(Y, S, MEAN, RSTD)`` of a forward plan (``forward_plan``) on arrays of the shapes, strides,
+def launch_forward(backend: Backend, call, x, residual, weight, bias, rows_shape: tuple | None = None,
+                   trip=None) -> tuple:
+    """``(Y, S, MEAN, RSTD, REC)`` of a forward plan (``forward_plan``) on arrays of the shapes, strides,
     dtypes and device it was made for."""
-    out = backend.launch(call, {"X": x, "R": residual, "W": weight, "B": bias}, rows_shape)
-    return out["Y"], out.get("S"), out.get("MEAN"), out.get("RSTD")
+    out = backend.launch(call, {"X": x, "R": residual, "W": weight, "B": bias, "TRIP": trip}, rows_shape)
+    return tuple(out.get(name) for name in FWD_RESULTS)
 
 
 def backward_plan(backend: Backend, op: Op, x, weight, dy, dres, opts: Options, grads: Grads,
-                  b_dtype: str | None = None, bias=None, from_output: bool = False):
+                  b_dtype: str | None = None, bias=None, from_output: bool = False, rec_in_rstd: bool = False):
     """``(backward call, reduction call or None)`` over rows ``x [M, N]``, or None when there is
     nothing to launch (no gradient asked for, or no rows). Raises on a dy / dres dtype other than x's.
-    ``from_output``: ``x`` is the forward's output y (see ``backward``); ``bias`` is then read too."""
+    ``from_output``: ``x`` is the forward's output y (see ``backward``); ``bias`` is then read too, and
+    the forward's recovery of the weight (REC, or in RSTD: ``rec_in_rstd``)."""
     if not grads.any:
         return None
     M, N = x.shape
@@ -145,35 +162,38 @@ def backward_plan(backend: Backend, op: Op, x, weight, dy, dres, opts: Options, 
     layout = (*_rows_layout(x, d_x), *_rows_layout(dy, d_dy), *_rows_layout(dres, d_dres), _param_stride(d_w),
               _param_stride(d_b))
     return plan_backward(op, M, N, x_dtype, _name(d_w), b_dtype if grads.db else None, dres is not None,
-                         opts, grads, layout, num_sms, from_output, bias is not None)
+                         opts, grads, layout, num_sms, from_output, bias is not None, from_output and rec_in_rstd)
 
 
-def _check_statistics(backend: Backend, M: int, mean, rstd) -> None:
-    """The kernels read the per-row statistics as M contiguous fp32 values."""
-    for name, t in (("mean", mean), ("rstd", rstd)):
+def _check_statistics(backend: Backend, M: int, N: int, mean, rstd, rec, rec_in_rstd: bool) -> None:
+    """The kernels read the per-row statistics as M contiguous fp32 values (RSTD followed by the N + 1
+    of the weight's recovery, ``rec_in_rstd``), and REC as N + 1."""
+    for name, t, n in (("mean", mean, M), ("rstd", rstd, M + (N + 1 if rec_in_rstd else 0)), ("recovery", rec, N + 1)):
         if t is None:
             continue
-        if tuple(t.shape) != (M,) or (M > 1 and backend.strides(t) != (1,)) or backend.dtype(t) != "float32":
-            raise ValueError(f"normkit: the per-row {name} reached the driver with shape {tuple(t.shape)}, strides "
-                             f"{backend.strides(t)} and dtype {backend.dtype(t)}; the kernels read {M} contiguous "
+        if tuple(t.shape) != (n,) or (n > 1 and backend.strides(t) != (1,)) or backend.dtype(t) != "float32":
+            raise ValueError(f"normkit: the {name} reached the driver with shape {tuple(t.shape)}, strides "
+                             f"{backend.strides(t)} and dtype {backend.dtype(t)}; the kernels read {n} contiguous "
                              "float32 values (the frontend must make them so)")
 
 
 def backward(backend: Backend, op: Op, x, weight, dy, dres, mean, rstd, opts: Options, grads: Grads,
-             b_dtype: str | None = None, bias=None, from_output: bool = False) -> tuple:
+             b_dtype: str | None = None, bias=None, from_output: bool = False, rec=None) -> tuple:
     """``(DX, DW, DB)``; an entry ``grads`` does not ask for is None.
 
     ``x`` is what the forward normalized (S for the fused add); ``dres``, the gradient of
     residual_out, is None when it is zero (then it is not read). dW takes the weight's dtype, dB
     ``b_dtype`` (the bias's dtype; the bias itself is not needed).
 
-    ``from_output``: ``x`` is the forward's output y instead, and ``bias`` the bias (None if absent):
-    the backward of a norm whose weight and bias are frozen, which kept y rather than x (dx alone;
-    ``mean`` is not read). Where dividing by the weight would lose x_hat, dx is NaN (``normkit.ops``,
-    ``OUTPUT_W_MIN``): a frontend checks ``norm_math.unsafe_reason`` first where it can see the weight's
-    values (``normkit.saving.decide``).
+    ``from_output``: ``x`` is the forward's output y instead, ``bias`` the bias (None if absent) and
+    ``rec`` the forward's recovery of the weight (None: it follows the rows in ``rstd``): the backward
+    of a norm whose weight and bias are frozen, which kept y rather than x (dx alone; ``mean`` is not
+    read). Where the weight breaks the safety rule dx is NaN (``normkit.norm_math``): a frontend
+    checks ``norm_math.unsafe_reason`` first where it can see the weight's values
+    (``normkit.saving.decide``).
     """
-    plan = backward_plan(backend, op, x, weight, dy, dres, opts, grads, b_dtype, bias, from_output)
+    rec_in_rstd = from_output and rec is None
+    plan = backward_plan(backend, op, x, weight, dy, dres, opts, grads, b_dtype, bias, from_output, rec_in_rstd)
     if plan is None:
         if not grads.any:
             return None, None, None
@@ -181,41 +201,63 @@ def backward(backend: Backend, op: Op, x, weight, dy, dres, mean, rstd, opts: Op
         out = {name: backend.zeros(shape, dtype, x) for name, (shape, dtype) in
                op.bwd_buffers(M, N, backend.dtype(x), grads, _dtype(backend, weight), b_dtype).items()}
         return out.get("DX"), out.get("DW"), out.get("DB")
-    _check_statistics(backend, x.shape[0], mean if not (op.is_rms or from_output) else None, rstd)
-    return launch_backward(backend, plan, x, weight, dy, dres, mean, rstd, bias=bias if from_output else None)
+    M, N = x.shape
+    _check_statistics(backend, M, N, mean if not (op.is_rms or from_output) else None, rstd,
+                      rec if from_output else None, rec_in_rstd)
+    return launch_backward(backend, plan, x, weight, dy, dres, mean, rstd, bias=bias if from_output else None,
+                           rec=rec if from_output else None)
 
 
 def launch_backward(backend: Backend, plan: tuple, x, weight, dy, dres, mean, rstd,
-                    rows_shape: tuple | None = None, bias=None) -> tuple:
+                    rows_shape: tuple | None = None, bias=None, rec=None) -> tuple:
     """``(DX, DW, DB)`` of a backward plan (``backward_plan``: the backward launch, then the reduction
     of its dW/dB partials) on arrays of the shapes, strides, dtypes and device it was made for."""
     call, reduce = plan
-    out = backend.launch(call, {"X": x, "W": weight, "B": bias, "DY": dy, "DRES": dres, "MEAN": mean, "RSTD": rstd},
-                         rows_shape)
+    out = backend.launch(call, {"X": x, "W": weight, "B": bias, "DY": dy, "DRES": dres, "MEAN": mean, "RSTD": rstd,
+                                "REC": rec}, rows_shape)
     if reduce is not None:
         out.update(backend.launch(reduce, out))
     return out.get("DX"), out.get("DW"), out.get("DB")
 
 
+def caller_shape(name: str, buffer_shape: tuple, rows_shape: tuple) -> tuple:
+    """A buffer's shape over the caller's ``(..., N)`` rows: row buffers ``(M, N)`` -> ``rows_shape``,
+    per-row statistics ``(M,)`` -> ``rows_shape[:-1]`` (the same memory layout); the rest (the weight's
+    recovery, statistics followed by it, per-column results, partials) as planned."""
+    if name in ("Y", "S", "DX"):
+        return tuple(rows_shape)
+    if name in ("MEAN", "RSTD") and len(buffer_shape) == 1 and len(rows_shape) >= 1 and \
+            buffer_shape[0] == _prod(rows_shape[:-1]):
+        return tuple(rows_shape[:-1])
+    return tuple(buffer_shape)
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def bind_forward(backend: Backend, call, like, rows_shape: tuple | None = None):
-    """``launch(x, residual, weight, bias) -> (Y, S, MEAN, RSTD)``: ``launch_forward`` of a forward plan
-    bound once (``Backend.bind``) for arrays on ``like``'s device, for a frontend that launches the
-    plan again and again (an absent result is None)."""
-    return backend.bind(call, like, rows_shape)  # the kernel's outputs are (Y, S, MEAN, RSTD)
+    """``launch(x, residual, weight, bias, trip) -> (Y, S, MEAN, RSTD, REC)``: ``launch_forward`` of a
+    forward plan bound once (``Backend.bind``) for arrays on ``like``'s device, for a frontend that
+    launches the plan again and again (an absent result is None)."""
+    return backend.bind(call, like, rows_shape)  # the kernel's outputs are FWD_RESULTS
 
 
 def bind_backward(backend: Backend, plan: tuple, like, rows_shape: tuple | None = None):
-    """``launch(x, weight, bias, dy, dres, mean, rstd) -> (DX, DW, DB)``: ``launch_backward`` of a backward
-    plan bound once (``Backend.bind``) for arrays on ``like``'s device (an entry not asked for is
-    None)."""
+    """``launch(x, weight, bias, dy, dres, mean, rstd, rec) -> (DX, DW, DB)``: ``launch_backward`` of a
+    backward plan bound once (``Backend.bind``) for arrays on ``like``'s device (an entry not asked for
+    is None)."""
     call, reduce = plan
     launch = backend.bind(call, like, rows_shape)
     if reduce is None:  # no dW/dB: the kernel's outputs are (DX, None, None)
         return launch
     launch_reduce = backend.bind(reduce, like)
 
-    def launch_and_reduce(x, weight, bias, dy, dres, mean, rstd) -> tuple:
-        dx, dw_part, db_part = launch(x, weight, bias, dy, dres, mean, rstd)
+    def launch_and_reduce(x, weight, bias, dy, dres, mean, rstd, rec) -> tuple:
+        dx, dw_part, db_part = launch(x, weight, bias, dy, dres, mean, rstd, rec)
         dw, db = launch_reduce(dw_part, db_part)
         return dx, dw, db
 
@@ -231,29 +273,29 @@ class Bound:
     (``Backend.keys``), so every call of one ``Bound`` passes arrays of the layouts of its first.
     Arrays keep the caller's shape ``(..., N)``; rows that cannot be read in place are copied at
     every call (``Backend.copy_rows``, which says so). ``from_output``: the backward reads the
-    forward's output y rather than its input (see ``backward``), which the frontend saves instead.
-    ``b_dtype``: dB's dtype (the bias's).
+    forward's output y rather than its input (see ``backward``), which the frontend saves instead;
+    the forward then writes the weight's recovery after the statistics in RSTD. ``b_dtype``: dB's
+    dtype (the bias's).
 
-    ``forward(x, residual, weight, bias) -> (Y, S, MEAN, RSTD)``;
-    ``backward(saved, weight, bias, dy, dres, mean, rstd, grads) -> (DX, DW, DB)``, where ``saved``
-    is what the frontend kept: x (the fused add's sum s), or y when ``from_output``; and
-    ``backward_as_saved``, the same keyed on the gradients alone, where the frontend knows the saved
-    arrays are the forward's own.
+    ``forward(x, residual, weight, bias) -> (Y, S, MEAN, RSTD, REC)`` (REC None: it follows the rows in
+    RSTD; ``trip``, given, is a flag the forward sets where the weight breaks the safety rule);
+    ``backward(saved, weight, bias, dy, dres, mean, rstd, grads, rec=None) -> (DX, DW,
+    DB)``, where ``saved`` is what the frontend kept: x (the fused add's sum s), or y when
+    ``from_output``, whose recovery ``rec`` is a buffer of its own or (None) follows the rows in rstd.
     """
 
-    __slots__ = ("backend", "op", "opts", "store_stats", "from_output", "b_dtype", "fwd", "forward", "_bwd",
-                 "_as_saved")
+    __slots__ = ("backend", "op", "opts", "store_stats", "from_output", "b_dtype", "trip", "fwd", "forward", "_bwd")
 
     def __init__(self, backend: Backend, op: Op, opts: Options, store_stats: bool, from_output: bool = False,
-                 b_dtype: str = "float32"):
+                 b_dtype: str = "float32", trip=None):
+        assert store_stats or not from_output
         self.backend, self.op, self.opts, self.store_stats = backend, op, opts, store_stats
-        self.from_output, self.b_dtype = from_output, b_dtype
+        self.from_output, self.b_dtype, self.trip = from_output, b_dtype, trip
         self.fwd = None  # the forward plan, once bound (None also where there are no rows)
         # ``forward`` is the bound launch itself once the first call has bound it: a repeated call
         # goes straight to the launch
         self.forward = self._first_forward
         self._bwd: dict = {}
-        self._as_saved: dict = {}  # the frontend's key of the gradients -> launch (``backward_as_saved``)
 
     def _first_forward(self, x, residual, weight, bias) -> tuple:
         self.forward = self._bind_forward(x, residual, weight, bias)
@@ -261,53 +303,44 @@ class Bound:
 
     def _bind_forward(self, x, residual, weight, bias):
         """``launch(x, residual, weight, bias)`` for arrays of these layouts."""
-        backend, op = self.backend, self.op
+        backend, op, trip = self.backend, self.op, self.trip
         (x_rows, r_rows), copies = _row_views(backend, (("x", x), ("residual", residual)))
-        self.fwd = forward_plan(backend, op, x_rows, r_rows, weight, bias, self.opts, self.store_stats)
+        rec = self.from_output
+        self.fwd = forward_plan(backend, op, x_rows, r_rows, weight, bias, self.opts, self.store_stats, rec, rec,
+                                rec and trip is not None)
         if self.fwd is None:  # no rows: zeros of each buffer, in the caller's shape, fresh at every call
             M, N = x_rows.shape
             shape = tuple(x.shape)
-            buffers = op.fwd_buffers(M, N, backend.dtype(x), self.store_stats)
+            buffers = op.fwd_buffers(M, N, backend.dtype(x), self.store_stats, rec, rec)
 
             def no_rows(x, *_):
                 return tuple(None if name not in buffers else
-                             backend.zeros(shape if len(buffers[name][0]) == 2 else shape[:-1], buffers[name][1], x)
-                             for name in ("Y", "S", "MEAN", "RSTD"))
+                             backend.zeros(caller_shape(name, buffers[name][0], shape), buffers[name][1], x)
+                             for name in FWD_RESULTS)
             return no_rows
         launch = backend.bind(self.fwd, x, tuple(x.shape))
-        return _copying(backend, launch, {0: "x", 1: "residual"}, copies) if any(copies) else launch
+        if any(copies):
+            launch = _copying(backend, launch, {0: "x", 1: "residual"}, copies)
+        if not (rec and trip is not None):
+            trip = None
+        return lambda x, residual, weight, bias: launch(x, residual, weight, bias, trip)
 
-    def backward(self, saved, weight, bias, dy, dres, mean, rstd, grads) -> tuple:
+    def backward(self, saved, weight, bias, dy, dres, mean, rstd, grads, rec=None) -> tuple:
         """``grads``: a ``Grads``, or its ``(dx, dw, db)`` flags (a tuple hashes faster)."""
-        return self._backward_launch(grads, saved, weight, bias, dy, dres)(saved, weight, bias, dy, dres, mean, rstd)
-
-    def backward_as_saved(self, k, saved, weight, bias, dy, dres, mean, rstd, grads) -> tuple:
-        """``backward`` where the frontend vouches that ``saved``, ``weight``, ``bias``, ``mean`` and
-        ``rstd`` are exactly what this Bound's forward was given and returned (nothing changed them
-        in between), and that ``dy`` and ``dres`` have the output's shape, dtype and device. Then only
-        the gradients' layouts differ from call to call: ``k``, the frontend's key of them and of
-        ``grads``, finds the launch without reading the other arrays."""
-        launch = self._as_saved.get(k)
-        if launch is None:
-            launch = self._as_saved[k] = self._backward_launch(grads, saved, weight, bias, dy, dres)
-        return launch(saved, weight, bias, dy, dres, mean, rstd)
-
-    def _backward_launch(self, grads, saved, weight, bias, dy, dres):
-        """The bound backward launch for arrays of these layouts (bound on first sight)."""
-        k = (grads, self.backend.keys(saved, weight, bias if self.from_output else None, dy, dres))
+        k = (grads, self.backend.keys(saved, weight, bias if self.from_output else None, dy, dres, rec))
         bound = self._bwd.get(k)
         if bound is None:
-            bound = self._bwd[k] = self._bind_backward(saved, weight, bias, dy, dres, grads)
-        return bound[1]
+            bound = self._bwd[k] = self._bind_backward(saved, weight, bias, dy, dres, grads, rec)
+        return bound[1](saved, weight, bias, dy, dres, mean, rstd, rec)
 
     @property
     def backward_plans(self) -> list:
         """The backward plans bound so far: ``(backward call, reduction call or None)`` each."""
         return [plan for plan, _ in self._bwd.values() if plan is not None]
 
-    def _bind_backward(self, saved, weight, bias, dy, dres, grads: Grads):
+    def _bind_backward(self, saved, weight, bias, dy, dres, grads: Grads, rec):
         """``(plan, launch)``: the backward plan (None where nothing is launched) and
-        ``launch(saved, weight, bias, dy, dres, mean, rstd) -> (DX, DW, DB)`` for arrays of these
+        ``launch(saved, weight, bias, dy, dres, mean, rstd, rec) -> (DX, DW, DB)`` for arrays of these
         layouts, rows copied first where they cannot be read in place."""
         backend, op = self.backend, self.op
         grads = grads if isinstance(grads, Grads) else GRADS[grads]
@@ -317,7 +350,7 @@ class Bound:
         rows, copies = _row_views(backend, (("the saved input", saved), ("the output gradient", dy),
                                             ("the residual_out gradient", dres)))
         plan = backward_plan(backend, op, rows[0], weight, rows[1], rows[2], self.opts, grads, self.b_dtype, bias,
-                             self.from_output)
+                             self.from_output, rec is None)
         if plan is None:  # no rows: dx empty, dW/dB sums of nothing, fresh at every call
             M, N = rows[0].shape
             buffers = op.bwd_buffers(M, N, backend.dtype(saved), grads, _dtype(backend, weight), self.b_dtype)
@@ -327,7 +360,7 @@ class Bound:
                 dx = out.get("DX")
                 return None if dx is None else dx.reshape(saved.shape), out.get("DW"), out.get("DB")
             return None, no_rows
-        # the launch takes (saved, weight, bias, dy, dres, mean, rstd): rows at positions 0, 3 and 4
+        # the launch takes (saved, weight, bias, dy, dres, mean, rstd, rec): rows at positions 0, 3 and 4
         positions = {0: "the saved input", 3: "the output gradient", 4: "the residual_out gradient"}
         launch = bind_backward(backend, plan, saved, tuple(saved.shape))
         return plan, _copying(backend, launch, positions, copies) if any(copies) else launch

@@ -19,12 +19,13 @@ import json
 from typing import Any
 
 from normkit import record
-from normkit.ops import ELEM_BYTES, OUTPUT_BIAS_RATIO, OUTPUT_W_MIN, Grads, Op, Options
+from normkit import norm_math
+from normkit.ops import ELEM_BYTES, FINITE_MAX, OUTPUT_BIAS_RATIO, OUTPUT_W_MIN, Grads, Op, Options
 
-FWD_INPUTS = ("X", "R", "W", "B")
+FWD_INPUTS = ("X", "R", "W", "B", "TRIP")
 FWD_SCALARS = ("eps", "offset", "M", "stride_xm", "stride_rm")
-FWD_OUTPUTS = ("Y", "S", "MEAN", "RSTD")
-BWD_INPUTS = ("X", "W", "B", "DY", "DRES", "MEAN", "RSTD")
+FWD_OUTPUTS = ("Y", "S", "MEAN", "RSTD", "REC")
+BWD_INPUTS = ("X", "W", "B", "DY", "DRES", "MEAN", "RSTD", "REC")
 BWD_SCALARS = ("offset", "M", "stride_xm", "stride_dym", "stride_dresm")
 BWD_OUTPUTS = ("DX", "DW_PART", "DB_PART")
 RED_INPUTS = ("DW_PART", "DB_PART")
@@ -175,15 +176,22 @@ def _rows_contiguous(M: int, N: int, present) -> bool:
     return all(c == 1 for _, c in present) and (M <= 1 or all(s == N for s, _ in present))
 
 
+REC_CHUNK = 1024  # columns per step of the forward's recovery of the weight (program 0's extra work)
+
+
 @functools.lru_cache(maxsize=8192)
 def plan_forward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_dtype: str | None, opts: Options,
-                 store_stats: bool, layout: tuple, num_sms: int) -> KernelCall:
+                 store_stats: bool, layout: tuple, num_sms: int, store_rec: bool = False, rec_in_rstd: bool = False,
+                 has_trip: bool = False) -> KernelCall:
     """The forward launch over M >= 1 rows; ``w_dtype``/``b_dtype`` None for an absent weight/bias.
 
     ``layout`` is ``(stride_xm, x_col, stride_rm, r_col, w_stride, b_stride)`` in elements, column
     strides 0 or 1 (``normkit.driver`` reads them from the arrays). ``num_sms``, the device's SM
-    count, sizes the persistent LayerNorm grid (``forward_tile``).
+    count, sizes the persistent LayerNorm grid (``forward_tile``). ``store_rec``: the backward will
+    read y, so program 0 also writes the weight's recovery (``Op.fwd_buffers``; in RSTD with
+    ``rec_in_rstd``), and sets the flag TRIP (``has_trip``) where the weight breaks the safety rule.
     """
+    assert store_stats or not store_rec
     stride_xm, x_col, stride_rm, r_col, w_stride, b_stride = layout
     has_w, has_b = w_dtype is not None, b_dtype is not None
     block_m, block_n, num_warps, persistent, chunk = forward_tile(op, M, N, ELEM_BYTES[x_dtype])
@@ -194,7 +202,7 @@ def plan_forward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_dt
         if want > 1:
             grid, stages = min(tiles, (4 if block_m * block_n <= 4096 else 2) * num_sms), want
     present = {"X"} | ({"R"} if op.has_residual else set()) | ({"W"} if has_w else set()) | (
-        {"B"} if has_b else set())
+        {"B"} if has_b else set()) | ({"TRIP"} if has_trip else set())
     rows_contiguous = _rows_contiguous(M, N, [(stride_xm, x_col)] + ([(stride_rm, r_col)] if op.has_residual else []))
     return KernelCall(
         kernel=kernels().norm_fwd_kernel,
@@ -206,7 +214,7 @@ def plan_forward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_dt
         scalar_names=FWD_SCALARS,
         scalars=(_f32(opts.eps), _f32(opts.offset), M, stride_xm, stride_rm),
         outputs=FWD_OUTPUTS,
-        out_specs=op.fwd_buffers(M, N, x_dtype, store_stats),
+        out_specs=op.fwd_buffers(M, N, x_dtype, store_stats, store_rec, rec_in_rstd),
         constexprs=dict(
             N=N,
             **op.fwd_flags,
@@ -214,6 +222,14 @@ def plan_forward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_dt
             HAS_B=has_b,
             CASTING=int(opts.casting),
             STORE_STATS=store_stats,
+            STORE_REC=store_rec,
+            REC_IN_RSTD=store_rec and rec_in_rstd,
+            HAS_TRIP=has_trip,
+            W_MIN=OUTPUT_W_MIN[x_dtype] if store_rec else 0.0,
+            BIAS_RATIO=OUTPUT_BIAS_RATIO if store_rec else 0.0,
+            BOUND_SCALE=_f32(norm_math.bound_scale(N, x_dtype)) if store_rec else 0.0,
+            Y_MAX=FINITE_MAX[x_dtype] if store_rec else 0.0,
+            REC_CHUNK=min(_next_pow2(N), REC_CHUNK),
             ROWS_CONTIGUOUS=rows_contiguous,
             X_COL_STRIDE=x_col,
             R_COL_STRIDE=r_col,
@@ -230,14 +246,15 @@ def plan_forward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_dt
 @functools.lru_cache(maxsize=8192)
 def plan_backward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_dtype: str | None, has_dres: bool,
                   opts: Options, grads: Grads, layout: tuple, num_sms: int, from_output: bool = False,
-                  has_bias: bool = False) -> tuple[KernelCall, KernelCall | None]:
+                  has_bias: bool = False, rec_in_rstd: bool = False) -> tuple[KernelCall, KernelCall | None]:
     """The backward launch over M >= 1 rows, and the reduction of its partials (None without dW/dB).
 
     ``w_dtype``/``b_dtype``: the parameters' dtypes (None if absent, or, for the bias, not trained),
     which dW/dB take. ``layout`` is ``(stride_xm, x_col, stride_dym, dy_col, stride_dresm, dres_col,
     w_stride, b_stride)``. Without dW/dB there are no partials and one program per tile.
     ``from_output``: the kernel reads the forward's output y where it would read x (dx only; weight and
-    bias frozen), and the bias (``has_bias``) to recover x_hat from it; no mean is read.
+    bias frozen), the bias (``has_bias``) and the forward's recovery of the weight (REC, or in RSTD
+    after its rows: ``rec_in_rstd``) to recover x_hat from it; no mean is read.
     """
     stride_xm, x_col, stride_dym, dy_col, stride_dresm, dres_col, w_stride, b_stride = layout
     has_w = w_dtype is not None
@@ -260,6 +277,7 @@ def plan_backward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_d
         out_specs["DB_PART"] = ((grid, N), "float32")
     present = {"X", "DY", "RSTD"} | ({"W"} if has_w else set()) | ({"DRES"} if has_dres else set())
     present |= ({"B"} if has_b else set()) | (set() if op.is_rms or from_output else {"MEAN"})
+    present |= {"REC"} if from_output and not rec_in_rstd else set()
     rows_contiguous = _rows_contiguous(M, N, [(stride_xm, x_col), (stride_dym, dy_col)]
                                        + ([(stride_dresm, dres_col)] if has_dres else []))
     bwd = KernelCall(
@@ -287,8 +305,7 @@ def plan_backward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_d
             COMPUTE_DW=grads.dw,
             COMPUTE_DB=grads.db,
             FROM_Y=from_output,
-            W_MIN=OUTPUT_W_MIN[x_dtype] if from_output else 0.0,
-            BIAS_RATIO=OUTPUT_BIAS_RATIO if from_output else 0.0,
+            REC_IN_RSTD=from_output and rec_in_rstd,
             ROWS_CONTIGUOUS=rows_contiguous,
             X_COL_STRIDE=x_col,
             DY_COL_STRIDE=dy_col,

@@ -32,29 +32,40 @@ recomputed from x, and then differentiated too on torch tensors)::
 (under ROUND_NORMALIZED, dw sees x_hat rounded to x's dtype, as the forward used it).
 
 Backward from the saved output (``output_backward``, x's gradient only, weight and bias frozen).
-A frozen norm need not keep x alive: x_hat comes back from y (``w_eff`` rounded under INPUT_DTYPE,
-as the forward multiplied by it)::
+A frozen norm need not keep x alive: x_hat comes back from y through the *recovery* of the weight
+(``recovery``: ``inv = 1 / w_y`` per column, ``w_y`` the weight as the forward multiplied by it,
+rounded to x's dtype under INPUT_DTYPE, and one ``poison`` value, 0 or NaN), computed once per call
+from the weight and bias alone, never per row::
 
-    x_hat = (y - b) / w_eff;   g = dy * w_eff;   c1 = mean(dy * (y - b));   c2 = mean(g)
+    x_hat = (y - b) * inv;   g = dy * w_eff;   c1 = mean(g * x_hat);   c2 = mean(g)
 
-and dx as above. ``c1`` equals ``mean(g * x_hat)`` in real arithmetic and needs no division; no
-mean is needed. It is safe only where x_hat can be recovered. y holds x_hat * w_eff + b with a
+and dx as above, plus ``poison``: the same formulas as the input-saving backward, x_hat read from y
+instead of x. It is exact enough only where x_hat can be recovered. y holds x_hat * w_y + b with a
 relative error u (the unit roundoff of x's dtype: 2^-8 bf16, 2^-11 fp16, 2^-24 fp32) and an
 absolute one of TINY, the dtype's smallest subnormal (2^-24 fp16) or, where that is an fp32
 subnormal, fp32's smallest normal 2^-126 (XLA on CPU, like any flush-to-zero mode, flushes fp32
 subnormals to 0), so the recovered x_hat is off by about::
 
-    u * (|x_hat| + |b / w_eff|) + TINY / |w_eff|
+    u * (|x_hat| + |b / w_y|) + TINY / |w_y|
 
-which stays a few u where ``|w_eff| >= W_MIN = TINY / (4 u)`` (2^-15 fp16, 2^-120 bf16, 2^-104
-fp32) and ``|b| <= OUTPUT_BIAS_RATIO * |w_eff|``. In dx it becomes an error of about
+which stays a few u where ``|w_y| >= W_MIN = TINY / (4 u)`` (2^-15 fp16, 2^-120 bf16, 2^-104
+fp32) and ``|b| <= OUTPUT_BIAS_RATIO * |w_y|``. In dx it becomes an error of about
 ``rstd * (e_j |c1| + |x_hat_j| mean(|g| e))`` for an x_hat error e: as small as dx's own rounding to
-x's dtype, except in a row where dy is nearly parallel to x_hat (always when N = 1) and dx cancels.
-A column is unsafe where ``w_eff`` is not finite, ``|w_eff| < W_MIN``, or (with a bias) ``b`` is
-not finite or ``|b| > OUTPUT_BIAS_RATIO * |w_eff|``. ``output_backward_safe`` answers on the host
-(one reduction, one bool) for the caller that picks a backward; ``output_backward`` itself, whose
-traced callers (``jax.jit``, ``torch.compile``) cannot look at the weight's values, returns dx NaN
-everywhere if any column is unsafe: loud, never a quietly wrong gradient.
+x's dtype, except where dx cancels. The one safety rule (``recovery``, ``unsafe_reason``,
+``saving.decide``):
+
+- a column is unsafe where ``w_y`` is not finite, ``|w_y| < W_MIN``, or (with a bias) ``b`` is not
+  finite or ``|b| > OUTPUT_BIAS_RATIO * |w_y|``;
+- y must not overflow: ``|x_hat| <= sqrt(N)`` in every row (the squares of a row of x_hat sum to at
+  most N), so ``sqrt(N) (1 + 4u) max|w_y| + max|b|`` must stay below x's largest finite value
+  (``FINITE_MAX``; in practice a float16 limit: a y that overflows to inf loses x_hat);
+- rows must be long enough (``output_degenerate``): an RMSNorm row of 1 element and a LayerNorm row
+  of 1 or 2 have x_hat = +-1 whatever x is, dx is of the order of eps alone, and x_hat recovered
+  with y's error u cancels to noise there.
+
+A weight that breaks the first two makes ``poison`` NaN, so dx is NaN everywhere: loud, never a
+quietly wrong gradient. ``output_backward_safe`` and ``unsafe_reason`` answer on the host (one
+reduction, one bool) for the caller that picks a backward where it can read the weight's values.
 """
 from __future__ import annotations
 
@@ -79,6 +90,9 @@ SMALLEST_SUBNORMAL = {"float64": 2.0**-1074, "float32": 2.0**-149, "bfloat16": 2
 TINY = {name: max(SMALLEST_SUBNORMAL[name], 2.0**-1022 if name == "float64" else 2.0**-126) for name in UNIT_ROUNDOFF}
 # The smallest |w_eff| from which the output-saving backward recovers x_hat: TINY / (4 u).
 W_MIN = {name: TINY[name] / (4 * UNIT_ROUNDOFF[name]) for name in UNIT_ROUNDOFF}
+# The largest finite value of each dtype x can have (y, stored in it, must stay below).
+FINITE_MAX = {"float64": 1.7976931348623157e308, "float32": 3.4028234663852886e38,
+              "bfloat16": 3.3895313892515355e38, "float16": 65504.0}
 # The largest |b / w_eff| at which the output-saving backward is used: y - b cancels beyond it. At this
 # ratio (and |w_eff| at W_MIN) its dx, stored in x's dtype, is as accurate as the input-saving one's
 # to within 10% (tests/test_math.py asserts it); the loss grows with the ratio past it.
@@ -261,39 +275,48 @@ def input_backward(x, weight, dy, dres=None, mean=None, rstd=None, *, is_rms: bo
 
 
 def output_backward(y, weight, bias, dy, dres, rstd, *, is_rms: bool, offset: float = 0.0,
-                    casting: Casting = Casting.FP32, xp=None):
+                    casting: Casting = Casting.FP32, rec=None, xp=None):
     """dx, in the compute dtype, from the forward's output ``y`` (stored in x's dtype), its saved
     ``rstd`` and the frozen weight and bias (``dres``: the fused add's d_residual_out, or None).
-    NaN everywhere if any column is unsafe (see the module docstring and ``output_backward_safe``).
-    Under ``torch.compile`` pass ``xp`` (``array_api_compat.torch``): dynamo warns on the lru_cache of
+    ``rec``: the weight's ``recovery`` as the forward computed it, ``(inv, poison)``; None computes it
+    here. NaN everywhere if the weight breaks the safety rule (the module docstring). Under
+    ``torch.compile`` pass ``xp`` (``array_api_compat.torch``): dynamo warns on the lru_cache of
     ``array_namespace``."""
     xp = _namespace(xp, y, weight, bias, dy, dres)
     dt = y.dtype
     f = _compute_dtype(xp, dt)
-    w = _w_eff(xp, weight, offset, casting, dt, f)
-    b = None if bias is None else _to(xp, bias, f)
+    inv, poison = rec if rec is not None else recovery(weight, bias, x_dtype=dt, offset=offset, casting=casting, xp=xp)
     dy32 = _to(xp, dy, f)
     yc = _to(xp, y, f)
-    if b is not None:
-        yc = yc - b
-    if w is None:
+    if bias is not None:
+        yc = yc - _to(xp, bias, f)
+    if weight is None:
         x_hat, g = yc, dy32
     else:
-        x_hat, g = yc / w, dy32 * w
-    c1 = _mean(xp, dy32 * yc, keepdims=True)
-    dx = _dx(xp, g, x_hat, c1, rstd, is_rms=is_rms, dres=dres, f=f)
-    unsafe = _unsafe_columns(xp, w, b, dt)
-    if unsafe is not None:
-        dx = xp.where(xp.any(unsafe), float("nan"), dx)
-    return dx
+        x_hat, g = yc * inv, dy32 * (_to(xp, weight, f) + offset)
+    c1 = _mean(xp, g * x_hat, keepdims=True)
+    return _dx(xp, g, x_hat, c1, rstd, is_rms=is_rms, dres=dres, f=f) + poison
 
 
 # ---------------------------------------------------------------------------------------------
-# The safety predicate of the output-saving backward.
+# The safety rule of the output-saving backward.
+
+def output_degenerate(N: int, *, is_rms: bool) -> bool:
+    """Rows too short to recover x_hat from: an RMSNorm row of one element, a LayerNorm row of one or
+    two. x_hat is +-1 there whatever x is, so dx is of the order of eps alone, and an x_hat read back
+    from y (off by x's unit roundoff) cancels to noise in it."""
+    return N <= (1 if is_rms else 2)
+
+
+def bound_scale(N: int, x_dtype) -> float:
+    """``sqrt(N) (1 + 4u)``: the largest |x_hat| a row of N elements can reach (the squares of a row
+    of x_hat sum to at most N), with room for its roundings to x's dtype."""
+    return float(N) ** 0.5 * (1.0 + 4.0 * UNIT_ROUNDOFF[dtype_name(x_dtype)])
+
 
 def _unsafe_columns(xp, w, b, x_dtype):
     """Per column, whether x_hat cannot be recovered from y; None when every column is safe by
-    construction (no weight and no bias: w_eff = 1). ``w`` is w_eff as the forward used it."""
+    construction (no weight and no bias: w_y = 1). ``w`` is w_y, as the forward multiplied by it."""
     if w is None and b is None:
         return None
     unsafe = None
@@ -306,47 +329,101 @@ def _unsafe_columns(xp, w, b, x_dtype):
     return unsafe
 
 
+def _overflows(xp, w, b, N: int, x_dtype):
+    """Whether y could overflow x's dtype: ``bound_scale(N) max|w_y| + max|b| > FINITE_MAX`` (a 0-d
+    bool array; None without parameters, where |y| = |x_hat| <= sqrt(N) cannot)."""
+    if w is None and b is None:
+        return None
+    name = dtype_name(x_dtype)
+    bound = bound_scale(N, name) * (1.0 if w is None else xp.max(xp.abs(w)))
+    if b is not None:
+        bound = bound + xp.max(xp.abs(b))
+    return xp.logical_not(bound <= FINITE_MAX[name])  # NaN (a NaN column) counts as an overflow too
+
+
+def _weight_terms(weight, bias, x_dtype, offset, casting, xp):
+    """``(xp, x's dtype, compute dtype, w_y, b, unsafe columns, overflows)`` of a weight and bias."""
+    xp = _namespace(xp, weight, bias)
+    dt = _namespace_dtype(xp, x_dtype)
+    f = _compute_dtype(xp, dt)
+    w = _w_eff(xp, weight, offset, casting, dt, f)
+    b = None if bias is None else _to(xp, bias, f)
+    N = (weight if weight is not None else bias).shape[-1] if (weight is not None or bias is not None) else 0
+    return xp, dt, f, w, b, _unsafe_columns(xp, w, b, dt), _overflows(xp, w, b, N, dt)
+
+
+def recovery(weight, bias, *, x_dtype, offset: float = 0.0, casting: Casting = Casting.FP32, xp=None) -> tuple:
+    """``(inv, poison)``: what the output-saving backward needs of the weight and bias, computed from
+    them alone. ``inv = 1 / w_y`` per column (1 where a column is unsafe; None without a weight), in
+    the compute dtype; ``poison`` a 0-d array, 0, or NaN where the weight breaks the safety rule
+    (an unsafe column, or a y that could overflow). The kernels' forward writes the same values
+    (``REC``: inv, then poison)."""
+    xp, dt, f, w, b, unsafe, over = _weight_terms(weight, bias, x_dtype, offset, casting, xp)
+    if unsafe is None:
+        return None, xp.zeros((), dtype=f)
+    bad = xp.logical_or(xp.any(unsafe), over)
+    poison = xp.where(bad, xp.asarray(float("nan"), dtype=f), xp.asarray(0.0, dtype=f))
+    inv = None if w is None else 1.0 / xp.where(unsafe, xp.asarray(1.0, dtype=f), w)
+    return inv, poison
+
+
+def recovery_array(weight, bias, *, N: int, x_dtype, offset: float = 0.0, casting: Casting = Casting.FP32,
+                   xp=None):
+    """``recovery`` as the kernels' forward stores it (REC): N + 1 values of the compute dtype, 1 / w_y
+    per column (1 without a weight), then the poison. ``xp`` is needed where neither array is given."""
+    xp = _namespace(xp, weight, bias)
+    f = _compute_dtype(xp, _namespace_dtype(xp, x_dtype))
+    inv, poison = recovery(weight, bias, x_dtype=x_dtype, offset=offset, casting=casting, xp=xp)
+    if inv is None:
+        inv = xp.ones((N,), dtype=f)
+    return xp.concat([inv, xp.reshape(poison, (1,))])
+
+
+def split_recovery(rec, N: int, has_weight: bool) -> tuple:
+    """``(inv, poison)`` of a REC array (``recovery_array``): inv None without a weight."""
+    return (rec[:N] if has_weight else None), rec[N]
+
+
 def unsafe_columns(weight, bias, *, x_dtype, offset: float = 0.0, casting: Casting = Casting.FP32):
-    """``(w_eff, unsafe)``: the weight as the forward multiplied by it (fp32; None without a weight) and,
+    """``(w_y, unsafe)``: the weight as the forward multiplied by it (fp32; None without a weight) and,
     per column, whether ``output_backward`` cannot recover x_hat there (None when no column can be
     unsafe: no weight and no bias), for this weight and bias (NumPy or torch arrays, or None) and x's
     dtype (a name such as ``"bfloat16"``, or the arrays' library's dtype)."""
     if weight is None and bias is None:
         return None, None
-    xp = _namespace(None, weight, bias)
-    dt = _namespace_dtype(xp, x_dtype)
-    f = _compute_dtype(xp, dt)
-    w = _w_eff(xp, weight, offset, casting, dt, f)
-    b = None if bias is None else _to(xp, bias, f)
-    return w, _unsafe_columns(xp, w, b, dt)
+    _, _, _, w, _, unsafe, _ = _weight_terms(weight, bias, x_dtype, offset, casting, None)
+    return w, unsafe
 
 
 def output_backward_safe(weight, bias, *, x_dtype, offset: float = 0.0, casting: Casting = Casting.FP32) -> bool:
-    """Whether ``output_backward`` recovers x_hat in every column (``unsafe_columns``): a host-side
-    check, one reduction and one bool, for the caller that picks the backward."""
-    _, unsafe = unsafe_columns(weight, bias, x_dtype=x_dtype, offset=offset, casting=casting)
-    if unsafe is None:
-        return True
-    xp = _namespace(None, unsafe)
-    return not bool(xp.any(unsafe))
+    """Whether ``output_backward`` recovers x_hat with this weight and bias (the safety rule but the
+    row length, ``output_degenerate``): a host-side check, a few reductions and one bool, for the
+    caller that picks the backward."""
+    return unsafe_reason(weight, bias, x_dtype=x_dtype, offset=offset, casting=casting) is None
 
 
 def unsafe_reason(weight, bias, *, x_dtype, offset: float = 0.0, casting: Casting = Casting.FP32) -> str | None:
     """Why ``output_backward`` cannot recover x_hat with this weight and bias, naming the first unsafe
-    column, or None where it can (the host-side check of ``output_backward_safe``)."""
-    w, unsafe = unsafe_columns(weight, bias, x_dtype=x_dtype, offset=offset, casting=casting)
-    if unsafe is None:
+    column (or the overflow of y), or None where it can (the host-side check of
+    ``output_backward_safe``)."""
+    if weight is None and bias is None:
         return None
-    xp = _namespace(None, unsafe)
-    if not bool(xp.any(unsafe)):
-        return None
-    name = dtype_name(_namespace_dtype(xp, x_dtype))
-    j = int(xp.nonzero(xp.reshape(unsafe, (-1,)))[0][0])
-    wj = 1.0 if w is None else float(w[j])
-    if bias is not None:
-        bj = float(bias[j])
-        if not abs(bj) <= OUTPUT_BIAS_RATIO * abs(wj):
-            return (f"column {j}: |bias| = {abs(bj):.3g} exceeds {OUTPUT_BIAS_RATIO:g} x |weight| = {abs(wj):.3g} (or "
-                    f"is not finite), so y - bias cancels and x_hat cannot be recovered in {name}")
-    return (f"column {j}: the weight{' + offset' if offset else ''} is {wj:.3g}, below {W_MIN[name]:.3g} in magnitude "
-            f"or not finite, so x_hat = y / weight cannot be recovered in {name}")
+    xp, dt, _, w, b, unsafe, over = _weight_terms(weight, bias, x_dtype, offset, casting, None)
+    name = dtype_name(dt)
+    if bool(xp.any(unsafe)):
+        j = int(xp.nonzero(xp.reshape(unsafe, (-1,)))[0][0])
+        wj = 1.0 if w is None else float(w[j])
+        if bias is not None:
+            bj = float(bias[j])
+            if not abs(bj) <= OUTPUT_BIAS_RATIO * abs(wj):
+                return (f"column {j}: |bias| = {abs(bj):.3g} exceeds {OUTPUT_BIAS_RATIO:g} x |weight| = {abs(wj):.3g} "
+                        f"(or is not finite), so y - bias cancels and x_hat cannot be recovered in {name}")
+        return (f"column {j}: the weight{' + offset' if offset else ''} is {wj:.3g}, below {W_MIN[name]:.3g} in "
+                f"magnitude or not finite, so x_hat = y / weight cannot be recovered in {name}")
+    if bool(over):
+        N = (weight if weight is not None else bias).shape[-1]
+        wmax = 1.0 if w is None else float(xp.max(xp.abs(w)))
+        return (f"y could overflow {name}: sqrt({N}) x max|weight{' + offset' if offset else ''}| = "
+                f"{bound_scale(N, name) * wmax:.4g}{' plus max|bias|' if bias is not None else ''} reaches its largest "
+                f"finite value {FINITE_MAX[name]:.4g}, and an infinite y loses x_hat")
+    return None

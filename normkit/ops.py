@@ -21,7 +21,7 @@ import numbers
 from typing import Callable
 
 from normkit import reference
-from normkit.norm_math import OUTPUT_BIAS_RATIO, W_MIN
+from normkit.norm_math import FINITE_MAX, OUTPUT_BIAS_RATIO, W_MIN
 from normkit.norm_math import Casting  # where the forward rounds to x's dtype: defined beside the math
 
 # ---------------------------------------------------------------------------------------------
@@ -129,14 +129,20 @@ class Op:
     # The buffers each launch writes, ``name -> (shape, dtype name)``. The plans, the Torch fake
     # (meta) functions and the JAX abstract rules all read these, so they cannot drift apart.
 
-    def fwd_buffers(self, M: int, N: int, x_dtype: str, store_stats: bool) -> dict:
+    def fwd_buffers(self, M: int, N: int, x_dtype: str, store_stats: bool, store_rec: bool = False,
+                    rec_in_rstd: bool = False) -> dict:
+        """``store_rec``: the backward will read y, so the forward also writes the weight's recovery
+        (``norm_math.recovery``: 1 / w_y per column, then the poison; N + 1 fp32 values), as a buffer
+        REC of its own or, ``rec_in_rstd``, in RSTD after its M rows (one allocation for both)."""
         out = {"Y": ((M, N), x_dtype)}
         if self.has_residual:
             out["S"] = ((M, N), x_dtype)
         if store_stats and not self.is_rms:
             out["MEAN"] = ((M,), "float32")
         if store_stats:
-            out["RSTD"] = ((M,), "float32")
+            out["RSTD"] = ((M + (N + 1 if store_rec and rec_in_rstd else 0),), "float32")
+        if store_rec and not rec_in_rstd:
+            out["REC"] = ((N + 1,), "float32")
         return out
 
     def bwd_buffers(self, M: int, N: int, x_dtype: str, grads: Grads, w_dtype: str | None,

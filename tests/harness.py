@@ -10,6 +10,7 @@ import itertools
 
 import numpy as np
 
+from normkit import norm_math, saving
 from normkit.ops import DEFAULT_CASTING_MODE, OPS, Op
 from normkit.shapes import Shape
 from normkit.testing import assert_close, coarser, random_inputs
@@ -70,12 +71,13 @@ class Case:
 def same_save(case: Case) -> Case:
     """``case`` with ``save`` made explicit, as both frontends must run it to compare bit for bit: what
     ``"auto"`` keeps where the weight's values are unseen (a jitted JAX call): the output where every
-    parameter is frozen and no bias and no offset could make the weight unsafe. An eager Torch call decides by the values, and may keep
-    the output in more cases (``torch_frontend._save``)."""
+    parameter is frozen, the rows are long enough and ``normkit.saving.traced_rule`` holds. An eager
+    Torch call decides by the values, and may keep the output in more cases (``torch_frontend._save``)."""
     if case.save != "auto":
         return case
     frozen = not (case.trained & set(case.params))
-    output = frozen and not case.has_b and case.offset == 0.0 and case.shape.shape[-1] != 1
+    output = (frozen and saving.traced_rule(has_bias=case.has_b, offset=case.offset, x_dtype=case.dtype)
+              and not norm_math.output_degenerate(case.shape.shape[-1], is_rms=case.spec.is_rms))
     return dataclasses.replace(case, save="output" if output else "input")
 
 

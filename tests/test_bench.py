@@ -1,7 +1,10 @@
 """The benchmark's own checks: the byte model against hand counts, the report's arithmetic on a
-made-up results file, and a CPU dry run of benchmarks/bench.py end to end (JSON, report, README)."""
+made-up results file, and a CPU dry run of benchmarks/bench.py end to end (JSON, report, README); the
+LoRA-step benchmarks' dry runs (lora_step.py, nnx_lora_step.py). The only test file that may import a
+benchmark module or run a benchmark script."""
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -370,3 +373,89 @@ def test_renamed_copy_leaves_no_reference_to_the_original_packages(tmp_path):
         assert not re.search(r"\b(from|import) (normkit|torch_frontend)\b", text), f
         assert '"normkit::' not in text and 'files("normkit")' not in text, f
     assert '"nk_7::norm_fwd"' in (tmp_path / tf / "_library_ops.py").read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# The LoRA training-step benchmarks' dry runs: benchmarks/lora_step.py (Torch, in a subprocess) and
+# benchmarks/nnx_lora_step.py (Flax NNX, in process).
+
+
+def run_script(*argv: str) -> str:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the dry runs check the CPU path, also where a GPU exists
+    proc = subprocess.run([sys.executable, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{argv} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+@pytest.mark.slow  # a tool's end-to-end dry run: the slow tier
+def test_lora_step_runs_an_independent_copy_of_a_variant_as_its_control(tmp_path):
+    import json
+
+    out = run_script("benchmarks/lora_step.py", "--dry-run", "--variants", "normkit,hf,hf#2", "--rounds", "2",
+                     "--steps", "2", "--no-profile", "--out", str(tmp_path))
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "lora_step.json").read_text())["rows"]}
+    assert list(rows) == ["hf", "hf#2", "normkit"], out  # hf first: the reference
+    assert all(r["status"] == "ok" and r["checks_ok"] for r in rows.values()), rows
+    assert rows["hf#2"]["prepare"] == rows["hf"]["prepare"] and rows["hf#2"]["loss_first"] == rows["hf"]["loss_first"]
+    assert len(rows["hf#2"]["round_medians_ms"]) == 2
+    assert "`hf#2`: an independent copy of `hf`" in (tmp_path / "lora_step.md").read_text()
+    # the second round starts one variant later than the first
+    rounds = re.findall(r"eager round \d/2: (.*)", out)
+    assert [[part.split()[0] for part in line.split(", ")] for line in rounds] == [
+        ["hf", "hf#2", "normkit"], ["hf#2", "normkit", "hf"]], out
+    with pytest.raises(AssertionError, match="unknown variant"):
+        run_script("benchmarks/lora_step.py", "--dry-run", "--variants", "hf,hf", "--out", str(tmp_path))
+
+
+@pytest.mark.slow  # a tool's end-to-end dry run: the slow tier
+def test_lora_step_dry_run(tmp_path):
+    import json
+
+    out = run_script("benchmarks/lora_step.py", "--dry-run", "--out", str(tmp_path))
+    assert re.search(r"^\|\s*variant\s*\|\s*mode\s*\|\s*status\s*\|\s*median ms", out, re.M), out
+    result = json.loads((tmp_path / "lora_step.json").read_text())
+    assert [row[1] for row in table_rows((tmp_path / "lora_step.md").read_text())] == ["eager"] * 4
+    assert result["complete"] and result["config"]["dry_run"] and result["config"]["modes"] == ["eager"]
+    rows = {(r["variant"], r["mode"]): r for r in result["rows"]}
+    assert set(rows) == {("hf", "eager"), ("normkit", "eager"), ("normkit_fused", "eager"), ("liger", "eager")}, \
+        rows.keys()
+    # Liger's kernels need a GPU: recorded with its reason, not dropped
+    assert rows["liger", "eager"]["status"].startswith("unavailable: "), rows["liger", "eager"]["status"]
+    hf, nk, fused = rows["hf", "eager"], rows["normkit", "eager"], rows["normkit_fused", "eager"]
+    for row in (hf, nk, fused):
+        assert row["status"] == "ok" and row["checks_ok"], (row["status"], row.get("check_notes"))
+        assert row["norm_weights_frozen"] and row["norm_weights_with_grad"] == []
+        assert row["step_ms"]["min"] <= row["step_ms"]["median"] <= row["step_ms"]["max"]
+        assert row["loss_diff_vs_hf"] <= row["loss_tol"] and row["grad_rel_diff_vs_hf"] <= row["grad_tol"]
+        assert row["lora_grad_norm_first"] > 0
+    assert nk["norm_modules"] == {"HFRMSNorm": 2 * 2 + 1} and hf["norm_modules"] == {"LlamaRMSNorm": 5}
+    assert nk["prepare"]["patched"] == 5 and "patched   5 x LlamaRMSNorm -> HFRMSNorm" in nk["prepare"]["patch_report"]
+    assert nk["prepare"]["fused"] == 0 and fused["prepare"]["fused"] == 2, fused["prepare"]
+    assert "fused   2 x LlamaDecoderLayer" in fused["prepare"]["patch_report"]
+    # the forward ranges of the 5 norms, and the autograd nodes they made: none for layer 0's input
+    # norm (its input comes from the frozen embedding), one node of the op's autograd Function for each of the others
+    assert nk["profiled_steps"] == 3  # per-step figures: the ranges and nodes of three steps, divided
+    assert nk["norm_by_module"]["forward_ranges"] == 5 and nk["norm_by_module"]["backward_nodes"] == 4
+    assert hf["norm_by_module"]["forward_ranges"] == 5 and hf["norm_by_module"]["backward_nodes"] > 4
+    assert 0 < nk["norm_pct"] <= 100
+
+
+@pytest.mark.slow  # a tool's end-to-end dry run: the slow tier
+def test_benchmark_smoke_run(tmp_path):
+    """benchmarks/nnx_lora_step.py --smoke: the JSON and Markdown, every row ok and checked."""
+    pytest.importorskip("flax")  # jax_frontend.nnx and its model
+    jax = pytest.importorskip("jax")
+    pytest.importorskip("pandas")  # its Markdown table (not in the [jax] install)
+    from benchmarks import nnx_lora_step
+
+    with jax.numpy_dtype_promotion("standard"):  # optax's AdamW mixes its int32 step count with Python floats
+        assert nnx_lora_step.main(["--smoke", "--variants", "flax,normkit", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "nnx_lora_step_smoke.json").read_text())
+    assert doc["schema"] == nnx_lora_step.SCHEMA
+    rows = {r["variant"]: r for r in doc["rows"]}
+    assert set(rows) == {"flax", "normkit"} and all(r["status"] == "ok" and r["checks_ok"] for r in rows.values())
+    assert rows["normkit"]["launches"]["backward_launches"] > 0 and rows["normkit"]["launches"]["with_compute_dw"] == 0
+    assert rows["normkit"]["step_ms"]["n"] == 2 and rows["flax"]["memory_bytes"]["argument"] > 0
+    md = (tmp_path / "nnx_lora_step_smoke.md").read_text()
+    assert "| normkit" in md and "| flax" in md

@@ -1,4 +1,4 @@
-"""normkit/_interpreter.py: interpreted launches from many threads, patches that leave nothing behind,
+"""normkit/_compat.py (the interpreter): interpreted launches from many threads, patches that leave nothing behind,
 numpy >= 2.4's array-to-scalar rule, bf16 rounding, and the Triton version gate.
 
 Every launch here is on CPU tensors, so these run Triton's interpreter on any machine (a GPU one too).
@@ -17,7 +17,7 @@ from triton.runtime import interpreter
 from triton.runtime.jit import JITFunction
 
 import torch_frontend as tf
-from normkit import _interpreter
+from normkit import _compat as _interpreter
 
 THREADS, CALLS = 8, 6
 M, N = 8, 64

@@ -4,7 +4,8 @@ Construction and state as flax's modules; outputs and gradients against the floa
 (``normkit.reference``, the tolerance table of ``normkit.testing``); the errors; patch_model's report,
 parameters and round trip; LoRA-only training by a ``DiffState`` filter (the norms' backward without
 dW, from the launch records; loss and LoRA gradients as the unpatched model's); nnx.jit, scan,
-remat and vmap; a 2 x 2 CPU mesh with Auto and Explicit axes (a subprocess); the benchmark's smoke run.
+remat and vmap; a 2 x 2 CPU mesh with Auto and Explicit axes (a subprocess). The NNX benchmark's smoke
+run is in tests/test_bench.py (a library test imports no benchmark module).
 """
 from __future__ import annotations
 
@@ -558,7 +559,7 @@ def test_mesh(mesh_results, axis_type):
 
 
 # ---------------------------------------------------------------------------------------------
-# Packaging and the benchmark.
+# Packaging.
 
 
 def test_import_jax_frontend_does_not_import_flax():
@@ -566,21 +567,3 @@ def test_import_jax_frontend_does_not_import_flax():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     assert proc.returncode == 0, proc.stderr[-3000:]
-
-
-@pytest.mark.slow  # a tool's end-to-end dry run: the slow tier
-def test_benchmark_smoke_run(tmp_path):
-    """benchmarks/nnx_lora_step.py --smoke: the JSON and Markdown, every row ok and checked."""
-    pytest.importorskip("pandas")  # its Markdown table (not in the [jax] install)
-    from benchmarks import nnx_lora_step
-
-    with jax.numpy_dtype_promotion("standard"):  # optax's AdamW mixes its int32 step count with Python floats
-        assert nnx_lora_step.main(["--smoke", "--variants", "flax,normkit", "--out", str(tmp_path)]) == 0
-    doc = json.loads((tmp_path / "nnx_lora_step_smoke.json").read_text())
-    assert doc["schema"] == nnx_lora_step.SCHEMA
-    rows = {r["variant"]: r for r in doc["rows"]}
-    assert set(rows) == {"flax", "normkit"} and all(r["status"] == "ok" and r["checks_ok"] for r in rows.values())
-    assert rows["normkit"]["launches"]["backward_launches"] > 0 and rows["normkit"]["launches"]["with_compute_dw"] == 0
-    assert rows["normkit"]["step_ms"]["n"] == 2 and rows["flax"]["memory_bytes"]["argument"] > 0
-    md = (tmp_path / "nnx_lora_step_smoke.md").read_text()
-    assert "| normkit" in md and "| flax" in md

@@ -789,7 +789,7 @@ class _UncountedLaunches:
         return launch
 
 
-from normkit import _interpreter as _interpreter_mod  # noqa: E402
+from normkit import _compat as _interpreter_mod  # noqa: E402
 
 _INTERPRETED = _interpreter_mod.interpreted
 
@@ -838,11 +838,19 @@ def test_module_options_are_checked_at_construction():
         tf.LayerNorm(8.0)
 
 
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="the direct launch is the compiled (CUDA) path")
-def test_direct_launch_matches_tritons_launcher_and_respects_alignment():
-    """After Triton's launcher compiled a plan's kernel for aligned pointers, later launches call its C
-    launcher directly: bitwise the same results as Triton's own path. A tensor 2 bytes off 16-byte
-    alignment needs the unaligned specialization, so it takes Triton's path, and is right."""
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the bound launches are the compiled (CUDA) path")
+@pytest.mark.parametrize("launch", ["triton", "direct"])
+def test_bound_launches_match_tritons_launcher_and_respect_alignment(launch, monkeypatch):
+    """After ``JITFunction.run`` compiled a plan's kernel for aligned pointers, later launches go
+    through the compiled kernel's own launch (``launch="triton"``) or its C launcher with integer
+    pointers (``"direct"``, ``normkit._compat.direct_launch``): bitwise the same results as the first,
+    ``JITFunction.run``-launched call. A tensor 2 bytes off 16-byte alignment needs the unaligned
+    specialization, so it takes ``JITFunction.run``, and is right; so does a launch under a hook."""
+    from torch_frontend import _backend, _bound
+
+    monkeypatch.setattr(_backend, "LAUNCH", launch)
+    _bound.BOUND.clear()  # fresh bound launches, made under this mode
+
     def run(x, w, dy):
         x = x.detach().requires_grad_(True)
         y = tf.rms_norm(x, w)
@@ -851,10 +859,10 @@ def test_direct_launch_matches_tritons_launcher_and_respects_alignment():
 
     w = randn(96, dtype=BF16, seed=501)
     x, dy = randn(64, 96, dtype=BF16, seed=502), randn(64, 96, dtype=BF16, seed=503)
-    first = run(x, w, dy)  # compiles through Triton's launcher
-    preps = [call.cache["torch"] for call in _bound_plans(x)]
-    assert all(prep.direct.get(x.device.index) for prep in preps), "the aligned kernels were not kept"
-    again = run(x, w, dy)  # the direct launches
+    first = run(x, w, dy)  # compiles through JITFunction.run
+    with normkit.record_launches() as log:
+        again = run(x, w, dy)  # the bound launches
+    assert [r.kernel for r in log] == ["norm_fwd_kernel", "norm_bwd_kernel"]
     for a, b in zip(first, again):
         assert torch.equal(a, b)
     buf = randn(64 * 96 + 1, dtype=BF16, seed=504)
@@ -864,8 +872,9 @@ def test_direct_launch_matches_tritons_launcher_and_respects_alignment():
     want_dx, _ = ref.rms_norm_bwd(np64(unaligned), np64(w), np64(dy))
     assert_close(np64(y), ref.rms_norm(np64(unaligned), np64(w)), "bfloat16", "y, unaligned x")
     assert_close(np64(dx), want_dx, "bfloat16", "dx, unaligned x")
-    with _LaunchHook():  # a launch hook (a profiler's): Triton's own path, same results
+    with _LaunchHook() as hook:  # a launch hook (a profiler's): it sees every launch, same results
         hooked = run(x, w, dy)
+    assert len(hook.calls) == 2, hook.calls
     for a, b in zip(first, hooked):
         assert torch.equal(a, b)
 

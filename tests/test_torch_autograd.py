@@ -176,32 +176,6 @@ def test_hooks_on_one_nodes_saved_tensors(op, hook, trained):
                          reduced_over=8 if name in spec.params else 1)
 
 
-@pytest.mark.parametrize("op", sorted(OPS))
-def test_only_unhooked_backwards_read_the_saved_tensors_unchecked(op, monkeypatch):
-    """Without saved-tensor hooks the backward takes the launch keyed on the gradients alone
-    (``driver.Bound.backward_as_saved``); under a default hook, or with a hook registered on the
-    node's saved tensors, it checks what it unpacks and keys on all of it. This also asserts that
-    this torch's private hook accessors were found (else every backward would check)."""
-    from normkit import driver
-
-    spec = OPS[op]
-    unchecked = []
-    as_saved = driver.Bound.backward_as_saved
-    monkeypatch.setattr(driver.Bound, "backward_as_saved", lambda self, *a: unchecked.append(1) or as_saved(self, *a))
-    inputs = _strided_inputs(op, 4000, strided_x=False, strided_w=False)
-    leaves = {k: v.detach().requires_grad_() for k, v in inputs.items()}
-    dy = randn(8, D, seed=4020)
-    seen = []
-    for how in ("plain", "default hook", "hook on the node", "plain"):
-        with HOOKS["contiguous_copy"]() if how == "default hook" else _no_hook():
-            y = run(op, leaves, spec.inputs)[0]
-        if how == "hook on the node":
-            _register_on_saved_tensors(y.grad_fn, _identity_hook, _identity_hook)
-        torch.autograd.grad(y, list(leaves.values()), dy)
-        seen.append(len(unchecked))
-    assert seen == [1, 1, 1, 2], seen
-
-
 def _identity_hook(t):
     return t
 
@@ -325,40 +299,6 @@ def _dead_wrapper(t: torch.Tensor) -> torch.Tensor:
     torch.func.grad(lambda u: leaked.append(u * 1.0) or u.sum())(t)
     assert torch._C._functorch.is_functorch_wrapped_tensor(leaked[0])
     return leaked[0]
-
-
-@pytest.mark.parametrize("op", sorted(OPS))
-def test_eager_calls_enter_the_functions_c_apply(op, monkeypatch):
-    """An eager call enters its Function's C ``apply`` directly (``_autograd._DIRECT``, found on this
-    torch), with the results and gradients, bitwise, of ``Function.apply``; a tensor left wrapped by a
-    finished torch.func transform is unwrapped, as ``Function.apply`` does."""
-    from torch_frontend import _autograd
-
-    assert _autograd._DIRECT is not None
-    spec = OPS[op]
-    inputs = _inference_inputs(op, requires_grad=False)
-    dy = randn(8, D, seed=79)
-
-    def call(inputs):
-        leaves = {k: v.detach().requires_grad_() for k, v in inputs.items()}
-        y = run(op, leaves, spec.inputs)[0]
-        assert type(y.grad_fn).__name__.endswith("NormFunctionBackward"), y.grad_fn
-        return (y, *torch.autograd.grad(y, list(leaves.values()), dy))
-
-    direct = call(inputs)
-    monkeypatch.setattr(_autograd, "_DIRECT", None)
-    through_apply = call(inputs)
-    monkeypatch.undo()
-    for a, b in zip(direct, through_apply):
-        assert torch.equal(a, b)
-    # x (and the residual) as dead wrappers: the same y, and gradients for the parameters
-    wrapped = dict(inputs, **{name: _dead_wrapper(inputs[name]) for name in spec.row_inputs})
-    params = {k: v.detach().requires_grad_() for k, v in inputs.items() if k in spec.params}
-    y = run(op, dict(wrapped, **params), spec.inputs)[0]
-    assert not torch._C._functorch.is_functorch_wrapped_tensor(y)
-    grads = torch.autograd.grad(y, list(params.values()), dy)
-    for a, b in zip((y, *grads), (direct[0], *direct[1 + len(spec.row_inputs):])):
-        assert torch.equal(a, b)
 
 
 def _inference_inputs(op: str, requires_grad: bool) -> dict:

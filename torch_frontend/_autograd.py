@@ -9,8 +9,10 @@ frozen weight, bias or input turns its COMPUTE_* flag off, so its work, its fp32
 its reduction launch disappear.
 
 What the forward keeps for the backward is the route's ``from_output`` (``_save``): the input (the
-fused add's sum s), or, with every parameter frozen, the output y, from which the backward
-recovers x_hat; then the input need not stay alive.
+fused add's sum s), or, with every parameter frozen, the output y and the weight's recovery (in
+RSTD after the rows, or, on a ``Traced`` route, a tensor of its own), from which the backward
+recovers x_hat; then the input need not stay alive. The decision belongs to the node: its backward
+reads what its own forward kept.
 
 A gradient that will itself be differentiated (``create_graph=True``: gradient penalties, Hessian
 products) is computed with differentiable torch operations instead of the kernels: the float64 math
@@ -20,12 +22,10 @@ twice (the statistics it would need are gone): that raises, naming ``save="input
 gradient (``autograd.grad(..., is_grads_batched=True)``, a vectorized ``autograd.functional.jacobian``)
 has no storage a kernel could read: it takes differentiable torch operations too, which vmap
 batches. Tensors handed back by a saved-tensor hook, and incoming gradients, are read as their
-values whatever their dtype, device, strides or lazy negation (``_saved``, ``_incoming``). Where no
-hook can have touched the saved tensors (``ctx.as_saved``) they are read as the forward left them,
-and the backward's launch is found by the gradients' layouts alone.
+values whatever their dtype, device, strides or lazy negation (``_saved``, ``_incoming``).
 
-An eager call enters its Function through torch's C ``apply`` (``_DirectApply``): the calls
-``Function.apply`` makes, without its Python wrapper.
+Under compiled autograd (``torch._dynamo.compiled_autograd``), which traces the backward of an eager
+forward, the backward runs through the torch.library ops, as a ``Traced`` route's does.
 
 Inputs keep the caller's shape ``(..., D)`` across the Function (the bound launches allocate the
 outputs in it), so no view is recorded: the fused add's x and residual, which share one gradient,
@@ -34,17 +34,14 @@ receive separate tensors, and their ``.grad`` never alias.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
-from typing import Any
 
 import array_api_compat.torch as _xp  # named, not looked up: dynamo warns on array_namespace's lru_cache
 import torch
 
 from normkit import norm_math
 from normkit.ops import GRADS, Grads, Op, Options
-from torch_frontend import _library_ops
-from torch_frontend._backend import resolve_neg
+from torch_frontend import _compat, _library_ops
+from torch_frontend._backend import TORCH_DTYPES, resolve_neg
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,14 +52,21 @@ class Traced:
     opts: Options
     store_stats: bool
     from_output: bool
-    b_dtype: torch.dtype  # dB's dtype (the bias's; fp32 without one)
+    b_dtype: str  # dB's dtype (the bias's; float32 without one)
 
     def forward(self, x, residual, weight, bias) -> tuple:
-        return _library_ops.forward(self.op, x, residual, weight, bias, self.opts, self.store_stats)
+        return _library_ops.forward(self.op, x, residual, weight, bias, self.opts, self.store_stats,
+                                    self.from_output)
 
-    def backward(self, saved, weight, bias, dy, dres, mean, rstd, flags: tuple) -> tuple:
-        return _library_ops.backward(self.op, saved, weight, bias, dy, dres, mean, rstd, self.opts, GRADS[flags],
-                                     self.b_dtype, self.from_output)
+
+def _traced_backward(route, saved, weight, bias, dy, dres, mean, rstd, rec, flags: tuple) -> tuple:
+    """The backward through the torch.library ops (a ``Traced`` route's; an eager route's under
+    compiled autograd, its recovery split off the rows' statistics)."""
+    if route.from_output and rec is None:  # an eager forward's: the recovery follows the rows in rstd
+        M = saved.numel() // max(saved.shape[-1], 1)
+        rstd, rec = rstd[:M].view(saved.shape[:-1]), rstd[M:]
+    return _library_ops.backward(route.op, saved, weight, bias, dy, dres, mean, rstd, rec, route.opts, GRADS[flags],
+                                 TORCH_DTYPES[route.b_dtype], route.from_output)
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -70,10 +74,9 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, route, x, weight):
-        y, _, _, rstd = route.forward(x, None, weight, None)
+        y, _, _, rstd, rec = route.forward(x, None, weight, None)
         ctx.route = route
-        ctx.save_for_backward(y if route.from_output else x, weight, None, None, rstd)
-        ctx.as_saved = route.__class__ is not Traced and _default_hooks(False) is None
+        ctx.save_for_backward(y if route.from_output else x, weight, None, rec, rstd)
         return y
 
     @staticmethod
@@ -88,13 +91,12 @@ class LayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, route, x, weight, bias):
-        y, _, mean, rstd = route.forward(x, None, weight, bias)
+        y, _, mean, rstd, rec = route.forward(x, None, weight, bias)
         ctx.route = route
         if route.from_output:
-            ctx.save_for_backward(y, weight, bias, None, rstd)
+            ctx.save_for_backward(y, weight, bias, rec, rstd)
         else:
             ctx.save_for_backward(x, weight, None, mean, rstd)
-        ctx.as_saved = route.__class__ is not Traced and _default_hooks(False) is None
         return y
 
     @staticmethod
@@ -109,11 +111,10 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, route, x, residual, weight):
-        y, s, _, rstd = route.forward(x, residual, weight, None)
+        y, s, _, rstd, rec = route.forward(x, residual, weight, None)
         ctx.route = route
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(y if route.from_output else s, weight, None, None, rstd)
-        ctx.as_saved = route.__class__ is not Traced and _default_hooks(False) is None
+        ctx.save_for_backward(y if route.from_output else s, weight, None, rec, rstd)
         return y, s
 
     @staticmethod
@@ -125,18 +126,7 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
 
 
 def apply(route, op: Op, x, residual, weight, bias):
-    """The op's outputs through its Function: y, or ``(y, residual_out)``. An eager call (a ``Bound``
-    route) with no torch.func transform active enters the Function's C ``apply`` directly
-    (``_direct_apply``)."""
-    if route.__class__ is not Traced and _DIRECT is not None and not _DIRECT.transforms_active():
-        unwrap, c_apply = _DIRECT.unwrap_if_dead, _DIRECT.c_apply
-        x, weight = unwrap(x), weight if weight is None else unwrap(weight)
-        if op.has_residual:
-            return c_apply[FusedAddRMSNormFunction](route, x, unwrap(residual), weight)
-        if op.params == ("weight",):
-            return c_apply[RMSNormFunction](route, x, weight)
-        return c_apply[LayerNormFunction](route, x, weight, bias if bias is None else unwrap(bias))
-    # the dispatch again, as literal ``Function.apply`` calls: what dynamo traces under torch.compile
+    """The op's outputs through its Function: y, or ``(y, residual_out)``."""
     if op.has_residual:
         return FusedAddRMSNormFunction.apply(route, x, residual, weight)
     if op.params == ("weight",):
@@ -144,87 +134,10 @@ def apply(route, op: Op, x, residual, weight, bias):
     return LayerNormFunction.apply(route, x, weight, bias)
 
 
-@dataclasses.dataclass(frozen=True)
-class _DirectApply:
-    """What ``torch.autograd.Function.apply`` does for a Function without ``setup_context`` when no
-    torch.func transform is active: unwrap each tensor argument a finished transform left wrapped
-    (``unwrap_if_dead``), then call the C ``apply`` of ``torch._C._FunctionBase``. Its Python wrapper
-    (a generator over the arguments, a call per check) costs about 15% of an eager forward's host
-    instructions; these are the same calls, made directly. Under a transform the wrapper runs,
-    and raises (normkit's Functions have no vmap or jvp rule)."""
-
-    c_apply: dict  # Function -> its C apply
-    unwrap_if_dead: Any
-    transforms_active: Any
-
-
-def _direct_apply() -> _DirectApply | None:
-    """The direct calls, where this torch has them and its ``Function.apply`` is the wrapper described
-    above; else None, and every call goes through ``Function.apply``."""
-    try:
-        c_apply = torch._C._FunctionBase.__dict__["apply"]
-        direct = _DirectApply({fn: c_apply.__get__(None, fn) for fn in _FUNCTIONS},
-                              torch._C._functorch.unwrap_if_dead, torch._C._are_functorch_transforms_active)
-        wrapper = inspect.getsource(torch.autograd.Function.apply)
-    except (AttributeError, KeyError, OSError, TypeError):
-        return None
-    if any(fn.setup_context is not torch.autograd.Function.setup_context for fn in _FUNCTIONS) or not all(
-            call in wrapper for call in ("_are_functorch_transforms_active()", "unwrap_dead_wrappers(args)",
-                                         "super().apply(*args, **kwargs)")):
-        return None
-    return direct
-
-
-# --- whether the saved tensors come back as the forward saved them -------------------------------
-# Two ways let a saved-tensor hook change what ``ctx.saved_tensors`` hands the backward: default hooks
-# active when the forward saves (``torch.autograd.graph.saved_tensors_hooks``; checkpointing and
-# offloading use them), and hooks registered later on one node's saved tensors, which only
-# ``grad_fn._raw_saved_tensors`` reaches. The forward asks torch for the first (``ctx.as_saved``);
-# reading the second clears ``as_saved``. Where it is set, the backward reads the saved tensors as
-# they are, keyed on the gradients alone (``driver.Bound.backward_as_saved``); elsewhere it checks
-# them (``_saved``). Both accessors are torch's private ones: ``_hook_accessors`` checks that they
-# behave as expected, and where they do not, every backward checks.
-
-
-def _hook_accessors():
-    """torch's accessor of the innermost default saved-tensor hooks (None where none is active), with
-    ``_raw_saved_tensors`` of each Function's node wrapped to clear ``as_saved``; or, where this torch
-    lacks either or answers otherwise, a stand-in that always reports a hook."""
-    try:
-        top = torch._C._autograd._top_saved_tensors_default_hooks
-        raw = torch._C._FunctionBase.__dict__["_raw_saved_tensors"]
-        nodes = [fn._backward_cls for fn in _FUNCTIONS]  # the class of each Function's grad_fn (its ctx)
-        with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
-            inside = top(False)
-        if inside is not None and inside[0] is _identity:  # the innermost hooks: those just entered
-            for node in nodes:
-                node._raw_saved_tensors = property(functools.partial(_raw_saved_tensors, raw))
-            return top
-    except (AttributeError, KeyError, TypeError, RuntimeError):
-        pass
-    return lambda _: True
-
-
-def _identity(t):
-    return t
-
-
-def _raw_saved_tensors(raw, ctx):
-    """``grad_fn._raw_saved_tensors``, through which a hook may be registered on one saved tensor: the
-    node's backward checks what it unpacks from then on."""
-    ctx.as_saved = False
-    return raw.__get__(ctx)
-
-
-_FUNCTIONS = (RMSNormFunction, LayerNormFunction, FusedAddRMSNormFunction)
-_DIRECT = _direct_apply()
-_default_hooks = _hook_accessors()
-
-
 def _saved(ctx, dy, ds, traced: bool) -> tuple:
-    """``(saved, weight, bias, mean, rstd)`` as the kernels read them: the saved rows in the dtype and on
-    the device of the gradients arriving (the output's), the per-row statistics contiguous, in fp32,
-    on their device.
+    """``(saved, weight, bias, mean, rstd, rec)`` as the kernels read them: the saved rows in the dtype
+    and on the device of the gradients arriving (the output's), the per-row statistics (and the
+    weight's recovery) contiguous, in fp32, on their device.
 
     A saved-tensor hook may hand back other tensors than were saved: in another dtype (one that
     widens or compresses what it stores), on another device (one that offloads), as a strided view,
@@ -234,7 +147,8 @@ def _saved(ctx, dy, ds, traced: bool) -> tuple:
     moving or copying them costs little; the rows are converted back only when a hook changed them.
     ``traced``: under ``torch.compile``, where dynamo reads values, not raw memory, and bans
     ``is_neg``."""
-    saved, weight, bias, mean, rstd = ctx.saved_tensors
+    saved, weight, bias, aux, rstd = ctx.saved_tensors
+    mean, rec = (None, aux) if ctx.route.from_output else (aux, None)
     like = dy if dy is not None else ds
     if like is not None and (saved.dtype != like.dtype or saved.device != like.device):
         saved = saved.to(like.device, like.dtype)
@@ -245,7 +159,9 @@ def _saved(ctx, dy, ds, traced: bool) -> tuple:
     rstd = _statistic(rstd, saved, traced)
     if mean is not None:
         mean = _statistic(mean, saved, traced)
-    return saved, weight, bias, mean, rstd
+    if rec is not None:
+        rec = _statistic(rec, saved, traced)
+    return saved, weight, bias, mean, rstd, rec
 
 
 def _statistic(t, like, traced: bool):
@@ -254,6 +170,13 @@ def _statistic(t, like, traced: bool):
     if not traced and t.is_neg():
         t = t.resolve_neg()
     return t if t.is_contiguous() else t.contiguous()
+
+
+def _row_statistic(rstd, saved):
+    """The per-row rstd in the rows' leading shape (an eager output-keeping forward's rstd is followed
+    by the weight's recovery in one buffer)."""
+    M = saved.numel() // max(saved.shape[-1], 1)
+    return rstd if rstd.numel() == M else rstd[:M].view(saved.shape[:-1])
 
 
 def _incoming(dy, ds) -> tuple:
@@ -266,15 +189,13 @@ def _incoming(dy, ds) -> tuple:
     if dy is not None:
         if dy.is_neg():
             dy = resolve_neg(dy, "the output gradient")
-        batched = _is_legacy_batched(dy)
+        batched = _compat.is_legacy_batched(dy)
     if ds is not None:
         if ds.is_neg():
             ds = resolve_neg(ds, "the gradient of residual_out")
-        batched = batched or _is_legacy_batched(ds)
+        batched = batched or _compat.is_legacy_batched(ds)
     return dy, ds, batched
 
-
-_is_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
 
 SECOND_ORDER_ERROR = (
     "normkit: this norm kept its output rather than its input for the backward (save='auto' with every "
@@ -287,37 +208,31 @@ def _backward(ctx, flags: tuple, dy, ds) -> tuple:
     tensors: by the route's kernels, or, under ``create_graph=True`` with something to differentiate
     or for a batched gradient, by differentiable torch operations."""
     route = ctx.route
-    if (ctx.as_saved and dy is not None and not dy.is_neg() and not _is_legacy_batched(dy)
-            and (ds is None or not (ds.is_neg() or _is_legacy_batched(ds))) and not torch.is_grad_enabled()):
-        # the common case: the tensors saved as the forward left them, plain gradients, no create_graph
-        saved, weight, bias, mean, rstd = ctx.saved_tensors
-        k = (flags, dy.__class__, dy.stride(), None if ds is None else (ds.__class__, ds.stride()))
-        return route.backward_as_saved(k, saved, weight, bias, dy, ds, mean, rstd, flags)
     traced = torch.compiler.is_compiling()
     batched = False
     if not traced:
         dy, ds, batched = _incoming(dy, ds)
-    saved, weight, bias, mean, rstd = _saved(ctx, dy, ds, traced)
-    if dy is not None and not batched and not torch.is_grad_enabled():  # the common case
-        return route.backward(saved, weight, bias, dy, ds, mean, rstd, flags)
+    saved, weight, bias, mean, rstd, rec = _saved(ctx, dy, ds, traced)
     if dy is None and ds is None:
         return None, None, None
     if batched:  # one backward per batch element: torch operations vmap over them
-        return differentiable_backward(route, saved, weight, bias, dy, ds, rstd, GRADS[flags])
+        return differentiable_backward(route, saved, weight, bias, dy, ds, _row_statistic(rstd, saved), GRADS[flags])
     if torch.is_grad_enabled():  # only under create_graph=True
         if any(t is not None and t.requires_grad for t in (dy, ds, saved, weight)):
             if route.from_output:
                 raise RuntimeError(SECOND_ORDER_ERROR)
             return differentiable_backward(route, saved, weight, bias, dy, ds, rstd, GRADS[flags])
         with torch.no_grad():
-            return _kernel_backward(route, flags, saved, weight, bias, dy, ds, mean, rstd)
-    return _kernel_backward(route, flags, saved, weight, bias, dy, ds, mean, rstd)
+            return _kernel_backward(route, flags, saved, weight, bias, dy, ds, mean, rstd, rec, traced)
+    return _kernel_backward(route, flags, saved, weight, bias, dy, ds, mean, rstd, rec, traced)
 
 
-def _kernel_backward(route, flags: tuple, saved, weight, bias, dy, ds, mean, rstd) -> tuple:
+def _kernel_backward(route, flags: tuple, saved, weight, bias, dy, ds, mean, rstd, rec, traced: bool) -> tuple:
     if dy is None:  # only residual_out was used: y's gradient is exactly zero
         dy = torch.zeros_like(saved)
-    return route.backward(saved, weight, bias, dy, ds, mean, rstd, flags)
+    if traced or route.__class__ is Traced:  # compiled (compiled autograd too), or a tensor subclass's
+        return _traced_backward(route, saved, weight, bias, dy, ds, mean, rstd, rec, flags)
+    return route.backward(saved, weight, bias, dy, ds, mean, rstd, flags, rec)
 
 
 def differentiable_backward(route, saved, weight, bias, dy, ds, rstd, grads: Grads) -> tuple:
@@ -337,6 +252,5 @@ def differentiable_backward(route, saved, weight, bias, dy, ds, rstd, grads: Gra
         dx, dw, db = norm_math.input_backward(f64(saved), f64(weight), f64(dy), f64(ds), is_rms=op.is_rms,
                                               eps=opts.eps, offset=opts.offset, compute_dx=grads.dx,
                                               compute_dw=grads.dw, compute_db=grads.db, xp=_xp)
-    b_dtype = route.b_dtype if isinstance(route.b_dtype, torch.dtype) else getattr(torch, route.b_dtype)
     return (dx.to(saved.dtype) if grads.dx else None, dw.to(weight.dtype) if grads.dw else None,
-            db.to(b_dtype) if grads.db else None)
+            db.to(TORCH_DTYPES[route.b_dtype]) if grads.db else None)

@@ -3,17 +3,31 @@
 A call signature is the op, its options (``save`` among them), whether the forward stores statistics
 for a backward, and each tensor's class, shape, strides, dtype and device: everything
 ``normkit.driver.Bound``'s plans fix. Its first eager call is validated (``bind``); a repeated one (a
-training loop's) finds its ``Signature`` by ``key`` and launches its ``Bound`` with no validation,
-planning or reshaping. A signature holds one ``Bound`` per choice of what the backward keeps (input or
-output) and remembers that choice per frozen weight (its identity and version: ``Signature.route``), so
-a repeated call decides it with one small lookup. The backward plans live on each ``Bound``, keyed on
-what they read (a saved-tensor hook may hand the backward other layouts than the forward saw).
+training loop's) finds its ``Signature`` by ``key`` and launches a ``Bound`` with no validation,
+planning or reshaping.
+
+A signature holds one ``Bound`` per choice of what the backward keeps (the input, or the output) and
+remembers that choice per frozen weight: its identity, data pointer, version and grad flag
+(``Signature.route``), so a repeated call decides with one small lookup, and reads the weight's
+values (one host synchronization) only when it first meets a weight version. The choice then rides
+with the saved state: an autograd node's backward reads what its own forward kept.
+
+A weight written where torch's version counter does not see it (``w.data[i] = 0``, a write through
+``w.numpy()`` or DLPack) keeps its cached choice. The forward that keeps the output checks the
+weight on the device at every call (its recovery, ``normkit.norm_math.recovery``): where the weight
+breaks the safety rule that call's dx is NaN, never wrong, and the forward sets a flag in host memory
+(``TRIP``) that the next call reads without synchronizing; every remembered choice is then forgotten
+and made again from the weights' values.
 """
 from __future__ import annotations
 
+import itertools
+
+import torch
+
 from normkit import driver
 from normkit.ops import Op, Options
-from torch_frontend import _save
+from torch_frontend import _compat, _save
 from torch_frontend._backend import BACKEND
 
 BOUND: dict = {}
@@ -33,6 +47,57 @@ def key(op: Op, eps, offset, casting_mode, store_stats: bool, x, residual, weigh
             None if bias is None else (bias.__class__, bias.shape, bias.stride(), bias.dtype, bias.device))
 
 
+# --- the flag the output-keeping forward sets where a weight breaks the safety rule -----------------
+
+_TRIPS: dict = {}  # device type -> (int32 [1] tensor the kernels write, a NumPy view of it the host reads)
+
+
+def trip(device: torch.device):
+    """The flag for launches on ``device``: host memory the kernel writes (pinned, for CUDA kernels)."""
+    entry = _TRIPS.get(device.type)
+    if entry is None:
+        t = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")
+        entry = _TRIPS[device.type] = (t, t.numpy())
+    return entry[0]
+
+
+def _tripped() -> bool:
+    """Whether a forward has found a weight breaking the safety rule since the last look; then every
+    remembered choice is forgotten (and the flag cleared)."""
+    for _, view in _TRIPS.values():
+        if view[0]:
+            view[0] = 0
+            for sig in BOUND.values():
+                sig.forget()
+            return True
+    return False
+
+
+_UIDS = itertools.count(1)
+
+
+def uid(t) -> int:
+    """The tensor object's own number (from 1), given on first sight: a data pointer alone is not an
+    identity (a freed weight's memory is handed to the next tensor, whose ``_version`` starts at 0
+    again)."""
+    n = getattr(t, "_normkit_uid", None)
+    if n is None:
+        n = t._normkit_uid = next(_UIDS)
+    return n
+
+
+def _version_key(t):
+    """A parameter's identity, data pointer, version and grad flag (None for None); None for an
+    inference tensor, which has no version counter (it is never remembered: torch refuses to save
+    it for a backward anyway, and says to clone it)."""
+    if t is None:
+        return None
+    try:
+        return getattr(t, "_normkit_uid", None) or uid(t), t.data_ptr(), t._version, t.requires_grad
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return False
+
+
 class Signature:
     """A validated call signature: its ``Bound`` for each choice of what the backward keeps, and the
     choices made for the weights seen with it."""
@@ -47,11 +112,14 @@ class Signature:
         # input-keeping one; else None, and ``route`` decides per call
         self.fixed = self.bound(False) if not store_stats or save == "input" else None
 
-    def bound(self, from_output: bool) -> driver.Bound:
+    def bound(self, from_output: bool, device: torch.device | None = None) -> driver.Bound:
+        """The ``Bound`` keeping the input, or the output (whose forward sets ``trip(device)``, where a
+        device is given, when the weight breaks the safety rule)."""
         b = self._bounds[from_output]
         if b is None:
+            flag = trip(device) if from_output and device is not None else None
             b = self._bounds[from_output] = driver.Bound(BACKEND, self.op, self.opts, self.store_stats, from_output,
-                                                         self.b_dtype)
+                                                         self.b_dtype, flag)
         return b
 
     @property
@@ -59,25 +127,30 @@ class Signature:
         """The ``Bound``s made so far."""
         return [b for b in self._bounds if b is not None]
 
+    def forget(self) -> None:
+        self._decisions.clear()
+
     def route(self, x, weight, bias) -> driver.Bound:
-        """The ``Bound`` of this call (``fixed`` where that is set): keeping the output where
-        ``_save.saves_output`` says so, else the input. x's dtype and row length, and every option,
-        are the signature's, so the answer is remembered per weight and bias identity, data pointer,
-        version and grad flag."""
+        """The ``Bound`` of this call: the output-keeping one where ``_save.saves_output`` says so, else
+        the input-keeping one. x's dtype and row length,
+        and every option, are the signature's, so the answer is remembered per weight and bias
+        identity, data pointer, version and grad flag. Inside a non-reentrant checkpoint (its forward
+        and its recomputation) ``save="auto"`` keeps the input (``normkit.saving.decide``)."""
         if self.fixed is not None:
             return self.fixed
-        k = (None if weight is None else (getattr(weight, "_normkit_uid", None) or _save.uid(weight), weight.data_ptr(),
-                                          weight._version, weight.requires_grad),
-             None if bias is None else (getattr(bias, "_normkit_uid", None) or _save.uid(bias), bias.data_ptr(),
-                                        bias._version, bias.requires_grad))
+        hooked = _compat.checkpointing()
+        if hooked and self.save == "auto":
+            return self._bounds[0] or self.bound(False)
+        k = (_version_key(weight), _version_key(bias))
         from_output = self._decisions.get(k)
-        if from_output is None:
-            if len(self._decisions) >= DECISIONS_LIMIT:
-                self._decisions.clear()
-            opts = self.opts
-            from_output = self._decisions[k] = _save.saves_output(self.op, self.save, x, weight, bias, opts.offset,
-                                                                  opts.casting)
-        return self._bounds[from_output] or self.bound(from_output)
+        if from_output is None or (from_output and _tripped()):
+            from_output = _save.saves_output(self.op, self.save, x, weight, bias, self.opts.offset, self.opts.casting,
+                                             hooked)
+            if False not in k:
+                if len(self._decisions) >= DECISIONS_LIMIT:
+                    self._decisions.clear()
+                self._decisions[k] = from_output
+        return self._bounds[from_output] or self.bound(from_output, x.device)
 
 
 def bind(k: tuple | None, op: Op, opts: Options, store_stats: bool, b_dtype: str = "float32",

@@ -6,7 +6,8 @@ shards under the sharding strategy registered here, and wraps the results as DTe
 
 - forward: x (and residual) ``Replicate`` or ``Shard(d)`` for any d but the normalized (last) one;
   y, residual_out and the per-row statistics (shape ``x.shape[:-1]``) take x's placement; weight and
-  bias are ``Replicate``. No collective.
+  bias are ``Replicate``, and so is the weight's recovery (computed from them alone, for a backward
+  that reads the output). No collective.
 - backward: dx takes x's placement. A dW/dB computed from sharded rows is a partial sum over this
   rank's rows: it is returned as ``Partial("sum")`` (no collective in the backward), accumulates
   into ``.grad`` as such, and DTensor all-reduces it when it is read as a ``Replicate`` tensor (the
@@ -43,15 +44,16 @@ import threading
 import torch
 
 from normkit.ops import OPS, Op
+from torch_frontend import _compat
 
 _LOCK = threading.Lock()
 _REGISTERED = False
 
 # Positions of the first argument to hash into DTensor's sharding cache key (every tensor argument
 # is hashed anyway): norm_fwd(x, residual, weight, bias, op, ...), norm_bwd(saved, weight, bias, dy, dres,
-# mean, rstd, op, ...). The strategy depends on op (which results exist) and on the flags after it.
+# mean, rstd, rec, op, ...). The strategy depends on op (which results exist) and on the flags after it.
 _FWD_STATIC_ARGNUM = 4
-_BWD_STATIC_ARGNUM = 7
+_BWD_STATIC_ARGNUM = 8
 
 
 def dtensor_class():
@@ -127,24 +129,25 @@ def _row_dims(ndim: int) -> range:
     return range(max(ndim - 1, 0))
 
 
-def _fwd_single_dim(x, residual, weight, bias, op_name: str, store_stats: bool) -> list:
-    """[outputs (y, residual_out, mean, rstd) + inputs (x, residual, weight, bias)] per strategy."""
+def _fwd_single_dim(x, residual, weight, bias, op_name: str, store_stats: bool, store_rec: bool) -> list:
+    """[outputs (y, residual_out, mean, rstd, rec) + inputs (x, residual, weight, bias)] per strategy."""
     from torch.distributed.tensor import Replicate, Shard
 
     op = OPS[op_name]
-    present = op.fwd_buffers(1, 1, "float32", store_stats)
+    present = op.fwd_buffers(1, 1, "float32", store_stats, store_rec)
     R = Replicate()
     params = [R if weight is not None else None, R if bias is not None else None]
     strategies = []
     for p in [R] + [Shard(d) for d in _row_dims(x.ndim)]:
-        outs = [p if name in present else R for name in ("Y", "S", "MEAN", "RSTD")]  # absent: an empty (0,) tensor
+        # absent: an empty (0,) tensor; the recovery (REC) is the weight's: replicated
+        outs = [p if name in present and name != "REC" else R for name in ("Y", "S", "MEAN", "RSTD", "REC")]
         strategies.append(outs + [p, p if residual is not None else None] + params)
     return strategies
 
 
-def _bwd_single_dim(x, weight, bias, dy, dres, mean, rstd, dx: bool, dw: bool, db: bool) -> list:
-    """[outputs (dx, dweight, dbias) + inputs (saved, weight, bias, dy, dres, mean, rstd)] per strategy;
-    ``saved`` is x, or y for a backward from the output (it is placed like x either way)."""
+def _bwd_single_dim(x, weight, bias, dy, dres, mean, rstd, rec, dx: bool, dw: bool, db: bool) -> list:
+    """[outputs (dx, dweight, dbias) + inputs (saved, weight, bias, dy, dres, mean, rstd, rec)] per
+    strategy; ``saved`` is x, or y for a backward from the output (it is placed like x either way)."""
     from torch.distributed.tensor import Partial, Replicate, Shard
 
     R = Replicate()
@@ -152,7 +155,8 @@ def _bwd_single_dim(x, weight, bias, dy, dres, mean, rstd, dx: bool, dw: bool, d
     def strategy(rows, stats, grad_in, grad_out, param_grad):
         outs = [grad_out if dx else R, param_grad if dw else R, param_grad if db else R]
         ins = [rows, R if weight is not None else None, R if bias is not None else None, grad_in,
-               grad_in if dres is not None else None, stats if mean is not None else None, stats]
+               grad_in if dres is not None else None, stats if mean is not None else None, stats,
+               R if rec is not None else None]
         return outs + ins
 
     strategies = [strategy(R, R, R, R, R)]  # everything replicated: each rank reduces all rows, dW is complete
@@ -163,32 +167,21 @@ def _bwd_single_dim(x, weight, bias, dy, dres, mean, rstd, dx: bool, dw: bool, d
     return strategies
 
 
-def _spec(arg):
-    """The current DTensorSpec of an OpStrategy argument (None stays None)."""
-    from torch.distributed.tensor._op_schema import OpStrategy
-
-    if isinstance(arg, OpStrategy):
-        return arg.strategies[0].output_spec
-    return arg
-
-
 def _op_strategy(single_dim, n_outputs: int, *args):
     """A ``ShardingPropagator`` strategy function (``(op_schema)``; older releases pass the mesh first)."""
-    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
-
     op_schema = args[-1]
-    mesh = args[0] if len(args) > 1 else op_schema.get_mesh_from_args()
-    strategies = single_dim(*[_spec(a) for a in op_schema.args_schema])
-    return expand_to_full_mesh_op_strategy(mesh, op_schema, strategies, input_index=n_outputs)
+    mesh = args[0] if len(args) > 1 else _compat.schema_mesh(op_schema)
+    strategies = single_dim(*[_compat.strategy_spec(a) for a in op_schema.args_schema])
+    return _compat.expand_to_full_mesh(mesh, op_schema, strategies, n_outputs)
 
 
-def _fwd_strategy_args(x, residual, weight, bias, op, eps, offset, casting, store_stats):
-    return _fwd_single_dim(x, residual, weight, bias, op, store_stats)
+def _fwd_strategy_args(x, residual, weight, bias, op, eps, offset, casting, store_stats, store_rec):
+    return _fwd_single_dim(x, residual, weight, bias, op, store_stats, store_rec)
 
 
-def _bwd_strategy_args(saved, weight, bias, dy, dres, mean, rstd, op, offset, casting, dx, dw, db, b_dtype,
+def _bwd_strategy_args(saved, weight, bias, dy, dres, mean, rstd, rec, op, offset, casting, dx, dw, db, b_dtype,
                        from_output):
-    return _bwd_single_dim(saved, weight, bias, dy, dres, mean, rstd, dx, dw, db)
+    return _bwd_single_dim(saved, weight, bias, dy, dres, mean, rstd, rec, dx, dw, db)
 
 
 def register() -> None:
@@ -202,16 +195,11 @@ def register() -> None:
             return
         import functools
 
-        from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
-
         import torch_frontend._library_ops  # noqa: F401  (defines the custom ops)
 
-        propagator = DTensor._op_dispatcher.sharding_propagator
         for overload, single_dim, n_outputs, static_argnum in (
-                (torch.ops.normkit.norm_fwd.default, _fwd_strategy_args, 4, _FWD_STATIC_ARGNUM),
+                (torch.ops.normkit.norm_fwd.default, _fwd_strategy_args, 5, _FWD_STATIC_ARGNUM),
                 (torch.ops.normkit.norm_bwd.default, _bwd_strategy_args, 3, _BWD_STATIC_ARGNUM)):
-            propagator.register_op_strategy(
-                overload, functools.partial(_op_strategy, single_dim, n_outputs),
-                RuntimeSchemaInfo(static_argnum=static_argnum, needs_pytree=True))
+            _compat.register_dtensor_strategy(overload, functools.partial(_op_strategy, single_dim, n_outputs),
+                                              static_argnum)
         _REGISTERED = True

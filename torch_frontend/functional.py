@@ -1,31 +1,32 @@
 """The Torch frontend's public functions: ``rms_norm``, ``layer_norm`` and ``fused_add_rms_norm``, their
 validation and their routes.
 
-A call takes one of three routes:
+A call takes one route, chosen in one place, ``_apply``:
 
-- **eager** (plain tensors, no ``torch.compile`` trace): its signature's ``normkit.driver.Bound``
-  (``_bound``; validated and bound on its first call), launched through the op's autograd Function
-  (``_autograd``), or, where no gradient can reach the call (grad or inference mode off, or no
-  input requiring one), launched directly;
-- **compiled** (inside ``torch.compile``): a norm whose parameters are frozen runs as torch
-  operations that Inductor generates and fuses with its neighbours (``_composite``); one with a
-  trained parameter runs the kernels through the op's Function and the torch.library ops
+- **traced** (inside ``torch.compile``, or compiled autograd): a norm whose parameters are frozen runs
+  as torch operations that Inductor generates and fuses with its neighbours (``_composite``); one
+  with a trained parameter runs the kernels through the op's Function and the torch.library ops
   (``_library_ops``);
 - **subclass** (DTensor, ...): the op's Function through the torch.library ops, which DTensor
-  dispatches to the local shards (``_dtensor``), where the eager route's bound plans run.
+  dispatches to the local shards (``_dtensor``), where the eager route's bound plans run;
+- **no-grad** (plain tensors that no gradient can reach: grad or inference mode off, or no input
+  requiring one, and no ``torch.func`` transform active): the signature's ``normkit.driver.Bound``
+  launches the forward alone;
+- **eager** (plain tensors otherwise): the signature's ``Bound`` through the op's autograd Function
+  (``_autograd``); under a ``torch.func`` transform the Function raises (it has no vmap or jvp rule).
 
-What the backward keeps, the input or the output, is ``save`` (``_save``).
+A signature is validated and bound on its first call (``_bound``). What the backward keeps, the
+input or the output, is ``save`` (``_save``).
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-import torch.autograd.forward_ad as _forward_ad
 
 from normkit import checks
 from normkit.ops import FUSED_ADD_RMS_NORM, LAYER_NORM, RMS_NORM, Op, Options
-from torch_frontend import _autograd, _bound, _composite, _save
+from torch_frontend import _autograd, _bound, _compat, _composite, _save
 from torch_frontend._backend import DTYPE_NAMES, NormkitCopyWarning, dtype_name, resolve_neg
 from torch_frontend._library_ops import subclassed
 
@@ -65,20 +66,15 @@ def _check(op: Op, x, residual, weight, bias, eps, offset, casting_mode, save) -
     return opts
 
 
-def _no_transforms() -> bool:
-    """No torch.func transform and no forward-mode AD level is active: there the autograd Function
-    must run, since it is what raises (normkit's Functions have no jvp and no vmap rule)."""
-    return not torch._C._are_functorch_transforms_active() and _forward_ad._current_level < 0
-
-
 def _outputs(op: Op, outs: tuple):
     return (outs[0], outs[1]) if op.has_residual else outs[0]
 
 
-def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode, save):
-    """A call by its route (the module docstring)."""
-    if torch.compiler.is_compiling():
-        return _compiled(op, x, residual, weight, bias, eps, offset, casting_mode, save)
+def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode, save, known=None):
+    """A call by its route (the module docstring). ``known``: a normkit module's ``save_hint``, what it
+    knows of its weight for the traced route (``torch_frontend.modules``)."""
+    if torch.compiler.is_compiling():  # traced
+        return _compiled(op, x, residual, weight, bias, eps, offset, casting_mode, save, known)
     k = None
     try:
         store_stats = torch.is_grad_enabled() and not torch.is_inference_mode_enabled() and (
@@ -95,38 +91,34 @@ def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode, save):
         k = sig = None
     if sig is None:
         opts = _check(op, x, residual, weight, bias, eps, offset, casting_mode, save)
-        if subclassed(x, residual, weight, bias):
-            from_output = store_stats and save != "input" and _save.saves_output(
-                op, save, x, weight, bias, opts.offset, opts.casting)
-            return _subclassed(op, opts, store_stats, from_output, x, residual, weight, bias)
-        sig = _bound.bind(k, op, opts, store_stats,  # k None (not keyable): not remembered
-                          dtype_name(bias.dtype) if bias is not None else "float32", save)
+        b_dtype = dtype_name(bias.dtype) if bias is not None else "float32"
+        if subclassed(x, residual, weight, bias):  # subclass
+            from_output = store_stats and _save.saves_output(op, save, x, weight, bias, opts.offset, opts.casting,
+                                                             _compat.checkpointing())
+            route = _autograd.Traced(op, opts, store_stats, from_output, b_dtype)
+            if not store_stats and not _compat.transforms_active():
+                return _outputs(op, route.forward(x, residual, weight, bias))
+            return _autograd.apply(route, op, x, residual, weight, bias)
+        sig = _bound.bind(k, op, opts, store_stats, b_dtype, save)  # k None (not keyable): not remembered
     bound = sig.fixed or sig.route(x, weight, bias)
-    if not store_stats and _no_transforms():  # no gradient can reach the call: the forward alone
-        y, s, _, _ = bound.forward(x, residual, weight, bias)
+    if not store_stats and not _compat.transforms_active():  # no-grad
+        y, s, _, _, _ = bound.forward(x, residual, weight, bias)
         return (y, s) if op.has_residual else y
-    return _autograd.apply(bound, op, x, residual, weight, bias)
+    return _autograd.apply(bound, op, x, residual, weight, bias)  # eager
 
 
-def _subclassed(op: Op, opts: Options, store_stats: bool, from_output: bool, x, residual, weight, bias):
-    """Tensor subclasses (DTensor): the op's Function through the torch.library ops."""
-    route = _autograd.Traced(op, opts, store_stats, from_output, bias.dtype if bias is not None else torch.float32)
-    if not store_stats and _no_transforms():
-        return _outputs(op, route.forward(x, residual, weight, bias))
-    return _autograd.apply(route, op, x, residual, weight, bias)
-
-
-def _compiled(op: Op, x, residual, weight, bias, eps, offset, casting_mode, save):
+def _compiled(op: Op, x, residual, weight, bias, eps, offset, casting_mode, save, known):
     """Inside a ``torch.compile`` trace: frozen norms as torch operations for Inductor (``_composite``),
     others through the op's Function and the torch.library ops."""
     opts = _check(op, x, residual, weight, bias, eps, offset, casting_mode, save)
-    from_output = _save.traced_saves_output(op, save, x, weight, bias, opts.offset)
+    from_output = _save.traced_saves_output(op, save, x, weight, bias, opts.offset,
+                                            known.get(x.dtype) if known else None)
     if _composite.applies(x, residual, weight, bias):
         return _composite.apply(op, opts, x, residual, weight, bias, from_output)
     store_stats = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, residual, weight, bias))
     route = _autograd.Traced(op, opts, store_stats, from_output and store_stats,
-                             bias.dtype if bias is not None else torch.float32)
+                             dtype_name(bias.dtype) if bias is not None else "float32")
     return _autograd.apply(route, op, x, residual, weight, bias)
 
 

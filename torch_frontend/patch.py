@@ -441,6 +441,7 @@ def patch_model(
             continue
         new.train(module.training)
         new.save = save
+        new.refresh_save_hint()  # from the adopted parameters, for torch.compile
         object.__setattr__(new, _ORIGINAL, module)  # not a submodule: state_dict and .modules() ignore it
         replacements[id(module)] = new
         report.patched.append((name, cls, type(new)))

@@ -62,6 +62,48 @@ def _scale_shift(xc, rstd, w, b, X, HAS_W: tl.constexpr, HAS_B: tl.constexpr, CA
 
 
 @triton.jit
+def _store_recovery(W, B, REC, TRIP, offset, X, N: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                    HAS_TRIP: tl.constexpr, CASTING: tl.constexpr, W_STRIDE: tl.constexpr, B_STRIDE: tl.constexpr,
+                    W_MIN: tl.constexpr, BIAS_RATIO: tl.constexpr, BOUND_SCALE: tl.constexpr, Y_MAX: tl.constexpr,
+                    REC_CHUNK: tl.constexpr):
+    """What the output-saving backward needs of the weight (normkit.norm_math.recovery), from the
+    weight and bias alone: REC[j] = 1 / w_y[j] (1 where column j is unsafe), REC[N] = 0, or NaN where
+    the weight breaks the safety rule (a column unsafe, or y able to overflow x's dtype); then TRIP is
+    set too. In chunks of REC_CHUNK columns, so that it needs few registers beside the forward's own."""
+    bad = tl.zeros((), dtype=tl.int32)
+    wmax = tl.zeros((), dtype=tl.float32)
+    bmax = tl.zeros((), dtype=tl.float32)
+    for c0 in tl.range(0, N, REC_CHUNK):
+        cols = c0 + tl.arange(0, REC_CHUNK)
+        cmask = cols < N
+        unsafe = cols < 0  # no column yet
+        if HAS_W:
+            w = _load_weight(W, cols, cmask, offset, X, W_STRIDE, CASTING)  # w_y: what the forward multiplied by
+            w_abs = tl.abs(w)
+            unsafe = cmask & ((w_abs < W_MIN) | (w_abs == float("inf")) | (w != w))
+            wmax = tl.maximum(wmax, tl.max(tl.where(cmask, w_abs, 0.0), axis=0))
+        if HAS_B:
+            b_abs = tl.abs(tl.load(B + cols * B_STRIDE, mask=cmask, other=0.0).to(tl.float32))
+            if HAS_W:
+                limit = BIAS_RATIO * w_abs
+            else:
+                limit = BIAS_RATIO
+            unsafe = unsafe | (cmask & ((b_abs > limit) | (b_abs != b_abs)))
+            bmax = tl.maximum(bmax, tl.max(tl.where(cmask, b_abs, 0.0), axis=0))
+        bad = tl.maximum(bad, tl.max(unsafe.to(tl.int32), axis=0))
+        if HAS_W:
+            tl.store(REC + cols, 1.0 / tl.where(unsafe, 1.0, w), mask=cmask)
+    if HAS_W:
+        bound = BOUND_SCALE * wmax + bmax
+    else:
+        bound = BOUND_SCALE + bmax
+    poisoned = (bad > 0) | (bound > Y_MAX) | (bound != bound)
+    tl.store(REC + N, tl.where(poisoned, float("nan"), 0.0))
+    if HAS_TRIP:
+        tl.store(TRIP, 1, mask=poisoned)
+
+
+@triton.jit
 def _fwd_tile(tile, X, R, Y, S, MEAN, RSTD, eps, offset, M, stride_xm, stride_rm, w, b, cols, col_mask, W,
               N: tl.constexpr, IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_W: tl.constexpr,
               HAS_B: tl.constexpr, CASTING: tl.constexpr, STORE_STATS: tl.constexpr,
@@ -127,6 +169,7 @@ def norm_fwd_kernel(
     R,  # residual rows [M, N] (HAS_RESIDUAL), row stride stride_rm, column stride R_COL_STRIDE
     W,  # weight [N] (HAS_W), any float dtype, element stride W_STRIDE
     B,  # bias [N] (HAS_B), element stride B_STRIDE
+    TRIP,  # int32 [1] (HAS_TRIP): set to 1 when REC's poison is NaN (a flag the host reads)
     eps,  # fp32 scalar added to the variance
     offset,  # fp32 scalar added to the weight (Gemma: 1.0)
     M,  # number of rows
@@ -135,7 +178,8 @@ def norm_fwd_kernel(
     Y,  # output rows [M, N] contiguous, x.dtype
     S,  # residual_out = x + residual, [M, N] contiguous (HAS_RESIDUAL)
     MEAN,  # per-row mean, fp32 [M] (STORE_STATS and not IS_RMS)
-    RSTD,  # per-row 1/std, fp32 [M] (STORE_STATS)
+    RSTD,  # per-row 1/std, fp32 [M] (STORE_STATS); [M + N + 1] with REC after the rows (REC_IN_RSTD)
+    REC,  # fp32 [N + 1] (STORE_REC, not REC_IN_RSTD): 1 / w_y per column, then the poison (_store_recovery)
     N: tl.constexpr,  # row length; compile-time so masks and vector widths are known
     IS_RMS: tl.constexpr,  # True: RMSNorm (no mean subtraction); False: LayerNorm
     HAS_RESIDUAL: tl.constexpr,  # fused add: normalize s = x + residual and store s
@@ -143,6 +187,14 @@ def norm_fwd_kernel(
     HAS_B: tl.constexpr,  # bias present
     CASTING: tl.constexpr,  # 0 none (x.dtype products), 1 llama (round x_hat), 2 gemma (all fp32)
     STORE_STATS: tl.constexpr,  # a backward will run: write MEAN/RSTD
+    STORE_REC: tl.constexpr,  # the backward reads y (FROM_Y): program 0 writes the weight's recovery REC
+    REC_IN_RSTD: tl.constexpr,  # REC lies in RSTD, after its M rows (one buffer for the statistics and REC)
+    HAS_TRIP: tl.constexpr,  # TRIP is present
+    W_MIN: tl.constexpr,  # STORE_REC: a column whose |w_y| is below this (x.dtype's bound) is unsafe
+    BIAS_RATIO: tl.constexpr,  # STORE_REC: a column whose |b| exceeds this times |w_y| is unsafe
+    BOUND_SCALE: tl.constexpr,  # STORE_REC: sqrt(N) (1 + 4u), the largest |x_hat|
+    Y_MAX: tl.constexpr,  # STORE_REC: x.dtype's largest finite value, which |y| must stay below
+    REC_CHUNK: tl.constexpr,  # STORE_REC: columns per step of the recovery
     ROWS_CONTIGUOUS: tl.constexpr,  # every input is [M, N] contiguous: use the compile-time N
     X_COL_STRIDE: tl.constexpr,  # x's column stride: 1, or 0 for a row broadcast along N
     R_COL_STRIDE: tl.constexpr,  # residual's column stride: 1 or 0
@@ -182,6 +234,14 @@ def norm_fwd_kernel(
             _fwd_tile(tile, X, R, Y, S, MEAN, RSTD, eps, offset, M, stride_xm, stride_rm, w, b, cols,
                       col_mask, W, N, IS_RMS, HAS_RESIDUAL, HAS_W, HAS_B, CASTING, STORE_STATS,
                       ROWS_CONTIGUOUS, X_COL_STRIDE, R_COL_STRIDE, W_STRIDE, BLOCK_M, BLOCK_N, CHUNK_N)
+    if STORE_REC:
+        if tl.program_id(0) == 0:
+            if REC_IN_RSTD:
+                rec = RSTD + M
+            else:
+                rec = REC
+            _store_recovery(W, B, rec, TRIP, offset, X, N, HAS_W, HAS_B, HAS_TRIP, CASTING, W_STRIDE, B_STRIDE, W_MIN,
+                            BIAS_RATIO, BOUND_SCALE, Y_MAX, REC_CHUNK)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -193,7 +253,8 @@ def norm_bwd_kernel(
     DY,  # gradient of the output [M, N], row stride stride_dym
     DRES,  # gradient of residual_out [M, N] (HAS_DRES), row stride stride_dresm
     MEAN,  # per-row mean, fp32 [M] (not IS_RMS, not FROM_Y)
-    RSTD,  # per-row 1/std, fp32 [M]
+    RSTD,  # per-row 1/std, fp32 [M] ([M + N + 1] with REC after the rows: REC_IN_RSTD)
+    REC,  # FROM_Y, not REC_IN_RSTD: the forward's recovery of the weight, fp32 [N + 1] (1 / w_y, poison)
     offset,  # fp32 scalar added to the weight
     M,  # number of rows
     stride_xm,  # row strides, in elements; ignored when ROWS_CONTIGUOUS
@@ -207,13 +268,12 @@ def norm_bwd_kernel(
     HAS_W: tl.constexpr,  # elementwise weight present
     HAS_B: tl.constexpr,  # bias present (read only FROM_Y)
     HAS_DRES: tl.constexpr,  # fused add with a gradient flowing into residual_out
-    CASTING: tl.constexpr,  # 1 llama: dW sees x_hat rounded to x.dtype; 0 none: FROM_Y divides by the rounded weight
+    CASTING: tl.constexpr,  # 1 llama: dW sees x_hat rounded to x.dtype (the forward rounded it so)
     COMPUTE_DX: tl.constexpr,  # x (or residual) needs a gradient
     COMPUTE_DW: tl.constexpr,  # weight needs a gradient: accumulate and write DW_PART
     COMPUTE_DB: tl.constexpr,  # bias needs a gradient: accumulate and write DB_PART
-    FROM_Y: tl.constexpr,  # X holds y, weight and bias frozen: x_hat = (y - b) / (w + offset), no mean read
-    W_MIN: tl.constexpr,  # FROM_Y: a column whose |w + offset| is below this (x.dtype's bound) is unsafe
-    BIAS_RATIO: tl.constexpr,  # FROM_Y: a column whose |b| exceeds this times |w + offset| is unsafe
+    FROM_Y: tl.constexpr,  # X holds y, weight and bias frozen: x_hat = (y - b) * REC, no mean read
+    REC_IN_RSTD: tl.constexpr,  # FROM_Y: REC lies in RSTD, after its M rows
     ROWS_CONTIGUOUS: tl.constexpr,  # every input is [M, N] contiguous: use the compile-time N
     X_COL_STRIDE: tl.constexpr,  # column strides of x, dy and d_residual: 1, or 0 (broadcast along N)
     DY_COL_STRIDE: tl.constexpr,
@@ -226,10 +286,10 @@ def norm_bwd_kernel(
 ):
     # Tiles are dealt round-robin to the programs; with dW/dB each program owns one partial row,
     # so the reduction order is fixed and the result bitwise reproducible (no atomics).
-    # FROM_Y (a frozen norm that kept its output, not its input): with g = dy * w, the row terms need
-    # no division, mean(g * x_hat) = mean(dy * (y - b)); x_hat itself is (y - b) / w. Where a column's
-    # weight is too small, or its bias too large against it, to recover x_hat in x.dtype (normkit.ops,
-    # output_safe), every dx of the launch is NaN: never a quietly wrong gradient.
+    # FROM_Y (a frozen norm that kept its output, not its input): x_hat = (y - b) * (1 / w_y), with
+    # 1 / w_y as the forward's program 0 computed it from the weight (REC); the rest is the
+    # input-saving backward's arithmetic. Where the weight breaks the safety rule (normkit.norm_math),
+    # REC's poison is NaN and so is every dx: never a quietly wrong gradient.
     tl.static_assert(not (FROM_Y and (COMPUTE_DW or COMPUTE_DB)))
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
@@ -239,21 +299,13 @@ def norm_bwd_kernel(
     if HAS_W:
         w = tl.load(W + cols * W_STRIDE, mask=col_mask, other=0.0).to(tl.float32) + offset
     if FROM_Y:
-        poison = 0.0
-        if HAS_W:
-            w_y = _load_weight(W, cols, col_mask, offset, X, W_STRIDE, CASTING)  # what the forward multiplied by
-            w_abs = tl.abs(w_y)
-            unsafe = col_mask & ((w_abs < W_MIN) | (w_abs == float("inf")) | (w_y != w_y))
+        if REC_IN_RSTD:
+            rec = RSTD + M
+        else:
+            rec = REC
+        poison = tl.load(rec + N)
         if HAS_B:
             b = tl.load(B + cols * B_STRIDE, mask=col_mask, other=0.0).to(tl.float32)
-            if HAS_W:
-                unsafe = unsafe | (col_mask & ((tl.abs(b) > BIAS_RATIO * w_abs) | (b != b)))
-            else:
-                unsafe = col_mask & ((tl.abs(b) > BIAS_RATIO) | (b != b))
-        if HAS_W or HAS_B:
-            poison = tl.where(tl.max(unsafe.to(tl.int32), axis=0) > 0, float("nan"), 0.0)
-        if HAS_W:  # 1 / w on the safe columns only (the others poison the launch)
-            inv_w = 1.0 / tl.where(unsafe | ~col_mask, 1.0, w_y)
     if COMPUTE_DW:
         dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if COMPUTE_DB:
@@ -277,13 +329,11 @@ def norm_bwd_kernel(
         dy = tl.load(DY + off_dy, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + rows64, mask=row_mask, other=0.0)
         if FROM_Y:
-            yc = x  # y - b: the normalized row times the weight
+            xn = x  # y - b: the normalized row times w_y
             if HAS_B:
-                yc = yc - b[None, :]
+                xn = xn - b[None, :]
             if HAS_W:
-                xn = yc * inv_w[None, :]
-            else:
-                xn = yc
+                xn = xn * tl.load(rec + cols, mask=col_mask, other=0.0)[None, :]
         elif IS_RMS:
             xn = x * rstd[:, None]
         else:
@@ -294,10 +344,7 @@ def norm_bwd_kernel(
                 g = dy * w[None, :]
             else:
                 g = dy
-            if FROM_Y:
-                c1 = tl.sum(dy * yc, axis=1) * (1.0 / N)
-            else:
-                c1 = tl.sum(g * xn, axis=1) * (1.0 / N)
+            c1 = tl.sum(g * xn, axis=1) * (1.0 / N)
             if IS_RMS:
                 dx = (g - xn * c1[:, None]) * rstd[:, None]
             else:

@@ -26,8 +26,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
+from jax_frontend._compat import pallas_triton
+
+pltriton = pallas_triton()  # Pallas's Triton backend (deprecated in jax 0.11): its masked load and store
 F32 = jnp.float32
 
 
@@ -161,6 +163,8 @@ def norm_bwd_kernel(
     dres_ref,  # [M, N] whole: gradient of residual_out (HAS_DRES)
     mean_ref,  # [M] whole: fp32 per-row mean (not IS_RMS, not FROM_Y)
     rstd_ref,  # [M] whole: fp32 per-row 1/std
+    inv_ref,  # [BLOCK_N] block of the forward's 1 / w_y [N] (FROM_Y and HAS_W: the REC buffer's first N values)
+    poison_ref,  # [1] whole: REC's last value, 0 or NaN (FROM_Y)
     dx_ref,  # out: [M, N] whole, x.dtype (COMPUTE_DX); for the fused add also residual's gradient
     dw_part_ref,  # out: [BLOCK_N] block of this program's row of the fp32 [NUM_PROGRAMS, N] dW partials (COMPUTE_DW)
     db_part_ref,  # out: [BLOCK_N] block of this program's row of the fp32 dB partials (COMPUTE_DB)
@@ -172,13 +176,11 @@ def norm_bwd_kernel(
     HAS_W: bool,  # elementwise weight present
     HAS_B: bool,  # bias present (read only FROM_Y)
     HAS_DRES: bool,  # fused add with a gradient flowing into residual_out (read only with COMPUTE_DX)
-    CASTING: int,  # 1 llama: dW sees x_hat rounded to x.dtype; 0 none: FROM_Y divides by the rounded weight
+    CASTING: int,  # 1 llama: dW sees x_hat rounded to x.dtype (the forward rounded it so)
     COMPUTE_DX: bool,  # x (or residual) needs a gradient
     COMPUTE_DW: bool,  # weight needs a gradient: accumulate and write this program's dW partial row
     COMPUTE_DB: bool,  # bias needs a gradient: accumulate and write this program's dB partial row
-    FROM_Y: bool,  # x_ref holds y, weight and bias frozen: x_hat = (y - b) / (w + offset), no mean read
-    W_MIN: float,  # FROM_Y: a column whose |w + offset| is below this (x.dtype's bound) is unsafe
-    BIAS_RATIO: float,  # FROM_Y: a column whose |b| exceeds this times |w + offset| is unsafe
+    FROM_Y: bool,  # x_ref holds y, weight and bias frozen: x_hat = (y - b) * inv, no mean read
     NUM_PROGRAMS: int,  # grid size: tiles are dealt round-robin to the programs
     TILES_PER_PROGRAM: int,  # ceil(tiles / NUM_PROGRAMS): 1 when nothing is reduced
     BLOCK_M: int,  # rows per tile
@@ -186,8 +188,8 @@ def norm_bwd_kernel(
 ):
     # Tile t of program p is tile p + t * NUM_PROGRAMS; a tile past the last one is fully masked.
     # With dW/dB each program owns one partial row, so the reduction order is fixed and the result
-    # bitwise reproducible (no atomics). FROM_Y as in norm.py: mean(g * x_hat) = mean(dy * (y - b)),
-    # x_hat = (y - b) / w, and every dx NaN where a column makes x_hat unrecoverable.
+    # bitwise reproducible (no atomics). FROM_Y as in norm.py: x_hat = (y - b) * (1 / w_y), 1 / w_y and
+    # the poison (NaN where the weight breaks the safety rule) as the forward computed them (REC).
     assert not (FROM_Y and (COMPUTE_DW or COMPUTE_DB))
     dt = x_ref.dtype
     pid = pl.program_id(0)
@@ -195,21 +197,12 @@ def norm_bwd_kernel(
     if HAS_W:
         w = _load(w_ref, col_mask).astype(F32) + offset
     poison = 0.0
-    if FROM_Y and (HAS_W or HAS_B):
-        unsafe = jnp.zeros((BLOCK_N,), jnp.bool_)
-        if HAS_W:
-            w_y = _round(w, dt) if CASTING == 0 else w  # what the forward multiplied by
-            w_abs = jnp.abs(w_y)
-            unsafe = col_mask & ((w_abs < W_MIN) | ~jnp.isfinite(w_y))
+    if FROM_Y:
+        poison = poison_ref[...]
         if HAS_B:
             b = _load(b_ref, col_mask).astype(F32)
-            limit = BIAS_RATIO * w_abs if HAS_W else BIAS_RATIO
-            unsafe = unsafe | (col_mask & ((jnp.abs(b) > limit) | jnp.isnan(b)))
-        # 0 where every column is safe, else 0 * inf = NaN: Pallas's Triton lowering has no reduce_or,
-        # and would not select a NaN constant
-        poison = 0.0 * (1.0 / (1.0 - jnp.max(unsafe.astype(F32))))
-        if HAS_W:  # 1 / w on the safe columns only (the others poison the launch)
-            inv_w = 1.0 / jnp.where(unsafe | ~col_mask, 1.0, w_y)
+        if HAS_W:
+            inv_w = _load(inv_ref, col_mask)
     cols = pl.ds(_i32(0), BLOCK_N)
 
     def tile_rows(t):
@@ -230,18 +223,16 @@ def norm_bwd_kernel(
         dy = tile["dy"].astype(F32)
         rstd = tile["rstd"]
         if FROM_Y:
-            yc = x - b[None, :] if HAS_B else x  # y - b: the normalized row times the weight
-            xn = yc * inv_w[None, :] if HAS_W else yc
+            xn = x - b[None, :] if HAS_B else x  # y - b: the normalized row times w_y
+            if HAS_W:
+                xn = xn * inv_w[None, :]
         elif IS_RMS:
             xn = x * rstd[:, None]
         else:
             xn = jnp.where(mask, (x - tile["mean"][:, None]) * rstd[:, None], 0.0)
         if COMPUTE_DX:
             g = dy * w[None, :] if HAS_W else dy
-            if FROM_Y:
-                c1 = jnp.sum(dy * yc, axis=1) * (1.0 / N)
-            else:
-                c1 = jnp.sum(g * xn, axis=1) * (1.0 / N)
+            c1 = jnp.sum(g * xn, axis=1) * (1.0 / N)
             if IS_RMS:
                 dx = (g - xn * c1[:, None]) * rstd[:, None]
             else:

@@ -1,8 +1,17 @@
-"""Running the compiled-mode kernels in Triton's interpreter (CPU arrays, on any machine).
+"""Triton's private entry points, fenced: every bet normkit makes on Triton internals is in this file.
 
-Everything normkit changes in Triton lives here. A change is applied only while one of normkit's
-interpreted launches runs, and only under ``_LOCK``, a process-wide lock held for the whole launch;
-it is restored before the lock is released. Compiled launches are never affected.
+- Running the compiled-mode kernels in Triton's interpreter (CPU arrays, on any machine):
+  ``interpreted``, with the patches below, each applied only where its target still fits.
+- Launching a compiled kernel through its C launcher with pointers as integers
+  (``direct_launch``): written against Triton 3.6's ``CompiledKernel``, used only under that
+  version, checked against Triton's own launch in the GPU tests.
+
+The interpreter
+===============
+
+Everything normkit changes in Triton's interpreter lives here. A change is applied only while one of
+normkit's interpreted launches runs, and only under ``_LOCK``, a process-wide lock held for the whole
+launch; it is restored before the lock is released. Compiled launches are never affected.
 
 Why a lock
 ----------
@@ -299,3 +308,46 @@ class _Interpreted:
 def interpreted(kernel) -> _Interpreted:
     """The same kernel source, run by Triton's interpreter (CPU arrays)."""
     return _Interpreted(kernel)
+
+
+# ---------------------------------------------------------------------------------------------
+# The compiled kernel's launch, everything but the stream and the pointers bound.
+
+DIRECT_LAUNCH_TRITON = ("3.6.",)  # the releases whose CompiledKernel.run the direct launch follows
+
+
+def launch_hooks_active() -> bool:
+    """Whether a Triton launch hook (a profiler's) is set: then every launch must take Triton's own path."""
+    from triton import knobs
+
+    runtime = knobs.runtime
+    enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return bool((enter is not None and getattr(enter, "calls", True)) or (exit_ is not None and getattr(exit_, "calls", True)))
+
+
+def direct_launch(compiled, grid: int, scalars: tuple, constexprs: tuple):
+    """``launch(stream, in_ptrs, out_ptrs)``: the call Triton 3.6's ``CompiledKernel.run`` makes for a
+    one-dimensional ``grid``, with the kernel's pointers given as integers (so the C launcher neither
+    calls ``data_ptr()`` nor asks the driver about each one) and the runtime scalars and constexprs
+    bound. None where this Triton is not one it was written for, or where the launcher does more than
+    launch (a kernel that needs scratch memory): then Triton's own path launches."""
+    import triton
+
+    if not triton.__version__.startswith(DIRECT_LAUNCH_TRITON):
+        return None
+    try:
+        launcher = compiled.run
+        if launcher.global_scratch_size or launcher.profile_scratch_size:
+            return None
+        c_launch = launcher.launch
+        # after the stream: function, cooperative, pdl, global and profile scratch, packed metadata,
+        # launch metadata, enter and exit hooks
+        bound = (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
+                 compiled.packed_metadata, None, None, None)
+    except AttributeError:
+        return None
+
+    def launch(stream: int, in_ptrs: list, out_ptrs: list) -> None:
+        c_launch(grid, 1, 1, stream, *bound, *in_ptrs, *scalars, *out_ptrs, *constexprs)
+
+    return launch

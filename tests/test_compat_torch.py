@@ -1,0 +1,130 @@
+"""torch_frontend/_compat.py and normkit/_compat.py's launch entries: each private torch or Triton entry
+point normkit uses, checked on the installed versions, so that an upgrade that moves one fails here,
+loudly, rather than somewhere else (the interpreter's patches: tests/test_interpreter.py)."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch_frontend import _compat  # noqa: E402
+
+
+def test_private_entry_points_are_found():
+    """Every entry has torch's own answer on this torch (a fallback would be slower or looser)."""
+    assert _compat._TRANSFORMS_ACTIVE is not None
+    assert _compat._IS_LEGACY_BATCHED is not None
+    assert _compat._TOP_HOOKS is not None
+    if torch.cuda.is_available():  # a CPU-only torch has no CUDA entries (the public fallbacks are never reached)
+        assert _compat._GET_DEVICE is not None and _compat._RAW_STREAM is not None
+
+
+def test_transforms_active():
+    assert not _compat.transforms_active()
+    seen = []
+
+    def f(x):
+        seen.append(_compat.transforms_active())
+        return x.sin()
+
+    torch.func.vmap(f)(torch.ones(3, 2))
+    torch.func.grad(lambda x: f(x).sum())(torch.ones(3))
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        seen.append(_compat.transforms_active())
+    assert seen == [True, True, True]
+
+
+def test_is_legacy_batched():
+    seen = []
+    for batched in (True, False):
+        x = torch.randn(3, requires_grad=True)
+        y = x * 2
+        y.register_hook(lambda g: seen.append(_compat.is_legacy_batched(g)))
+        torch.autograd.grad(y, x, torch.eye(3) if batched else torch.ones(3), is_grads_batched=batched)
+    assert seen == [True, False] and not _compat.is_legacy_batched(torch.ones(2))
+
+
+def test_checkpointing():
+    """True inside a non-reentrant checkpoint, its forward and its recomputation; False under other
+    saved-tensor hooks and outside."""
+    import torch.utils.checkpoint as cp
+
+    seen = []
+
+    def f(x):
+        seen.append(_compat.checkpointing())
+        return x.sin()
+
+    x = torch.randn(3, requires_grad=True)
+    cp.checkpoint(f, x, use_reentrant=False).sum().backward()
+    assert seen == [True, True]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert not _compat.checkpointing()
+    assert not _compat.checkpointing()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA device and stream")
+def test_device_and_stream():
+    assert _compat.current_device() == torch.cuda.current_device()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        assert _compat.raw_stream(torch.cuda.current_device()) == s.cuda_stream
+
+
+def test_mark_dynamo_constant_is_what_assume_constant_result_sets():
+    """The attribute torch.compiler.assume_constant_result sets, and dynamo calls the function rather
+    than tracing it."""
+    def probe():
+        return 3
+
+    marked = torch.compiler.assume_constant_result(lambda: 3)
+    attrs = {k for k, v in vars(marked).items() if v is True}
+    assert _compat.mark_dynamo_constant(probe) is probe
+    assert {k for k, v in vars(probe).items() if v is True} == attrs
+
+    calls = []
+
+    def counted():
+        calls.append(1)
+        return 2
+
+    _compat.mark_dynamo_constant(counted)
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x * counted(), backend="eager", fullgraph=True)
+    assert float(f(torch.ones(1))[0]) == 2.0
+    assert calls  # called (as a constant), not traced into the graph
+
+
+def test_dtensor_strategy_helpers_exist():
+    """The DTensor internals the sharding registration uses (tests/test_distributed_torch.py runs it)."""
+    from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo  # noqa: F401
+    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy  # noqa: F401
+    from torch.distributed.tensor import DTensor
+
+    assert callable(DTensor._op_dispatcher.sharding_propagator.register_op_strategy)
+    assert callable(OpSchema.get_mesh_from_args)
+
+
+def test_triton_launch_entries():
+    """normkit/_compat.py's launch entries: the hook check, and the direct launch refusing a Triton
+    release it was not written for (its launch is checked against Triton's own on a GPU:
+    tests/test_torch.py::test_bound_launches_match_tritons_launcher_and_respect_alignment)."""
+    import triton
+
+    from normkit import _compat as triton_compat
+
+    assert triton_compat.launch_hooks_active() is False
+    from triton import knobs
+
+    saved = knobs.runtime.launch_enter_hook
+    knobs.runtime.launch_enter_hook = lambda meta: None
+    try:
+        assert triton_compat.launch_hooks_active() is True
+    finally:
+        knobs.runtime.launch_enter_hook = saved
+    if not triton.__version__.startswith(triton_compat.DIRECT_LAUNCH_TRITON):
+        assert triton_compat.direct_launch(object(), 1, (), ()) is None
+    else:
+        assert triton_compat.direct_launch(object(), 1, (), ()) is None  # not a compiled kernel: refused

@@ -1,0 +1,127 @@
+"""PyTorch's private and version-dependent entry points, fenced: every bet the Torch frontend makes on
+torch internals is in this file, each behind a check at import and with a public fallback where one
+exists. tests/test_compat_torch.py exercises each entry on the installed torch.
+
+Checked on torch 2.13 (CPU) and 2.11 (CUDA).
+"""
+from __future__ import annotations
+
+import torch
+import torch.autograd.forward_ad as _forward_ad
+
+
+def _lookup(owner, name: str):
+    return getattr(owner, name, None)
+
+
+# --- functorch transforms and forward-mode AD ------------------------------------------------------
+
+_TRANSFORMS_ACTIVE = _lookup(torch._C, "_are_functorch_transforms_active")
+
+
+def transforms_active() -> bool:
+    """Whether a ``torch.func`` transform or a forward-mode AD level is active: there a call must go
+    through its ``autograd.Function`` (which raises: normkit's Functions have no jvp or vmap rule).
+    Without torch's private answer, every call counts as transformed: the Function always runs."""
+    if _TRANSFORMS_ACTIVE is None:
+        return True
+    return _TRANSFORMS_ACTIVE() or _forward_ad._current_level >= 0
+
+
+_functorch = _lookup(torch._C, "_functorch")
+_IS_LEGACY_BATCHED = _lookup(_functorch, "is_legacy_batchedtensor") if _functorch is not None else None
+
+
+def is_legacy_batched(t: torch.Tensor) -> bool:
+    """Whether ``t`` is batched by ``autograd.grad(..., is_grads_batched=True)`` (or a vectorized
+    ``autograd.functional.jacobian``): a tensor without storage, which no kernel can read. Without
+    torch's private answer, a tensor whose storage cannot be reached counts as batched."""
+    if _IS_LEGACY_BATCHED is not None:
+        return _IS_LEGACY_BATCHED(t)
+    try:
+        t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return True
+    return False
+
+
+# --- saved-tensor hooks -------------------------------------------------------------------------------
+
+_autograd = _lookup(torch._C, "_autograd")
+_TOP_HOOKS = _lookup(_autograd, "_top_saved_tensors_default_hooks") if _autograd is not None else None
+
+
+def checkpointing() -> bool:
+    """Whether the innermost default saved-tensor hooks are ``torch.utils.checkpoint``'s (a non-reentrant
+    checkpoint's forward, or its recomputation in the backward): the module of their pack function.
+    Without torch's private accessor: False (a checkpoint whose recomputation decides otherwise than
+    its forward then fails torch's own check of what was saved, never silently)."""
+    if _TOP_HOOKS is None:
+        return False
+    hooks = _TOP_HOOKS(False)
+    return hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
+
+
+# --- CUDA device and stream -----------------------------------------------------------------------------
+
+_GET_DEVICE = _lookup(torch._C, "_cuda_getDevice")
+_RAW_STREAM = _lookup(torch._C, "_cuda_getCurrentRawStream")
+
+
+def current_device() -> int:
+    """The current CUDA device's index."""
+    return _GET_DEVICE() if _GET_DEVICE is not None else torch.cuda.current_device()
+
+
+def raw_stream(index: int) -> int:
+    """The current CUDA stream of device ``index``, as the integer handle a launcher takes."""
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+# --- torch.compile --------------------------------------------------------------------------------------
+
+
+def mark_dynamo_constant(fn):
+    """``fn`` marked as ``torch.compiler.assume_constant_result`` marks it (dynamo calls it instead of
+    tracing it), without importing torch._dynamo (1.4 s) as that function does. The mark is the
+    attribute that decorator sets; ``tests/test_compat_torch.py`` checks that it still is."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+# --- DTensor sharding rules -----------------------------------------------------------------------------
+
+
+def register_dtensor_strategy(overload, strategy, static_argnum: int) -> None:
+    """Register ``strategy(op_schema)`` as DTensor's sharding strategy of ``overload``, hashing the
+    arguments from position ``static_argnum`` on into its sharding cache key. This is what the public
+    ``torch.distributed.tensor.experimental.register_sharding`` does, without its limits
+    (``torch_frontend._dtensor`` says which)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+
+    DTensor._op_dispatcher.sharding_propagator.register_op_strategy(
+        overload, strategy, RuntimeSchemaInfo(static_argnum=static_argnum, needs_pytree=True))
+
+
+def strategy_spec(arg):
+    """The current ``DTensorSpec`` of a strategy function's argument (an ``OpStrategy``), or the argument."""
+    from torch.distributed.tensor._op_schema import OpStrategy
+
+    if isinstance(arg, OpStrategy):
+        return arg.strategies[0].output_spec
+    return arg
+
+
+def expand_to_full_mesh(mesh, op_schema, strategies: list, n_outputs: int):
+    """One mesh dimension's strategies expanded to every mesh dimension (``register_sharding``'s helper)."""
+    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+
+    return expand_to_full_mesh_op_strategy(mesh, op_schema, strategies, input_index=n_outputs)
+
+
+def schema_mesh(op_schema):
+    """The mesh of an ``OpSchema``'s arguments."""
+    return op_schema.get_mesh_from_args()
