@@ -146,6 +146,43 @@ def torch_cell(op_name: str, dtype: str, M: int, N: int, timer: Timer, rounds: i
     return out
 
 
+def sweep_cell(op_name: str, dtype: str, M: int, N: int, timer: Timer, scales=(1, 2, 4)) -> dict:
+    """Device time of the frozen backward from the input (tile_config's warps) and from the output at
+    each warp scale (``normkit.launch.FROM_Y_WARP_SCALE``)."""
+    from benchmarks.impls_torch import EPS, TorchInputs
+    from normkit import driver, launch
+    from normkit.ops import OPS, Grads
+    from torch_frontend import backend
+
+    op = OPS[op_name]
+    k = 1 if timer.dry else num_sets(bytemodel.input_set_bytes(op_name, M, N, bytemodel.itemsize(dtype)))
+    inp = TorchInputs(op_name, M, N, dtype, "cpu" if timer.dry else "cuda", k)
+    opts = op.options(eps=EPS[op_name])
+    saved = {rec: [driver.forward(backend, op, inp.x[i], inp.residual[i] if inp.residual is not None else None,
+                                  inp.weight, inp.bias, opts, True, rec, rec) for i in range(k)] for rec in (False, True)}
+
+    def timed(from_output):
+        counter = iter(range(1, 1 << 62))
+
+        def call():
+            i = next(counter) % k
+            y, s_, mean, rstd, _ = saved[from_output][i]
+            rows = y if from_output else (s_ if op.has_residual else inp.x[i])
+            dres = inp.ds[i] if inp.ds is not None else None
+            return driver.backward(backend, op, rows, inp.weight, inp.dy[i], dres, mean, rstd, opts,
+                                   Grads(True, False, False), None, inp.bias if from_output else None, from_output)
+        return timer.kernel(call)
+
+    out = {"input": timed(False)}
+    for scale in scales:
+        launch.FROM_Y_WARP_SCALE = scale
+        launch.plan_backward.cache_clear()
+        out[f"output_x{scale}"] = timed(True)
+    launch.FROM_Y_WARP_SCALE = 1
+    launch.plan_backward.cache_clear()
+    return out
+
+
 def jax_cell(op_name: str, dtype: str, M: int, N: int, timer: Timer, rounds: int) -> dict:
     import jax
 
@@ -252,6 +289,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "save_ab_h200.json"))
     p.add_argument("--no-jax", action="store_true")
     p.add_argument("--host-ab", action="store_true", help="also the launch paths' host time")
+    p.add_argument("--sweep", action="store_true", help="only the output-saving backward's warp scales, kernel time")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
     import datetime
@@ -267,6 +305,16 @@ def main(argv=None) -> int:
                "date": datetime.date.today().isoformat(), "versions": env, "cells": []}
     if not dry:
         results["copy"] = timer.copy_bandwidth()
+    if args.sweep:
+        for op, dtype, (M, N) in _cells(args.ops.split(","), dry):
+            row = sweep_cell(op, dtype, M, N, timer)
+            results["cells"].append({"op": op, "dtype": dtype, "M": M, "N": N, "sweep": row})
+            best = min((v, k) for k, v in row.items() if k != "input")
+            print(f"{op} {dtype} {M}x{N}: input {row['input']:.1f} | " + " ".join(
+                f"{k} {v:.1f} ({v / row['input']:.3f})" for k, v in row.items() if k != "input")
+                  + f" | best {best[1]}", flush=True)
+        Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+        return 0
     for op, dtype, (M, N) in _cells(args.ops.split(","), dry):
         t0 = time.perf_counter()
         cell = {"op": op, "dtype": dtype, "M": M, "N": N, "torch": torch_cell(op, dtype, M, N, timer, args.rounds,

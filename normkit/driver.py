@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from normkit.launch import plan_backward, plan_forward
-from normkit.ops import GRADS, Grads, Op, Options
+from normkit.ops import GRADS, Grads, Op, Options, rec_offset
 
 
 class Backend(Protocol):
@@ -168,7 +168,8 @@ def backward_plan(backend: Backend, op: Op, x, weight, dy, dres, opts: Options, 
 def _check_statistics(backend: Backend, M: int, N: int, mean, rstd, rec, rec_in_rstd: bool) -> None:
     """The kernels read the per-row statistics as M contiguous fp32 values (RSTD followed by the N + 1
     of the weight's recovery, ``rec_in_rstd``), and REC as N + 1."""
-    for name, t, n in (("mean", mean, M), ("rstd", rstd, M + (N + 1 if rec_in_rstd else 0)), ("recovery", rec, N + 1)):
+    rstd_n = rec_offset(M) + N + 1 if rec_in_rstd else M
+    for name, t, n in (("mean", mean, M), ("rstd", rstd, rstd_n), ("recovery", rec, N + 1)):
         if t is None:
             continue
         if tuple(t.shape) != (n,) or (n > 1 and backend.strides(t) != (1,)) or backend.dtype(t) != "float32":

@@ -243,6 +243,9 @@ def plan_forward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_dt
     )
 
 
+FROM_Y_WARP_SCALE = 1  # the output-saving backward's warps over tile_config's (benchmarks/save_ab.py --sweep)
+
+
 @functools.lru_cache(maxsize=8192)
 def plan_backward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_dtype: str | None, has_dres: bool,
                   opts: Options, grads: Grads, layout: tuple, num_sms: int, from_output: bool = False,
@@ -262,6 +265,8 @@ def plan_backward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_d
     reduces = grads.reduces
     assert not (from_output and reduces), "the output-saving backward computes dx alone"
     block_m, block_n, num_warps = tile_config(M, N)
+    if from_output:
+        num_warps = min(32, num_warps * FROM_Y_WARP_SCALE)
     tiles = -(-M // block_m)
     grid = num_partials(M, N, num_sms) if reduces else tiles
     stages = 1

@@ -69,6 +69,13 @@ class Grads:
         object.__setattr__(self, "reduces", bool(self.dw or self.db))
 
 
+def rec_offset(M: int) -> int:
+    """Where the weight's recovery begins in an RSTD buffer that holds it after M rows' statistics: M
+    rounded up to a multiple of 4 floats, so that it is as 16-byte aligned as the buffer (the kernels
+    load it in vectors)."""
+    return (M + 3) // 4 * 4
+
+
 # Every Grads, by its (dx, dw, db) flags: a frontend that holds the flags as a tuple looks it up.
 GRADS = {(dx, dw, db): Grads(dx, dw, db) for dx in (False, True) for dw in (False, True) for db in (False, True)}
 
@@ -133,14 +140,15 @@ class Op:
                     rec_in_rstd: bool = False) -> dict:
         """``store_rec``: the backward will read y, so the forward also writes the weight's recovery
         (``norm_math.recovery``: 1 / w_y per column, then the poison; N + 1 fp32 values), as a buffer
-        REC of its own or, ``rec_in_rstd``, in RSTD after its M rows (one allocation for both)."""
+        REC of its own or, ``rec_in_rstd``, in RSTD after its M rows, from ``rec_offset(M)`` (one
+        allocation for both)."""
         out = {"Y": ((M, N), x_dtype)}
         if self.has_residual:
             out["S"] = ((M, N), x_dtype)
         if store_stats and not self.is_rms:
             out["MEAN"] = ((M,), "float32")
         if store_stats:
-            out["RSTD"] = ((M + (N + 1 if store_rec and rec_in_rstd else 0),), "float32")
+            out["RSTD"] = ((rec_offset(M) + N + 1 if store_rec and rec_in_rstd else M,), "float32")
         if store_rec and not rec_in_rstd:
             out["REC"] = ((N + 1,), "float32")
         return out

@@ -73,6 +73,7 @@ def test_device_and_stream():
         assert _compat.raw_stream(torch.cuda.current_device()) == s.cuda_stream
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's compile stack warns about its own internals
 def test_mark_dynamo_constant_is_what_assume_constant_result_sets():
     """The attribute torch.compiler.assume_constant_result sets, and dynamo calls the function rather
     than tracing it."""

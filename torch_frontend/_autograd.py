@@ -39,7 +39,7 @@ import array_api_compat.torch as _xp  # named, not looked up: dynamo warns on ar
 import torch
 
 from normkit import norm_math
-from normkit.ops import GRADS, Grads, Op, Options
+from normkit.ops import GRADS, Grads, Op, Options, rec_offset
 from torch_frontend import _compat, _library_ops
 from torch_frontend._backend import TORCH_DTYPES, resolve_neg
 
@@ -64,7 +64,7 @@ def _traced_backward(route, saved, weight, bias, dy, dres, mean, rstd, rec, flag
     compiled autograd, its recovery split off the rows' statistics)."""
     if route.from_output and rec is None:  # an eager forward's: the recovery follows the rows in rstd
         M = saved.numel() // max(saved.shape[-1], 1)
-        rstd, rec = rstd[:M].view(saved.shape[:-1]), rstd[M:]
+        rstd, rec = rstd[:M].view(saved.shape[:-1]), rstd[rec_offset(M):]
     return _library_ops.backward(route.op, saved, weight, bias, dy, dres, mean, rstd, rec, route.opts, GRADS[flags],
                                  TORCH_DTYPES[route.b_dtype], route.from_output)
 

@@ -178,7 +178,10 @@ def _empty(shape: tuple, dtype: str, device) -> torch.Tensor:
     return t
 
 
-LAUNCH = "triton"  # "triton": the compiled kernel's own launch; "direct": normkit._compat.direct_launch
+# "direct": normkit._compat.direct_launch (Triton 3.6; elsewhere, and under launch hooks, the compiled kernel's
+# own launch); "triton": always the compiled kernel's own launch. A same-process A/B on an H200
+# (benchmarks/results/save_ab_h200.json, "host_ab") measured "triton" 13% slower per forward + backward.
+LAUNCH = "direct"
 
 
 class _BoundLaunch:
@@ -250,7 +253,7 @@ class _BoundLaunch:
                                               num_stages=call.num_stages, enable_fp_fusion=call.fp_fusion)
             if (self.runner is None and compiled is not None and not _triton_compat.launch_hooks_active()
                     and not any(a.data_ptr() & 15 for a in args if isinstance(a, torch.Tensor))):
-                self.runner = compiled[call.grid]
+                self.runner = compiled[(*call.grid, 1, 1)[:3]]
                 if LAUNCH == "direct":
                     self.direct = _triton_compat.direct_launch(compiled, call.grid[0], tuple(call.scalars),
                                                                tuple(call.constexprs.values()))

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from normkit import driver
-from normkit.ops import OPS, Casting, Grads, Op, Options
+from normkit.ops import OPS, Casting, Grads, Op, Options, rec_offset
 from torch_frontend import _bound, _compat
 from torch_frontend._backend import INDUCTOR_BACKEND, TORCH_DTYPES, copy_rows, dtype_name, nd_shape, row_view
 
@@ -77,7 +77,7 @@ def _norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optiona
     rec = None
     if store_rec:
         M = x.numel() // max(x.shape[-1], 1)
-        rstd, rec = rstd[:M].view(x.shape[:-1]), rstd[M:].clone()
+        rstd, rec = rstd[:M].view(x.shape[:-1]), rstd[rec_offset(M):].clone()
     return [t if t is not None else _absent(x) for t in (y, s, mean, rstd, rec)]
 
 

@@ -178,7 +178,7 @@ def norm_fwd_kernel(
     Y,  # output rows [M, N] contiguous, x.dtype
     S,  # residual_out = x + residual, [M, N] contiguous (HAS_RESIDUAL)
     MEAN,  # per-row mean, fp32 [M] (STORE_STATS and not IS_RMS)
-    RSTD,  # per-row 1/std, fp32 [M] (STORE_STATS); [M + N + 1] with REC after the rows (REC_IN_RSTD)
+    RSTD,  # per-row 1/std, fp32 [M] (STORE_STATS); [rec_offset(M) + N + 1] with REC after the rows (REC_IN_RSTD)
     REC,  # fp32 [N + 1] (STORE_REC, not REC_IN_RSTD): 1 / w_y per column, then the poison (_store_recovery)
     N: tl.constexpr,  # row length; compile-time so masks and vector widths are known
     IS_RMS: tl.constexpr,  # True: RMSNorm (no mean subtraction); False: LayerNorm
@@ -237,7 +237,7 @@ def norm_fwd_kernel(
     if STORE_REC:
         if tl.program_id(0) == 0:
             if REC_IN_RSTD:
-                rec = RSTD + M
+                rec = RSTD + (M + 3) // 4 * 4  # normkit.ops.rec_offset: 16-byte aligned
             else:
                 rec = REC
             _store_recovery(W, B, rec, TRIP, offset, X, N, HAS_W, HAS_B, HAS_TRIP, CASTING, W_STRIDE, B_STRIDE, W_MIN,
@@ -253,7 +253,7 @@ def norm_bwd_kernel(
     DY,  # gradient of the output [M, N], row stride stride_dym
     DRES,  # gradient of residual_out [M, N] (HAS_DRES), row stride stride_dresm
     MEAN,  # per-row mean, fp32 [M] (not IS_RMS, not FROM_Y)
-    RSTD,  # per-row 1/std, fp32 [M] ([M + N + 1] with REC after the rows: REC_IN_RSTD)
+    RSTD,  # per-row 1/std, fp32 [M] ([rec_offset(M) + N + 1] with REC after the rows: REC_IN_RSTD)
     REC,  # FROM_Y, not REC_IN_RSTD: the forward's recovery of the weight, fp32 [N + 1] (1 / w_y, poison)
     offset,  # fp32 scalar added to the weight
     M,  # number of rows
@@ -300,7 +300,7 @@ def norm_bwd_kernel(
         w = tl.load(W + cols * W_STRIDE, mask=col_mask, other=0.0).to(tl.float32) + offset
     if FROM_Y:
         if REC_IN_RSTD:
-            rec = RSTD + M
+            rec = RSTD + (M + 3) // 4 * 4  # normkit.ops.rec_offset: 16-byte aligned
         else:
             rec = REC
         poison = tl.load(rec + N)
