@@ -8,7 +8,7 @@ entry has a self-test on CPU in ``tests/test_compat_jax.py``.
 and jaxlib's FFI target names and the lowering context's attributes are documented nowhere.
 
 Checked by ``tests/test_compat_jax.py`` on jax/jaxlib 0.10.2 (CPU) with flax 0.12.8, and on jax/jaxlib
-0.11.2 with flax 0.12.10 (the H200 machine: its default CUDA backend, and JAX_PLATFORMS=cpu).
+0.11.2 with flax 0.12.10 (on a CUDA machine: its default CUDA backend, and JAX_PLATFORMS=cpu).
 
 The entries:
 

@@ -181,8 +181,8 @@ def _typed_split(ctx, pass_: Pass) -> _shard_map.ShardedImpl | None:
     """Where x's type already places it on a mesh with Explicit axes (replicated arrays made after
     ``jax.set_mesh``; a vmapped call whose batch axis is split): that placement as a
     ``_shard_map.ShardedImpl``, which states the per-device computation itself; else None. The
-    partitioner is not asked: on JAX 0.11 a custom_partitioning call over such types failed at run
-    time on a sharding custom call that nothing had partitioned."""
+    partitioner is not asked: on JAX 0.11 a custom_partitioning call over such types fails at run
+    time on a sharding custom call that nothing partitions."""
     aval = dict(zip(pass_.inputs, ctx.avals_in))["x"]
     sharding = getattr(aval, "sharding", None)
     if not isinstance(sharding, NamedSharding) or not _shard_map.explicit(sharding):

@@ -148,7 +148,7 @@ def _whole_rows(*arrays):
     otherwise carry a feature-axis sharding into the norm's input, from a parameter sharded along its
     features (``nnx.with_partitioning(..., ("model",))``, FSDP) or from a tensor-parallel neighbour,
     and normkit would reject it at compile time. Where the model's own sharding splits that axis,
-    XLA now gathers it before the norm, as it would for any op that needs whole rows. Explicit axes
+    XLA instead gathers it before the norm, as it would for any op that needs whole rows. Explicit axes
     state their sharding in the types (normkit then gathers sharded parameters itself); without a
     mesh set there is nothing to constrain.
     """

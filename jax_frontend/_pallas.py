@@ -3,7 +3,7 @@
 The two entry points of ``jax_frontend._implementation.Implementation``: ``forward`` and
 ``backward`` over 2-D rows, returning dicts keyed like ``Op.fwd_buffers`` and ``Op.bwd_buffers``.
 Launch shapes (rows per tile, warps, grid) come from ``normkit.launch.pallas_blocks`` and
-``reduce_blocks``, the one place they are chosen and measured. Launches:
+``reduce_blocks``, the one place they are chosen. Launches:
 
 - forward: one ``[BLOCK_M, BLOCK_N]`` row block per program, except LayerNorm on rows of >= 8192
   elements (>= 4096 in fp32): a persistent grid (``normkit.launch.pallas_persistent``);
@@ -28,13 +28,14 @@ Which GPU lowering (``GPU_LOWERING``, or the environment variable ``NORMKIT_PALL
 ``"triton"`` (default): Pallas's Triton lowering. For a memory-bound row-wise norm it is the one
 that fits: a whole row lives in registers of one program whose warp count we choose, loads and
 stores are masked, so any N >= 1 works with a power-of-two block (N = 127, 4097, ...), and the code
-it generates is the same shape as ``normkit.kernels.norm``'s, which measures 93-100% of copy
-bandwidth on the H200 (docs/PERFORMANCE_RECORD.md). What the JAX docs say for 0.11 (Pallas changelog,
-"Released with JAX 0.11.0"): "The Triton backend is deprecated and will be removed in a future
-version of JAX. To keep using Pallas on GPU, please migrate to the Mosaic GPU backend"; lowering
-it emits a ``DeprecationWarning`` ("jax-pallas-triton"). It is still present and working in 0.11:
-checked on an H200 with jax 0.11.2 (tests/test_pallas_impl.py compiled; timings in ``block_config``).
-In 0.11 it no longer needs jax-triton: the Triton IR goes to XLA's own Triton pipeline.
+it generates is the same shape as ``normkit.kernels.norm``'s, a memory-bound kernel whose timings
+against a plain copy are in docs/PERFORMANCE_RECORD.md ("Forward kernels", "Backward kernels and the
+frozen path"). What the JAX docs say for 0.11 (Pallas changelog, "Released with JAX 0.11.0"): "The
+Triton backend is deprecated and will be removed in a future version of JAX. To keep using Pallas on
+GPU, please migrate to the Mosaic GPU backend"; lowering it emits a ``DeprecationWarning``
+("jax-pallas-triton"). It is still present and working in 0.11: tests/test_pallas_impl.py runs it
+compiled on a CUDA GPU with jax 0.11.2. In 0.11 it does not need jax-triton: the Triton IR goes to
+XLA's own Triton pipeline.
 
 ``"mosaic_gpu"``: not provided for these kernels. Mosaic GPU (the default GPU lowering of a bare
 ``pallas_call`` since ``jax_pallas_use_mosaic_gpu`` defaults to True) is the supported future, but
@@ -75,7 +76,8 @@ PERSISTENT_LAYER_NORM = True  # LayerNorm's long rows as a persistent grid, wher
 
 def blocks(op: Op, M: int, N: int, dtype, *, backward: bool = False, reduces: bool = False):
     """The launch shape of one pass (``normkit.launch.pallas_blocks``) on the default backend, as
-    ``forward`` and ``backward`` launch it (the sweeps behind it: docs/PERFORMANCE_RECORD.md)."""
+    ``forward`` and ``backward`` launch it (the sweeps behind it: docs/PERFORMANCE_RECORD.md, "Pallas
+    launch shapes and code")."""
     return pallas_blocks(op, M, N, elem_bytes=jnp.dtype(dtype).itemsize, num_sms=num_sms(), backward=backward,
                          reduces=reduces, persistent=None if PERSISTENT_LAYER_NORM else False)
 

@@ -41,7 +41,7 @@ IMPLEMENTATIONS = ("triton", "pallas", "xla")
 def _implementation_module(name: str) -> Implementation:
     if name == "triton":  # normkit.kernels.norm through jax-triton (GPU) or Triton's interpreter (CPU)
         # The kernels imported here, on the tracing thread: imported later, in the middle of a lowering
-        # that XLA's partitioner runs on a thread of its own, the import has crashed the process (a
+        # that XLA's partitioner runs on a thread of its own, the import can crash the process (a
         # garbage collection on that thread in the middle of it).
         launch.kernels()
         return _triton

@@ -316,11 +316,16 @@ def interpreted(kernel) -> _Interpreted:
 DIRECT_LAUNCH_TRITON = ("3.6.",)  # the releases whose CompiledKernel.run the direct launch follows
 
 
-def launch_hooks_active() -> bool:
-    """Whether a Triton launch hook (a profiler's) is set: then every launch must take Triton's own path."""
+@functools.lru_cache(maxsize=None)
+def _runtime_knobs():
     from triton import knobs
 
-    runtime = knobs.runtime
+    return knobs.runtime
+
+
+def launch_hooks_active() -> bool:
+    """Whether a Triton launch hook (a profiler's) is set: then every launch must take Triton's own path."""
+    runtime = _runtime_knobs()
     enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
     return bool((enter is not None and getattr(enter, "calls", True)) or (exit_ is not None and getattr(exit_, "calls", True)))
 

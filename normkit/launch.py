@@ -90,14 +90,15 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-# Measured on an H200 (scripts/tune.py, bf16, kernel-only medians; docs/PERFORMANCE_RECORD.md):
+# Chosen by scripts/tune.py's sweeps (bf16, kernel-only timings; docs/PERFORMANCE_RECORD.md, "Forward
+# kernels" and "Backward kernels and the frozen path"):
 # - 4 warps per 4096-element tile, 8 per 8192, 16 per 16384: about 8-16 elements per thread;
 # - short rows: several rows per tile (4096 // BLOCK_N), so one program still moves a useful amount;
 # - every dx-only backward: one program per tile, no pipelining;
 # - the forwards: one program per tile, straight through (forward_tile);
 # - dW/dB backward: one (tile >= 8192) or two programs per SM, each accumulating one fp32 partial row,
 #   with the next tiles prefetched (3-4 stages).
-SMEM_BUDGET = 160 * 1024  # bytes of shared memory the prefetched tiles may take (H100/H200: 228 KB per SM)
+SMEM_BUDGET = 160 * 1024  # bytes of shared memory the prefetched tiles may take (Hopper GPUs: 228 KB per SM)
 
 
 def tile_config(M: int, N: int) -> tuple[int, int, int]:
@@ -119,16 +120,17 @@ def _tile_config(block_n: int) -> tuple[int, int, int]:
 
 
 # The forward's tiles (measurements: docs/PERFORMANCE_RECORD.md, "Forward kernels"). The forward runs
-# one program per tile, each straight through (LOOP_STAGES 0): the tile loop cost the LayerNorm
-# forward up to a quarter of its time on 16-bit rows, and with it gone the persistent, prefetching
-# grid no longer pays anywhere.
+# one program per tile, each straight through (LOOP_STAGES 0): a loop around the tile slows the
+# LayerNorm forward on 16-bit rows, and without that loop the persistent, prefetching grid wins at
+# none of the swept shapes.
 # - LayerNorm: tiles of 8192 elements (16384 for 16-bit rows of >= 8192) with 64 bytes of the row per
 #   thread.
-# - RMSNorm: tile_config's tiles, except where scripts/tune.py measured a better one: the entries of
-#   normkit/tiles.json, (residual, element bytes, BLOCK_N) -> (BLOCK_M, warps, CHUNK_N), each with
-#   its measurement. CHUNK_N > 0 reads the row in two passes over chunks of that many columns (the
-#   sum of squares with the chunks kept in L2, then the chunks again from L2 to normalize, as
-#   Inductor's looped reductions do) instead of holding it in registers.
+# - RMSNorm: tile_config's tiles, except where scripts/tune.py's sweep found a faster one: the entries
+#   of normkit/tiles.json, (residual, element bytes, BLOCK_N) -> (BLOCK_M, warps, CHUNK_N) (the
+#   evidence for each: docs/PERFORMANCE_RECORD.md, "The forward tile table"). CHUNK_N > 0 reads the
+#   row in two passes over chunks of that many columns (the sum of squares with the chunks kept in
+#   L2, then the chunks again from L2 to normalize, as Inductor's looped reductions do) instead of
+#   holding it in registers.
 def rms_forward_tiles(table: dict) -> dict:
     """tiles.json's RMSNorm forward entries: {(residual, elem_bytes, BLOCK_N): (BLOCK_M, warps, CHUNK_N)}."""
     return {(e["residual"], e["elem_bytes"], e["block_n"]): tuple(e["tile"]) for e in table["rms_forward"]}
@@ -140,9 +142,9 @@ _RMS_FWD_TILES = rms_forward_tiles(json.loads(importlib.resources.files("normkit
 def forward_tile(op: Op, M: int, N: int, elem_bytes: int) -> tuple[int, int, int, bool, int]:
     """(BLOCK_M, BLOCK_N, num_warps, persistent, CHUNK_N) of the forward over an M x N tensor of
     ``elem_bytes``-byte elements; ``persistent``: a grid of a few programs per SM that prefetch (no
-    measured point chooses it since the tiles run loop-free; `scripts/tune.py` sweeps it and the
-    property tests force it, so the kernel's tile loop stays measured and tested); ``CHUNK_N``: 0,
-    or (RMSNorm) the columns per chunk of a row read in two passes."""
+    shape chooses it: with loop-free tiles it wins at none of the swept shapes; `scripts/tune.py`
+    sweeps it and the property tests force it, so the kernel's tile loop stays benchmarked and
+    tested); ``CHUNK_N``: 0, or (RMSNorm) the columns per chunk of a row read in two passes."""
     block_m, block_n, num_warps = tile_config(M, N)  # N alone: see tile_config
     if op.is_rms:
         block_m, num_warps, chunk = _RMS_FWD_TILES.get((op.has_residual, elem_bytes, block_n), (block_m, num_warps, 0))
@@ -375,13 +377,14 @@ class PallasBlocks:
     num_warps: int  # warps per program (Triton lowering)
     num_programs: int  # grid size
     tiles_per_program: int  # tiles each program walks (1: one row block per program)
-    num_stages: int = 1  # Triton loop pipelining: no measured effect on these loops (the kernels prefetch)
+    num_stages: int = 1  # Triton loop pipelining, which Pallas does not apply to these loops (the kernels prefetch)
 
 
 def pallas_persistent(op: Op, N: int, *, elem_bytes: int, backward: bool) -> bool:
     """Whether a Pallas pass without dW/dB walks several tiles per program (a persistent grid): only
-    LayerNorm's (two dependent reductions per row), where measured faster: its forward on rows of
-    >= 8192 elements (>= 4096 in fp32), its dx-only backward on rows of 8192 (next power of two)."""
+    LayerNorm's (two dependent reductions per row), where the sweeps found it faster
+    (docs/PERFORMANCE_RECORD.md, "Pallas launch shapes and code"): its forward on rows of >= 8192
+    elements (>= 4096 in fp32), its dx-only backward on rows of 8192 (next power of two)."""
     if op.is_rms:
         return False
     if backward:
@@ -397,9 +400,9 @@ def pallas_blocks(op: Op, M: int, N: int, *, elem_bytes: int, num_sms: int, back
     ``backward``: the backward pass; ``reduces``: a backward with dW/dB partials; ``elem_bytes``: the
     rows' element size; ``num_sms``: the device's SM count (``INTERPRETER_NUM_SMS`` in interpret
     mode). ``persistent`` (a pass without dW/dB whose programs walk several tiles) defaults to
-    ``pallas_persistent``; False keeps one tile per program. The rules, each measured on an H200
-    starting from the Triton kernels' choices (the sweeps and their numbers: docs/PERFORMANCE_RECORD.md,
-    "Pallas launch shapes"):
+    ``pallas_persistent``; False keeps one tile per program. The rules, each chosen by a sweep
+    that started from the Triton kernels' choices (the sweeps: docs/PERFORMANCE_RECORD.md, "Pallas
+    launch shapes and code"):
     - a tile is BLOCK_M rows x BLOCK_N (next power of two >= N) columns, ~4096 elements, with
       about 8-16 elements per thread (4 warps per 4096, 8 per 8192, up to 32);
     - forward and dx-only backward: one tile per program, except on LayerNorm's long rows;

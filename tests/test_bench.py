@@ -459,3 +459,26 @@ def test_benchmark_smoke_run(tmp_path):
     assert rows["normkit"]["step_ms"]["n"] == 2 and rows["flax"]["memory_bytes"]["argument"] > 0
     md = (tmp_path / "nnx_lora_step_smoke.md").read_text()
     assert "| normkit" in md and "| flax" in md
+
+
+@pytest.mark.slow  # a tool's end-to-end dry run: the slow tier
+def test_save_ab_dry_run(tmp_path):
+    """benchmarks/save_ab.py on the CPU: every cell of the (dry) table has both backwards, both forwards,
+    both saves through autograd and the JAX row; the trip check and the launch A/B ran; then --sweep."""
+    out = tmp_path / "save_ab.json"
+    run_script("benchmarks/save_ab.py", "--dry-run", "--host-ab", "--out", str(out))
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "normkit-save-ab/1" and len(doc["cells"]) == 3
+    for cell in doc["cells"]:
+        t = cell["torch"]
+        for part in ("kernel_bwd", "kernel_fwd"):
+            assert t[part]["input"] > 0 and t[part]["output"] > 0
+        assert t["e2e_bwd"]["input"] > 0 and t["e2e_bwd"]["auto"] > 0
+        assert cell["jax"]["auto"] > 0 and cell["jax"]["xla"] > 0
+    assert doc["trip"] == {"poisoned_all_nan": True, "next_call_equals_input": True}
+    assert set(doc["host_ab"]["us_per_call"]) == {"triton", "direct"}
+    assert (tmp_path / "save_ab.md").read_text().count("\n| ") >= 4
+    sweep = tmp_path / "sweep.json"
+    run_script("benchmarks/save_ab.py", "--dry-run", "--sweep", "--ops", "rms_norm", "--out", str(sweep))
+    (cell,) = json.loads(sweep.read_text())["cells"]
+    assert set(cell["sweep"]) == {"input", "output_x1", "output_x2", "output_x4"}

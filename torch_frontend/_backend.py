@@ -179,8 +179,10 @@ def _empty(shape: tuple, dtype: str, device) -> torch.Tensor:
 
 
 # "direct": normkit._compat.direct_launch (Triton 3.6; elsewhere, and under launch hooks, the compiled kernel's
-# own launch); "triton": always the compiled kernel's own launch. A same-process A/B on an H200
-# (benchmarks/results/save_ab_h200.json, "host_ab") measured "triton" 13% slower per forward + backward.
+# own launch); "triton": always the compiled kernel's own launch. "direct" is the default because it
+# spends less host time per forward + backward: the launch A/B in docs/PERFORMANCE_RECORD.md ("The
+# launch paths", under "The weight's recovery in the forward, one safety rule, and the launch paths")
+# chose it.
 LAUNCH = "direct"
 
 

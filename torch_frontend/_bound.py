@@ -61,15 +61,16 @@ def trip(device: torch.device):
     return entry[0]
 
 
-def _tripped() -> bool:
-    """Whether a forward has found a weight breaking the safety rule since the last look; then every
-    remembered choice is forgotten (and the flag cleared)."""
-    for _, view in _TRIPS.values():
-        if view[0]:
-            view[0] = 0
-            for sig in BOUND.values():
-                sig.forget()
-            return True
+def _tripped(device: torch.device) -> bool:
+    """Whether a forward on ``device``'s kind has found a weight breaking the safety rule since the last
+    look; then every remembered choice is forgotten (and the flag cleared)."""
+    entry = _TRIPS.get(device.type)
+    if entry is not None and entry[1][0]:
+        view = entry[1]
+        view[0] = 0
+        for sig in BOUND.values():
+            sig.forget()
+        return True
     return False
 
 
@@ -117,6 +118,9 @@ class Signature:
         device is given, when the weight breaks the safety rule)."""
         b = self._bounds[from_output]
         if b is None:
+            if from_output and device is not None and _compat.transforms_active():
+                # under a torch.func transform the Function raises before any launch: nothing is kept
+                return driver.Bound(BACKEND, self.op, self.opts, self.store_stats, from_output, self.b_dtype)
             flag = trip(device) if from_output and device is not None else None
             b = self._bounds[from_output] = driver.Bound(BACKEND, self.op, self.opts, self.store_stats, from_output,
                                                          self.b_dtype, flag)
@@ -143,7 +147,7 @@ class Signature:
             return self._bounds[0] or self.bound(False)
         k = (_version_key(weight), _version_key(bias))
         from_output = self._decisions.get(k)
-        if from_output is None or (from_output and _tripped()):
+        if from_output is None or (from_output and _tripped(x.device)):
             from_output = _save.saves_output(self.op, self.save, x, weight, bias, self.opts.offset, self.opts.casting,
                                              hooked)
             if False not in k:

@@ -68,16 +68,14 @@ _GET_DEVICE = _lookup(torch._C, "_cuda_getDevice")
 _RAW_STREAM = _lookup(torch._C, "_cuda_getCurrentRawStream")
 
 
-def current_device() -> int:
-    """The current CUDA device's index."""
-    return _GET_DEVICE() if _GET_DEVICE is not None else torch.cuda.current_device()
-
-
-def raw_stream(index: int) -> int:
-    """The current CUDA stream of device ``index``, as the integer handle a launcher takes."""
-    if _RAW_STREAM is not None:
-        return _RAW_STREAM(index)
+def _public_raw_stream(index: int) -> int:
     return torch.cuda.current_stream(index).cuda_stream
+
+
+# The current CUDA device's index: ``current_device()``.
+current_device = _GET_DEVICE if _GET_DEVICE is not None else torch.cuda.current_device
+# The current CUDA stream of device ``index``, as the integer handle a launcher takes: ``raw_stream(index)``.
+raw_stream = _RAW_STREAM if _RAW_STREAM is not None else _public_raw_stream
 
 
 # --- torch.compile --------------------------------------------------------------------------------------
@@ -85,7 +83,7 @@ def raw_stream(index: int) -> int:
 
 def mark_dynamo_constant(fn):
     """``fn`` marked as ``torch.compiler.assume_constant_result`` marks it (dynamo calls it instead of
-    tracing it), without importing torch._dynamo (1.4 s) as that function does. The mark is the
+    tracing it), without importing torch._dynamo (a slow import) as that function does. The mark is the
     attribute that decorator sets; ``tests/test_compat_torch.py`` checks that it still is."""
     fn._dynamo_marked_constant = True
     return fn

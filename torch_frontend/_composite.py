@@ -1,7 +1,7 @@
 """Frozen norms under ``torch.compile``: the op as plain torch operations, for Inductor to generate.
 
-A compiled LoRA/PEFT step measured on an H200 runs faster with the model's own norm than with an
-opaque kernel in its place (``docs/PERFORMANCE_RECORD.md``, "torch.compile and Inductor"): Inductor writes
+A compiled LoRA/PEFT step runs faster with the model's own norm than with an opaque kernel in its
+place (the evidence: ``docs/PERFORMANCE_RECORD.md``, "torch.compile and Inductor"): Inductor writes
 the norm into the kernels around it (the residual add and the LoRA output's cast before it, the fp32
 copy LoRA's A reads after it, and in the backward the sum of the gradients arriving from q/k/v and
 their LoRA branches), where a kernel it cannot see needs each of those materialized first. A frozen
@@ -77,9 +77,10 @@ class _FromOutput(torch.autograd.Function):
                                           offset=opts.offset, casting=opts.casting, xp=_xp)
         ctx.op, ctx.opts = op, opts
         ctx.save_for_backward(y, weight, bias, rstd)
-        # Returned as views (same storage, no copy): torch 2.11's compiled autograd.Function handed the
-        # backward a zero gradient for an output returned as the tensor itself (y, which is saved, and
-        # the fused add's s; seen on CUDA with the eager, aot_eager and inductor backends alike).
+        # Returned as views (same storage, no copy): traced by dynamo on torch 2.11 (the eager, aot_eager
+        # and inductor backends alike), an autograd.Function output returned as the tensor itself (y,
+        # which is saved, and the fused add's s) receives a zero gradient in the backward, and a view
+        # the right one (docs/PERFORMANCE_RECORD.md, "the compiled output-saving route").
         out = y.view_as(y)
         if not op.has_residual:
             return out

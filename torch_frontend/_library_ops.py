@@ -152,7 +152,7 @@ TRITON_OPS: list = []
 
 def triton_ops_registered() -> bool:
     """Registers ``normkit::norm_fwd_cuda`` / ``normkit::norm_bwd_cuda`` (the custom ops' schema, as
-    ``torch.library.triton_op``) on first use. Registering imports torch._dynamo (1.4 s), so it waits
+    ``torch.library.triton_op``) on first use. Registering imports torch._dynamo, a slow import, so it waits
     for the first compilation. Dynamo runs this function as it is rather than tracing it (what
     ``torch.compiler.assume_constant_result`` marks; the mark is set by hand because that function
     imports torch._dynamo too)."""

@@ -207,7 +207,8 @@ def norm_fwd_kernel(
     # over CHUNK_N-column chunks: the sum of squares, then a second read (from L2) to normalize
 ):
     # LOOP_STAGES 0: the grid has one program per tile of BLOCK_M rows, each runs it straight through
-    # (a loop around one tile costs up to a quarter of the LayerNorm forward's time on long 16-bit rows).
+    # (a loop around one tile slows the LayerNorm forward on long 16-bit rows: docs/PERFORMANCE_RECORD.md,
+    # "Forward kernels").
     # Otherwise tiles are dealt round-robin to the programs; LOOP_STAGES > 1 prefetches the next
     # tile's rows while this one is reduced.
     # The float scalars are pinned to fp32: Inductor passes a Python float to a user kernel as fp64,
