@@ -14,6 +14,7 @@ import pytest
 
 from benchmarks import bytemodel, report
 from benchmarks.timing import MAX_SETS, ROTATE_BYTES, Timer, num_sets
+from tests.test_scripts import run_script  # the tools' dry runs, as a user runs them
 
 REPO = Path(__file__).resolve().parents[1]
 RECORD_KEYS = {"op", "mode", "dtype", "shape", "M", "N", "impl", "path", "median_us", "bytes", "tbps", "pct_copy",
@@ -378,14 +379,6 @@ def test_renamed_copy_leaves_no_reference_to_the_original_packages(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # The LoRA training-step benchmarks' dry runs: benchmarks/lora_step.py (Torch, in a subprocess) and
 # benchmarks/nnx_lora_step.py (Flax NNX, in process).
-
-
-def run_script(*argv: str) -> str:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    env["CUDA_VISIBLE_DEVICES"] = ""  # the dry runs check the CPU path, also where a GPU exists
-    proc = subprocess.run([sys.executable, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{argv} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
 
 
 @pytest.mark.slow  # a tool's end-to-end dry run: the slow tier
