@@ -136,10 +136,10 @@ class Signature:
 
     def route(self, x, weight, bias) -> driver.Bound:
         """The ``Bound`` of this call: the output-keeping one where ``_save.saves_output`` says so, else
-        the input-keeping one. x's dtype and row length,
-        and every option, are the signature's, so the answer is remembered per weight and bias
-        identity, data pointer, version and grad flag. Inside a non-reentrant checkpoint (its forward
-        and its recomputation) ``save="auto"`` keeps the input (``normkit.saving.decide``)."""
+        the input-keeping one. x's dtype and row length, and every option, are the signature's, so the
+        answer is remembered per weight and bias identity, data pointer, version and grad flag. Inside
+        a non-reentrant checkpoint (its forward and its recomputation) ``save="auto"`` keeps the input
+        (``normkit.saving.decide``)."""
         if self.fixed is not None:
             return self.fixed
         hooked = _compat.checkpointing()
