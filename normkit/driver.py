@@ -10,6 +10,7 @@ Arrays are 2-D rows ``[M, N]`` (the frontends flatten leading dimensions) whose 
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol
 
 from normkit.launch import plan_backward, plan_forward
@@ -228,16 +229,9 @@ def caller_shape(name: str, buffer_shape: tuple, rows_shape: tuple) -> tuple:
     if name in ("Y", "S", "DX"):
         return tuple(rows_shape)
     if name in ("MEAN", "RSTD") and len(buffer_shape) == 1 and len(rows_shape) >= 1 and \
-            buffer_shape[0] == _prod(rows_shape[:-1]):
+            buffer_shape[0] == math.prod(rows_shape[:-1]):
         return tuple(rows_shape[:-1])
     return tuple(buffer_shape)
-
-
-def _prod(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def bind_forward(backend: Backend, call, like, rows_shape: tuple | None = None):
