@@ -115,12 +115,13 @@ FWD_RESULTS = ("Y", "S", "MEAN", "RSTD", "REC")
 
 
 def _no_rows(backend: Backend, op: Op, x, store_stats: bool, store_rec: bool, rec_in_rstd: bool) -> tuple:
-    """The forward's buffers over rows ``x [0, N]``: zeros (a recovery of no rows is still the weight's,
-    but no backward reads it)."""
-    M, N = x.shape
-    out = {name: backend.zeros(shape, dtype, x) for name, (shape, dtype) in
-           op.fwd_buffers(M, N, backend.dtype(x), store_stats, store_rec, rec_in_rstd).items()}
-    return tuple(out.get(name) for name in FWD_RESULTS)
+    """The forward's buffers over no rows (``x`` of shape ``(..., N)``, no elements): zeros in ``x``'s
+    shape (``caller_shape``; a recovery of no rows is still the weight's, but no backward reads it)."""
+    shape = tuple(x.shape)
+    buffers = op.fwd_buffers(0, shape[-1], backend.dtype(x), store_stats, store_rec, rec_in_rstd)
+    return tuple(None if name not in buffers else
+                 backend.zeros(caller_shape(name, buffers[name][0], shape), buffers[name][1], x)
+                 for name in FWD_RESULTS)
 
 
 def forward(backend: Backend, op: Op, x, residual, weight, bias, opts: Options, store_stats: bool,
@@ -304,15 +305,7 @@ class Bound:
         self.fwd = forward_plan(backend, op, x_rows, r_rows, weight, bias, self.opts, self.store_stats, rec, rec,
                                 rec and trip is not None)
         if self.fwd is None:  # no rows: zeros of each buffer, in the caller's shape, fresh at every call
-            M, N = x_rows.shape
-            shape = tuple(x.shape)
-            buffers = op.fwd_buffers(M, N, backend.dtype(x), self.store_stats, rec, rec)
-
-            def no_rows(x, *_):
-                return tuple(None if name not in buffers else
-                             backend.zeros(caller_shape(name, buffers[name][0], shape), buffers[name][1], x)
-                             for name in FWD_RESULTS)
-            return no_rows
+            return lambda x, *_: _no_rows(backend, op, x, self.store_stats, rec, rec)
         launch = backend.bind(self.fwd, x, tuple(x.shape))
         if any(copies):
             launch = _copying(backend, launch, {0: "x", 1: "residual"}, copies)

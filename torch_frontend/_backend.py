@@ -31,9 +31,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
 
 
-nd_shape = driver.caller_shape  # a buffer's shape over the caller's (..., N) rows
-
-
 class NormkitCopyWarning(UserWarning):
     """An input could not be read in place (its last dimension is neither contiguous nor broadcast,
     its leading dimensions do not share one stride, or it is a lazily negated view) and was copied."""

@@ -94,7 +94,7 @@ def _version_key(t):
     if t is None:
         return None
     try:
-        return getattr(t, "_normkit_uid", None) or uid(t), t.data_ptr(), t._version, t.requires_grad
+        return uid(t), t.data_ptr(), t._version, t.requires_grad
     except RuntimeError:  # "Inference tensors do not track version counter"
         return False
 

@@ -24,7 +24,7 @@ import torch
 from normkit import driver
 from normkit.ops import OPS, Casting, Grads, Op, Options, rec_offset
 from torch_frontend import _bound, _compat
-from torch_frontend._backend import INDUCTOR_BACKEND, TORCH_DTYPES, copy_rows, dtype_name, nd_shape, row_view
+from torch_frontend._backend import INDUCTOR_BACKEND, TORCH_DTYPES, copy_rows, dtype_name, row_view
 
 FWD_RESULTS = driver.FWD_RESULTS  # Y, S, MEAN, RSTD, REC
 BWD_RESULTS = ("DX", "DW", "DB")
@@ -134,7 +134,7 @@ _norm_bwd_op = torch.library.custom_op("normkit::norm_bwd", _norm_bwd, mutates_a
 def _(x, residual, weight, bias, op, eps, offset, casting, store_stats, store_rec):
     M, N = x.numel() // max(x.shape[-1], 1), x.shape[-1]
     specs = OPS[op].fwd_buffers(M, N, dtype_name(x.dtype), store_stats, store_rec)
-    return [x.new_empty(nd_shape(name, specs[name][0], x.shape), dtype=TORCH_DTYPES[specs[name][1]])
+    return [x.new_empty(driver.caller_shape(name, specs[name][0], x.shape), dtype=TORCH_DTYPES[specs[name][1]])
             if name in specs else _absent(x) for name in FWD_RESULTS]
 
 
@@ -143,7 +143,7 @@ def _(saved, weight, bias, dy, dres, mean, rstd, rec, op, offset, casting, dx, d
     M, N = saved.numel() // max(saved.shape[-1], 1), saved.shape[-1]
     w_dtype = dtype_name(weight.dtype) if weight is not None else None
     specs = OPS[op].bwd_buffers(M, N, dtype_name(saved.dtype), Grads(dx, dw, db), w_dtype, dtype_name(b_dtype))
-    return [saved.new_empty(nd_shape(name, specs[name][0], saved.shape), dtype=TORCH_DTYPES[specs[name][1]])
+    return [saved.new_empty(driver.caller_shape(name, specs[name][0], saved.shape), dtype=TORCH_DTYPES[specs[name][1]])
             if name in specs else _absent(saved) for name in BWD_RESULTS]
 
 

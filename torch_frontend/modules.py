@@ -48,9 +48,9 @@ class _SaveHint(nn.Module):
     save_hint: dict
 
     def _init_save_hint(self) -> None:
+        """An empty hint, refreshed after every ``load_state_dict``; ``reset_parameters`` fills it."""
         self.save_hint = {}
         self.register_load_state_dict_post_hook(_refresh_save_hint)
-        self.refresh_save_hint()
 
     def refresh_save_hint(self) -> dict:
         """Read the weight (and bias) again: ``{x's dtype: whether a frozen norm could keep its output}``
