@@ -146,12 +146,28 @@ def torch_cell(op_name: str, dtype: str, M: int, N: int, timer: Timer, rounds: i
     return out
 
 
-def sweep_cell(op_name: str, dtype: str, M: int, N: int, timer: Timer, scales=(1, 2, 4)) -> dict:
-    """Device time of the frozen backward from the input (tile_config's warps) and from the output at
-    each warp scale (``normkit.launch.FROM_Y_WARP_SCALE``)."""
+def sweep_configs(N: int) -> dict:
+    """The output-saving backward's tiles to try at row length N: ``{name: (num_warps, CHUNK_N)}``, from
+    tile_config's warps (``w1``) and twice as many (``w2``), each in one pass and, for rows of >= 2048
+    columns, in two passes over half- and quarter-row chunks (``c<CHUNK_N>``)."""
+    from normkit import launch
+
+    _, block_n, warps = launch.tile_config(1, N)
+    out = {}
+    for scale in (1, 2):
+        w = min(32, warps * scale)
+        out[f"w{scale}"] = (w, 0)
+        for chunk in (block_n // 2, block_n // 4) if block_n >= 2048 else ():
+            out[f"w{scale}_c{chunk}"] = (w, chunk)
+    return out
+
+
+def sweep_cell(op_name: str, dtype: str, M: int, N: int, timer: Timer) -> dict:
+    """Device time of the frozen backward from the input (its plan) and from the output at each of
+    ``sweep_configs``' tiles (set in ``normkit.launch._BWD_TILES`` for this op, dtype and row length)."""
     from benchmarks.impls_torch import EPS, TorchInputs
     from normkit import driver, launch
-    from normkit.ops import OPS, Grads
+    from normkit.ops import ELEM_BYTES, OPS, Grads
     from torch_frontend import backend
 
     op = OPS[op_name]
@@ -173,13 +189,18 @@ def sweep_cell(op_name: str, dtype: str, M: int, N: int, timer: Timer, scales=(1
                                    Grads(True, False, False), None, inp.bias if from_output else None, from_output)
         return timer.kernel(call)
 
-    out = {"input": timed(False)}
-    for scale in scales:
-        launch.FROM_Y_WARP_SCALE = scale
+    key = (op_name, True, ELEM_BYTES[str(inp.x[0].dtype).removeprefix("torch.")], launch.tile_config(1, N)[1])
+    planned = dict(launch._BWD_TILES)
+    out = {"input": timed(False), "planned": None}
+    try:
+        for name, tile in sweep_configs(N).items():
+            launch._BWD_TILES = {**planned, key: tile}
+            launch.plan_backward.cache_clear()
+            out[name] = timed(True)
+    finally:
+        launch._BWD_TILES = planned
         launch.plan_backward.cache_clear()
-        out[f"output_x{scale}"] = timed(True)
-    launch.FROM_Y_WARP_SCALE = 1
-    launch.plan_backward.cache_clear()
+    out["planned"] = timed(True)
     return out
 
 
@@ -289,7 +310,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "save_ab_h200.json"))
     p.add_argument("--no-jax", action="store_true")
     p.add_argument("--host-ab", action="store_true", help="also the launch paths' host time")
-    p.add_argument("--sweep", action="store_true", help="only the output-saving backward's warp scales, kernel time")
+    p.add_argument("--sweep", action="store_true", help="only the output-saving backward's tiles, kernel time")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
     import datetime
@@ -309,11 +330,11 @@ def main(argv=None) -> int:
         for op, dtype, (M, N) in _cells(args.ops.split(","), dry):
             row = sweep_cell(op, dtype, M, N, timer)
             results["cells"].append({"op": op, "dtype": dtype, "M": M, "N": N, "sweep": row})
-            best = min((v, k) for k, v in row.items() if k != "input")
+            best = min((v, k) for k, v in row.items() if k not in ("input", "planned"))
             print(f"{op} {dtype} {M}x{N}: input {row['input']:.1f} | " + " ".join(
                 f"{k} {v:.1f} ({v / row['input']:.3f})" for k, v in row.items() if k != "input")
                   + f" | best {best[1]}", flush=True)
-        Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+            Path(args.out).write_text(json.dumps(results, indent=1, default=str))  # each cell, as it ends
         return 0
     for op, dtype, (M, N) in _cells(args.ops.split(","), dry):
         t0 = time.perf_counter()

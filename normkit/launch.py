@@ -136,7 +136,21 @@ def rms_forward_tiles(table: dict) -> dict:
     return {(e["residual"], e["elem_bytes"], e["block_n"]): tuple(e["tile"]) for e in table["rms_forward"]}
 
 
-_RMS_FWD_TILES = rms_forward_tiles(json.loads(importlib.resources.files("normkit").joinpath("tiles.json").read_text()))
+def backward_tiles(table: dict) -> dict:
+    """tiles.json's dx-only backward entries: {(op name, from_output, elem_bytes, BLOCK_N): (num_warps, CHUNK_N)}."""
+    return {(e["op"], e["from_output"], e["elem_bytes"], e["block_n"]): tuple(e["tile"])
+            for e in table.get("backward_dx", [])}
+
+
+_TILES = json.loads(importlib.resources.files("normkit").joinpath("tiles.json").read_text())
+_RMS_FWD_TILES = rms_forward_tiles(_TILES)
+# The dx-only backward (every frozen-parameter backward) over rows of one tile each: tile_config's
+# tiles, except the entries of tiles.json's "backward_dx", found by benchmarks/save_ab.py --sweep
+# (the output-saving backward's warps and CHUNK_N per op, element size and BLOCK_N; evidence:
+# docs/PERFORMANCE_RECORD.md, "The output-saving backward's tiles"). CHUNK_N > 0 reads the row in
+# two passes over chunks (the row sums, then dx from the chunks again, from L2), so that fewer
+# per-column vectors (the weight, its recovery, the bias) are live beside the row.
+_BWD_TILES = backward_tiles(_TILES)
 
 
 def forward_tile(op: Op, M: int, N: int, elem_bytes: int) -> tuple[int, int, int, bool, int]:
@@ -245,9 +259,6 @@ def plan_forward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_dt
     )
 
 
-FROM_Y_WARP_SCALE = 1  # the output-saving backward's warps over tile_config's (benchmarks/save_ab.py --sweep)
-
-
 @functools.lru_cache(maxsize=8192)
 def plan_backward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_dtype: str | None, has_dres: bool,
                   opts: Options, grads: Grads, layout: tuple, num_sms: int, from_output: bool = False,
@@ -267,8 +278,10 @@ def plan_backward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_d
     reduces = grads.reduces
     assert not (from_output and reduces), "the output-saving backward computes dx alone"
     block_m, block_n, num_warps = tile_config(M, N)
-    if from_output:
-        num_warps = min(32, num_warps * FROM_Y_WARP_SCALE)
+    chunk = 0
+    if grads.dx and not reduces:
+        num_warps, chunk = _BWD_TILES.get((op.name, from_output, ELEM_BYTES[x_dtype], block_n), (num_warps, 0))
+        assert chunk == 0 or (block_n % chunk == 0 and 16 <= chunk < block_n), chunk
     tiles = -(-M // block_m)
     grid = num_partials(M, N, num_sms) if reduces else tiles
     stages = 1
@@ -322,6 +335,7 @@ def plan_backward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_d
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             LOOP_STAGES=stages,
+            CHUNK_N=chunk,
         ),
     )
     return bwd, _plan_reduce(N, grid, w_dtype if grads.dw else None, b_dtype if grads.db else None)

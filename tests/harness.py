@@ -6,9 +6,11 @@ gradients and a launch log; the test bodies in test_parity.py etc. are written o
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import itertools
 
 import numpy as np
+import pytest
 
 from normkit import norm_math, saving
 from normkit.ops import DEFAULT_CASTING_MODE, OPS, Op
@@ -231,3 +233,36 @@ def _param_sets(params: tuple[str, ...], offset: float):
         for subset in itertools.combinations(params, k):
             if offset == 0.0 or "weight" in subset:
                 yield subset
+
+
+def forced_plan(monkeypatch, frontend, name, value, kernel, forced):
+    """A fixture's body: ``normkit.launch.<name>`` replaced by ``value`` for one test, with every plan
+    and trace cache cleared before and after, so that no other test sees such a plan. ``forced(flags)``
+    tells a launch of ``kernel`` by the forced plan from its constexprs: the test must have launched at
+    least one, so that it cannot pass without running the plan it forces."""
+    if frontend.name == "jax":
+        from jax_frontend import resolve_implementation
+
+        if resolve_implementation(None) != "triton":  # a torch-free CPU install runs Pallas
+            pytest.skip("the JAX frontend runs Pallas here: no Triton kernel to plan")
+    import normkit
+    from normkit import launch
+
+    def clear():
+        launch.plan_forward.cache_clear()
+        launch.plan_backward.cache_clear()
+        if importlib.util.find_spec("torch") is not None:
+            from torch_frontend import _bound
+
+            _bound.BOUND.clear()
+        if importlib.util.find_spec("jax") is not None:
+            import jax
+
+            jax.clear_caches()
+
+    clear()
+    monkeypatch.setattr(launch, name, value)
+    with normkit.record_launches() as log:
+        yield
+    clear()
+    assert any(forced(launch.flags) for launch in log.of(kernel)), "no launch of the forced plan"

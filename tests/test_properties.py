@@ -20,7 +20,6 @@ x tied to residual) are built per frontend in tests/layouts.py.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import os
 import zlib
@@ -33,8 +32,8 @@ from hypothesis import strategies as st
 from normkit.ops import OPS, X_DTYPES
 from normkit.testing import assert_close, coarser, rounded
 from tests import layouts
-from tests.frontends import FRONTENDS, HAS_TORCH
-from tests.harness import KERNELS
+from tests.frontends import FRONTENDS
+from tests.harness import KERNELS, forced_plan
 
 SETTINGS = dict(
     derandomize=True,  # the same examples on every run (from run_property's seed): CI is reproducible
@@ -339,36 +338,13 @@ class _HalfRows(dict):
         return block_m, num_warps, key[2] // 2 if key[2] >= 32 else 0
 
 
-def _forced_forward_plan(monkeypatch, frontend, name, value, forced):
-    """``launch.<name>`` replaced by ``value`` for one test, with every plan and trace cache cleared
-    before and after, so that no other test sees such a plan. ``forced(flags)`` tells a forward launch
-    of the forced plan by its constexprs: the test must have launched at least one, so that it cannot
-    pass without running the plan it forces."""
-    if frontend.name == "jax":
-        from jax_frontend import resolve_implementation
+class _HalfRowsBackward(dict):
+    """A ``launch._BWD_TILES`` that plans every dx-only backward over rows of >= 32 columns in two
+    passes over half-row chunks, from the input and from the output alike."""
 
-        if resolve_implementation(None) != "triton":  # a torch-free CPU install runs Pallas
-            pytest.skip("the JAX frontend runs Pallas here: no Triton forward to plan")
-    import normkit
-    from normkit import launch
-
-    def clear():
-        launch.plan_forward.cache_clear()
-        if HAS_TORCH:
-            from torch_frontend import _bound
-
-            _bound.BOUND.clear()
-        if importlib.util.find_spec("jax") is not None:
-            import jax
-
-            jax.clear_caches()
-
-    clear()
-    monkeypatch.setattr(launch, name, value)
-    with normkit.record_launches() as log:
-        yield
-    clear()
-    assert any(forced(launch.flags) for launch in log.of("norm_fwd_kernel")), "no launch of the forced plan"
+    def get(self, key, default):
+        num_warps, _ = default
+        return num_warps, key[3] // 2 if key[3] >= 32 else 0
 
 
 # the frontends that launch the Triton kernels (jax: its default implementation, Triton where it can run)
@@ -378,8 +354,15 @@ TRITON_FRONTENDS = pytest.mark.parametrize("frontend", [n for n in ("jax", "torc
 @pytest.fixture
 def two_pass_rows(monkeypatch, frontend):
     """The RMSNorm forwards planned in two passes over chunks (``CHUNK_N``)."""
-    yield from _forced_forward_plan(monkeypatch, frontend, "_RMS_FWD_TILES", _HalfRows(),
-                                    lambda flags: flags["CHUNK_N"] > 0)
+    yield from forced_plan(monkeypatch, frontend, "_RMS_FWD_TILES", _HalfRows(), "norm_fwd_kernel",
+                           lambda flags: flags["CHUNK_N"] > 0)
+
+
+@pytest.fixture
+def two_pass_backward(monkeypatch, frontend):
+    """Every dx-only backward planned in two passes over chunks (the backward's ``CHUNK_N``)."""
+    yield from forced_plan(monkeypatch, frontend, "_BWD_TILES", _HalfRowsBackward(), "norm_bwd_kernel",
+                           lambda flags: flags["CHUNK_N"] > 0)
 
 
 @pytest.fixture
@@ -395,8 +378,8 @@ def looped_tiles(monkeypatch, frontend):
         _, block_n, num_warps, _, chunk = planned(op, M, N, elem_bytes)
         return 1, block_n, num_warps, True, chunk
 
-    yield from _forced_forward_plan(monkeypatch, frontend, "forward_tile", persistent,
-                                    lambda flags: flags["LOOP_STAGES"] > 1)
+    yield from forced_plan(monkeypatch, frontend, "forward_tile", persistent, "norm_fwd_kernel",
+                           lambda flags: flags["LOOP_STAGES"] > 1)
 
 
 @TRITON_FRONTENDS
@@ -409,6 +392,20 @@ def test_two_pass_rows_match_reference(frontend, tier, two_pass_rows):
                                            param_layouts=layouts.PARAM_LAYOUTS, tie=True), explicit=[
         Spec("fused_add_rms_norm", (3, 5, 200), "bfloat16", "float32", trained=("residual", "x"), casting="none"),
         Spec("rms_norm", (7, 64), "float32", "bfloat16", trained=("weight",), offset=1.0, x_layout="strided_rows"),
+    ])
+
+
+@TRITON_FRONTENDS
+@pytest.mark.parametrize("tier", TIERS)
+def test_two_pass_backward_matches_reference(frontend, tier, two_pass_backward):
+    """Every op's dx-only backward with rows read in two passes over chunks (``CHUNK_N``, forced for
+    every row of >= 32 columns): every row layout, the residual tied to x, parameter layouts, casting
+    modes and offsets (the output-saving backward's two passes: tests/test_save_rule.py)."""
+    run_property(frontend, tier, 60, specs(row_layouts=layouts.ROW_LAYOUTS, param_layouts=layouts.PARAM_LAYOUTS,
+                                           tie=True), explicit=[
+        Spec("layer_norm", (5, 200), "bfloat16", "bfloat16", "float32", trained=("x",), x_layout="strided_rows"),
+        Spec("fused_add_rms_norm", (3, 5, 64), "float16", "float32", trained=("residual", "x"), casting="none"),
+        Spec("rms_norm", (7, 96), "float32", "bfloat16", trained=("x",), offset=1.0),
     ])
 
 

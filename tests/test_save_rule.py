@@ -30,8 +30,8 @@ from normkit.norm_math import OUTPUT_BIAS_RATIO, W_MIN
 from normkit.ops import OPS
 from normkit.shapes import Shape
 from normkit.testing import TOLERANCES, assert_close, rounded
-from tests.frontends import requires_torch
-from tests.harness import Case
+from tests.frontends import FRONTENDS, requires_torch
+from tests.harness import Case, forced_plan
 
 FP16_MAX = 65504.0
 
@@ -127,6 +127,33 @@ def test_auto_follows_the_rule_on_every_frontend(frontend, op, dtype, N, regime,
                 eps=spec.default_eps, casting="gemma" if spec.has_offset else "llama")
     inp = _edge_inputs(op, N, dtype, regime, np.random.default_rng(seed))
     with np.errstate(over="ignore", invalid="ignore"):
+        _check_case(frontend, case, inp)
+
+
+@pytest.fixture
+def two_pass_backward(monkeypatch, frontend):
+    """Every dx-only backward planned in two passes over half-row chunks (``CHUNK_N``)."""
+    from tests.test_properties import _HalfRowsBackward
+
+    yield from forced_plan(monkeypatch, frontend, "_BWD_TILES", _HalfRowsBackward(), "norm_bwd_kernel",
+                           lambda flags: flags["CHUNK_N"] > 0 and flags["FROM_Y"])
+
+
+@pytest.mark.parametrize("frontend", [n for n in ("jax", "torch") if n in FRONTENDS], indirect=True)
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_output_saving_backward_in_two_passes(frontend, op, two_pass_backward):
+    """The output-saving backward with rows read in two passes (the row sums, then dx): right against
+    float64 at row lengths that fill, and that do not fill, the chunks, in each dtype, with and without
+    a bias (JAX under ``jit`` keeps the input of a norm with a bias: ``saving.traced_rule``)."""
+    spec = OPS[op]
+    for seed, (dtype, N) in enumerate([("bfloat16", 64), ("float32", 200), ("float16", 96)]):
+        case = Case(op, Shape("chunks", (3, N), frozenset()), dtype, has_b="bias" in spec.params and seed > 0,
+                    trainable=frozenset(spec.row_inputs), eps=spec.default_eps,
+                    casting=("llama", "gemma", "none")[seed] if spec.has_offset else "llama",
+                    offset=1.0 if spec.has_offset and seed else 0.0)
+        inp = _edge_inputs(op, N, dtype, "plain", np.random.default_rng(seed))
+        if not case.has_b:
+            inp.pop("bias", None)
         _check_case(frontend, case, inp)
 
 

@@ -245,6 +245,75 @@ def norm_fwd_kernel(
                             BIAS_RATIO, BOUND_SCALE, Y_MAX, REC_CHUNK)
 
 
+@triton.jit
+def _bwd_rows(X, DY, rows64, cols, mask, stride_xm, stride_dym, N: tl.constexpr, ROWS_CONTIGUOUS: tl.constexpr,
+              X_COL_STRIDE: tl.constexpr, DY_COL_STRIDE: tl.constexpr, EVICTION: tl.constexpr):
+    """The block's saved rows (x, or y with FROM_Y) and dy, in fp32."""
+    x = tl.load(X + _row_offsets(rows64, cols, N, stride_xm, X_COL_STRIDE, ROWS_CONTIGUOUS), mask=mask, other=0.0,
+                eviction_policy=EVICTION).to(tl.float32)
+    dy = tl.load(DY + _row_offsets(rows64, cols, N, stride_dym, DY_COL_STRIDE, ROWS_CONTIGUOUS), mask=mask,
+                 other=0.0, eviction_policy=EVICTION).to(tl.float32)
+    return x, dy
+
+
+@triton.jit
+def _bwd_centred(x, b, mean, FROM_Y: tl.constexpr, IS_RMS: tl.constexpr, HAS_B: tl.constexpr):
+    """The saved rows centred: y - b (FROM_Y), x - mean (LayerNorm) or x."""
+    if FROM_Y:
+        t = x
+        if HAS_B:
+            t = t - b[None, :]
+    elif IS_RMS:
+        t = x
+    else:
+        t = x - mean[:, None]
+    return t
+
+
+@triton.jit
+def _bwd_xhat(t, rec, rstd, mask, FROM_Y: tl.constexpr, IS_RMS: tl.constexpr, HAS_W: tl.constexpr):
+    """x_hat from the centred rows: (y - b) / w_y (FROM_Y: ``rec`` is 1 / w_y), else (x - mean) * rstd."""
+    if FROM_Y:
+        xn = t
+        if HAS_W:
+            xn = xn * rec[None, :]
+    elif IS_RMS:
+        xn = t * rstd[:, None]
+    else:
+        xn = tl.where(mask, t * rstd[:, None], 0.0)
+    return xn
+
+
+@triton.jit
+def _bwd_sums(dy, t, xn, w, FROM_Y: tl.constexpr, IS_RMS: tl.constexpr, HAS_W: tl.constexpr):
+    """The terms of the row sums: (g x_hat, g), with g = dy w (LayerNorm's second sum; RMSNorm from y
+    has no use for it). FROM_Y, g x_hat = dy w (y - b) / w_y is dy (y - b) (``t``): it needs neither
+    the weight nor its recovery, and ``xn`` is not read."""
+    if HAS_W and not (FROM_Y and IS_RMS):
+        g = dy * w[None, :]
+    else:
+        g = dy
+    if FROM_Y:
+        s1 = dy * t
+    else:
+        s1 = g * xn
+    return s1, g
+
+
+@triton.jit
+def _bwd_dx(dy, xn, w, c1, c2, rstd, IS_RMS: tl.constexpr, HAS_W: tl.constexpr):
+    """dx = rstd (g - c2 - x_hat c1), g = dy w: c1 = mean(g x_hat), c2 = mean(g) (LayerNorm)."""
+    if HAS_W:
+        g = dy * w[None, :]
+    else:
+        g = dy
+    if IS_RMS:
+        dx = (g - xn * c1[:, None]) * rstd[:, None]
+    else:
+        dx = (g - c2[:, None] - xn * c1[:, None]) * rstd[:, None]
+    return dx
+
+
 @triton.jit(do_not_specialize=["M"])
 def norm_bwd_kernel(
     X,  # the forward's input as it normalized it (s = x + residual for the fused add), or, with FROM_Y,
@@ -284,28 +353,36 @@ def norm_bwd_kernel(
     BLOCK_M: tl.constexpr,  # rows per tile
     BLOCK_N: tl.constexpr,  # next power of two >= N
     LOOP_STAGES: tl.constexpr,  # software-pipelining depth of the tile loop (1: none)
+    CHUNK_N: tl.constexpr,  # 0: each row in registers, read once; else (dx alone) two passes over
+    # CHUNK_N-column chunks: the row sums, then a second read (from L2) to write dx
 ):
     # Tiles are dealt round-robin to the programs; with dW/dB each program owns one partial row,
     # so the reduction order is fixed and the result bitwise reproducible (no atomics).
     # FROM_Y (a frozen norm that kept its output, not its input): x_hat = (y - b) * (1 / w_y), with
-    # 1 / w_y as the forward's program 0 computed it from the weight (REC); the rest is the
+    # 1 / w_y as the forward's program 0 computed it from the weight (REC). The row sums come first
+    # and need neither the weight nor REC (mean(g x_hat) = mean(dy (y - b))); the rest is the
     # input-saving backward's arithmetic. Where the weight breaks the safety rule (normkit.norm_math),
     # REC's poison is NaN and so is every dx: never a quietly wrong gradient.
     tl.static_assert(not (FROM_Y and (COMPUTE_DW or COMPUTE_DB)))
+    tl.static_assert(CHUNK_N == 0 or (COMPUTE_DX and not (COMPUTE_DW or COMPUTE_DB) and BLOCK_N % CHUNK_N == 0
+                                      and CHUNK_N < BLOCK_N))
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
     offset = tl.cast(offset, tl.float32)  # fp64 when Inductor launches the kernel (see norm_fwd_kernel)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    if HAS_W:
-        w = tl.load(W + cols * W_STRIDE, mask=col_mask, other=0.0).to(tl.float32) + offset
+    w = None
+    b = None
     if FROM_Y:
         if REC_IN_RSTD:
-            rec = RSTD + (M + 3) // 4 * 4  # normkit.ops.rec_offset: 16-byte aligned
+            rec_ptr = RSTD + (M + 3) // 4 * 4  # normkit.ops.rec_offset: 16-byte aligned
         else:
-            rec = REC
-        poison = tl.load(rec + N)
-        if HAS_B:
+            rec_ptr = REC
+        poison = tl.load(rec_ptr + N)
+    if CHUNK_N == 0:  # the one-pass tiles hold the parameters in registers, loaded once per program
+        if HAS_W:
+            w = tl.load(W + cols * W_STRIDE, mask=col_mask, other=0.0).to(tl.float32) + offset
+        if FROM_Y and HAS_B:
             b = tl.load(B + cols * B_STRIDE, mask=col_mask, other=0.0).to(tl.float32)
     if COMPUTE_DW:
         dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -315,53 +392,96 @@ def norm_bwd_kernel(
     for tile in tl.range(pid, num_tiles, num_progs, num_stages=LOOP_STAGES):
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < M
-        mask = row_mask[:, None] & col_mask[None, :]
         rows64 = rows.to(tl.int64)
-        off_dx = rows64[:, None] * N + cols[None, :]  # DX is contiguous
-        if ROWS_CONTIGUOUS:
-            off_x = off_dx
-            off_dy = off_dx
-            off_dres = off_dx
-        else:
-            off_x = rows64[:, None] * stride_xm + cols[None, :] * X_COL_STRIDE
-            off_dy = rows64[:, None] * stride_dym + cols[None, :] * DY_COL_STRIDE
-            off_dres = rows64[:, None] * stride_dresm + cols[None, :] * DRES_COL_STRIDE
-        x = tl.load(X + off_x, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + off_dy, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + rows64, mask=row_mask, other=0.0)
-        if FROM_Y:
-            xn = x  # y - b: the normalized row times w_y
-            if HAS_B:
-                xn = xn - b[None, :]
-            if HAS_W:
-                xn = xn * tl.load(rec + cols, mask=col_mask, other=0.0)[None, :]
-        elif IS_RMS:
-            xn = x * rstd[:, None]
-        else:
+        # mean, c2 and the recovery where a variant reads them; else placeholders that no code reads
+        # (a name first bound inside the tile loop, not carried by it)
+        mean = rstd
+        if not (IS_RMS or FROM_Y):
             mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)
-            xn = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
-        if COMPUTE_DX:
-            if HAS_W:
-                g = dy * w[None, :]
-            else:
-                g = dy
-            c1 = tl.sum(g * xn, axis=1) * (1.0 / N)
-            if IS_RMS:
-                dx = (g - xn * c1[:, None]) * rstd[:, None]
-            else:
-                c2 = tl.sum(g, axis=1) * (1.0 / N)
-                dx = (g - c2[:, None] - xn * c1[:, None]) * rstd[:, None]
-            if HAS_DRES:
-                dx += tl.load(DRES + off_dres, mask=mask, other=0.0).to(tl.float32)
-            if FROM_Y:
-                dx += poison
-            tl.store(DX + off_dx, dx.to(DX.dtype.element_ty), mask=mask)
-        if COMPUTE_DW:
-            if CASTING == 1:
-                xn = xn.to(X.dtype.element_ty).to(tl.float32)
-            dw_acc += dy * xn
-        if COMPUTE_DB:
-            db_acc += dy
+        rec = rstd
+        if CHUNK_N == 0:
+            mask = row_mask[:, None] & col_mask[None, :]
+            x, dy = _bwd_rows(X, DY, rows64, cols, mask, stride_xm, stride_dym, N, ROWS_CONTIGUOUS, X_COL_STRIDE,
+                              DY_COL_STRIDE, "")
+            t = _bwd_centred(x, b, mean, FROM_Y, IS_RMS, HAS_B)
+            xn = t
+            if not FROM_Y:
+                xn = _bwd_xhat(t, rec, rstd, mask, FROM_Y, IS_RMS, HAS_W)
+            if COMPUTE_DX:
+                s1, g = _bwd_sums(dy, t, xn, w, FROM_Y, IS_RMS, HAS_W)
+                c1 = tl.sum(s1, axis=1) * (1.0 / N)
+                c2 = c1
+                if not IS_RMS:
+                    c2 = tl.sum(g, axis=1) * (1.0 / N)
+            if FROM_Y:  # after the sums: REC is not live across them
+                if HAS_W:
+                    rec = tl.load(rec_ptr + cols, mask=col_mask, other=0.0)
+                xn = _bwd_xhat(t, rec, rstd, mask, FROM_Y, IS_RMS, HAS_W)
+            if COMPUTE_DX:
+                dx = _bwd_dx(dy, xn, w, c1, c2, rstd, IS_RMS, HAS_W)
+                if HAS_DRES:
+                    dx += tl.load(DRES + _row_offsets(rows64, cols, N, stride_dresm, DRES_COL_STRIDE,
+                                                      ROWS_CONTIGUOUS), mask=mask, other=0.0).to(tl.float32)
+                if FROM_Y:
+                    dx += poison
+                tl.store(DX + rows64[:, None] * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)  # contiguous
+            if COMPUTE_DW:
+                if CASTING == 1:
+                    xn = xn.to(X.dtype.element_ty).to(tl.float32)
+                dw_acc += dy * xn
+            if COMPUTE_DB:
+                db_acc += dy
+        else:
+            # first pass: the row sums, chunk by chunk, each chunk kept in L2 for the second
+            wc = rstd  # the chunk's weight and bias where read
+            bc = rstd
+            acc1 = tl.zeros((BLOCK_M, CHUNK_N), dtype=tl.float32)
+            acc2 = tl.zeros((BLOCK_M, CHUNK_N), dtype=tl.float32)
+            for c0 in tl.static_range(0, BLOCK_N, CHUNK_N):
+                ccols = c0 + tl.arange(0, CHUNK_N)
+                ccol_mask = ccols < N
+                cmask = row_mask[:, None] & ccol_mask[None, :]
+                x, dy = _bwd_rows(X, DY, rows64, ccols, cmask, stride_xm, stride_dym, N, ROWS_CONTIGUOUS,
+                                  X_COL_STRIDE, DY_COL_STRIDE, "evict_last")
+                if FROM_Y and HAS_B:
+                    bc = tl.load(B + ccols * B_STRIDE, mask=ccol_mask, other=0.0).to(tl.float32)
+                if HAS_W and not (FROM_Y and IS_RMS):  # FROM_Y RMSNorm: the sum needs no weight
+                    wc = tl.load(W + ccols * W_STRIDE, mask=ccol_mask, other=0.0).to(tl.float32) + offset
+                t = _bwd_centred(x, bc, mean, FROM_Y, IS_RMS, HAS_B)
+                xn = t
+                if not FROM_Y:
+                    xn = _bwd_xhat(t, rec, rstd, cmask, FROM_Y, IS_RMS, HAS_W)
+                s1, g = _bwd_sums(dy, t, xn, wc, FROM_Y, IS_RMS, HAS_W)
+                acc1 += s1
+                if not IS_RMS:
+                    acc2 += g
+            c1 = tl.sum(acc1, axis=1) * (1.0 / N)
+            c2 = c1
+            if not IS_RMS:
+                c2 = tl.sum(acc2, axis=1) * (1.0 / N)
+            # second pass: read the chunks again and write dx
+            for c0 in tl.static_range(0, BLOCK_N, CHUNK_N):
+                ccols = c0 + tl.arange(0, CHUNK_N)
+                ccol_mask = ccols < N
+                cmask = row_mask[:, None] & ccol_mask[None, :]
+                x, dy = _bwd_rows(X, DY, rows64, ccols, cmask, stride_xm, stride_dym, N, ROWS_CONTIGUOUS,
+                                  X_COL_STRIDE, DY_COL_STRIDE, "evict_first")
+                if FROM_Y and HAS_B:
+                    bc = tl.load(B + ccols * B_STRIDE, mask=ccol_mask, other=0.0).to(tl.float32)
+                if HAS_W:
+                    wc = tl.load(W + ccols * W_STRIDE, mask=ccol_mask, other=0.0).to(tl.float32) + offset
+                    if FROM_Y:
+                        rec = tl.load(rec_ptr + ccols, mask=ccol_mask, other=0.0)
+                t = _bwd_centred(x, bc, mean, FROM_Y, IS_RMS, HAS_B)
+                xn = _bwd_xhat(t, rec, rstd, cmask, FROM_Y, IS_RMS, HAS_W)
+                dx = _bwd_dx(dy, xn, wc, c1, c2, rstd, IS_RMS, HAS_W)
+                if HAS_DRES:
+                    dx += tl.load(DRES + _row_offsets(rows64, ccols, N, stride_dresm, DRES_COL_STRIDE,
+                                                      ROWS_CONTIGUOUS), mask=cmask, other=0.0).to(tl.float32)
+                if FROM_Y:
+                    dx += poison
+                tl.store(DX + rows64[:, None] * N + ccols[None, :], dx.to(DX.dtype.element_ty), mask=cmask)
     if COMPUTE_DW:
         tl.store(DW_PART + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
     if COMPUTE_DB:
