@@ -147,18 +147,25 @@ def torch_cell(op_name: str, dtype: str, M: int, N: int, timer: Timer, rounds: i
 
 
 def sweep_configs(N: int) -> dict:
-    """The output-saving backward's tiles to try at row length N: ``{name: (num_warps, CHUNK_N)}``, from
-    tile_config's warps (``w1``) and twice as many (``w2``), each in one pass and, for rows of >= 2048
-    columns, in two passes over half- and quarter-row chunks (``c<CHUNK_N>``)."""
+    """The output-saving backward's tiles to try at row length N: ``{name: (num_warps, CHUNK_N, programs
+    per SM, LOOP_STAGES)}`` (``normkit.launch._BWD_TILES``' values): tile_config's warps (``w1``) and
+    twice as many (``w2``), each with one program per tile, in one pass and, for rows of >= 2048
+    columns, in two passes over half- and quarter-row chunks (``c<CHUNK_N>``); and persistent grids
+    (``p<programs per SM>s<stages>``) at 1, 2 and 4 times the warps."""
     from normkit import launch
 
     _, block_n, warps = launch.tile_config(1, N)
     out = {}
     for scale in (1, 2):
         w = min(32, warps * scale)
-        out[f"w{scale}"] = (w, 0)
+        out[f"w{scale}"] = (w, 0, 0, 1)
         for chunk in (block_n // 2, block_n // 4) if block_n >= 2048 else ():
-            out[f"w{scale}_c{chunk}"] = (w, chunk)
+            out[f"w{scale}_c{chunk}"] = (w, chunk, 0, 1)
+    for scale in (1, 2, 4):
+        w = min(32, warps * scale)
+        for per_sm in (1, 2):
+            for stages in (1, 3):
+                out.setdefault(f"w{w // warps}_p{per_sm}s{stages}", (w, 0, per_sm, stages))
     return out
 
 
@@ -196,7 +203,10 @@ def sweep_cell(op_name: str, dtype: str, M: int, N: int, timer: Timer) -> dict:
         for name, tile in sweep_configs(N).items():
             launch._BWD_TILES = {**planned, key: tile}
             launch.plan_backward.cache_clear()
-            out[name] = timed(True)
+            try:
+                out[name] = timed(True)
+            except Exception as e:  # a tile the device cannot run (shared memory, registers)
+                print(f"{op_name} {dtype} {M}x{N} {name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
     finally:
         launch._BWD_TILES = planned
         launch.plan_backward.cache_clear()

@@ -137,7 +137,8 @@ def rms_forward_tiles(table: dict) -> dict:
 
 
 def backward_tiles(table: dict) -> dict:
-    """tiles.json's dx-only backward entries: {(op name, from_output, elem_bytes, BLOCK_N): (num_warps, CHUNK_N)}."""
+    """tiles.json's dx-only backward entries: {(op name, from_output, elem_bytes, BLOCK_N): (num_warps, CHUNK_N,
+    programs per SM (0: one program per tile), LOOP_STAGES)}."""
     return {(e["op"], e["from_output"], e["elem_bytes"], e["block_n"]): tuple(e["tile"])
             for e in table.get("backward_dx", [])}
 
@@ -149,7 +150,9 @@ _RMS_FWD_TILES = rms_forward_tiles(_TILES)
 # (the output-saving backward's warps and CHUNK_N per op, element size and BLOCK_N; evidence:
 # docs/PERFORMANCE_RECORD.md, "The output-saving backward's tiles"). CHUNK_N > 0 reads the row in
 # two passes over chunks (the row sums, then dx from the chunks again, from L2), so that fewer
-# per-column vectors (the weight, its recovery, the bias) are live beside the row.
+# per-column vectors (the weight, its recovery, the bias) are live beside the row; programs per SM
+# > 0 makes the grid persistent: each program loads those vectors once and loops over many rows,
+# the next ones prefetched (LOOP_STAGES), instead of reading them from L2 with every row.
 _BWD_TILES = backward_tiles(_TILES)
 
 
@@ -278,13 +281,15 @@ def plan_backward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_d
     reduces = grads.reduces
     assert not (from_output and reduces), "the output-saving backward computes dx alone"
     block_m, block_n, num_warps = tile_config(M, N)
-    chunk = 0
-    if grads.dx and not reduces:
-        num_warps, chunk = _BWD_TILES.get((op.name, from_output, ELEM_BYTES[x_dtype], block_n), (num_warps, 0))
-        assert chunk == 0 or (block_n % chunk == 0 and 16 <= chunk < block_n), chunk
-    tiles = -(-M // block_m)
-    grid = num_partials(M, N, num_sms) if reduces else tiles
+    chunk = per_sm = 0
     stages = 1
+    if grads.dx and not reduces:
+        num_warps, chunk, per_sm, stages = _BWD_TILES.get((op.name, from_output, ELEM_BYTES[x_dtype], block_n),
+                                                          (num_warps, 0, 0, 1))
+        assert chunk == 0 or (block_n % chunk == 0 and 16 <= chunk < block_n), chunk
+        stages = _stages(block_m, block_n, ELEM_BYTES[x_dtype], 3 if has_dres else 2, stages)
+    tiles = -(-M // block_m)
+    grid = num_partials(M, N, num_sms) if reduces else min(tiles, per_sm * num_sms) if per_sm else tiles
     if reduces:
         streams = 2 + (1 if has_dres else 0)  # x and dy (and d_residual) are prefetched
         stages = _stages(block_m, block_n, ELEM_BYTES[x_dtype], streams, 4 if block_m * block_n >= 8192 else 3)
@@ -335,6 +340,7 @@ def plan_backward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_d
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             LOOP_STAGES=stages,
+            PERSISTENT=grid < tiles,
             CHUNK_N=chunk,
         ),
     )

@@ -343,8 +343,8 @@ class _HalfRowsBackward(dict):
     passes over half-row chunks, from the input and from the output alike."""
 
     def get(self, key, default):
-        num_warps, _ = default
-        return num_warps, key[3] // 2 if key[3] >= 32 else 0
+        num_warps, _, per_sm, stages = default
+        return num_warps, key[3] // 2 if key[3] >= 32 else 0, per_sm, stages
 
 
 # the frontends that launch the Triton kernels (jax: its default implementation, Triton where it can run)
@@ -356,6 +356,22 @@ def two_pass_rows(monkeypatch, frontend):
     """The RMSNorm forwards planned in two passes over chunks (``CHUNK_N``)."""
     yield from forced_plan(monkeypatch, frontend, "_RMS_FWD_TILES", _HalfRows(), "norm_fwd_kernel",
                            lambda flags: flags["CHUNK_N"] > 0)
+
+
+class _PersistentBackward(dict):
+    """A ``launch._BWD_TILES`` that plans every dx-only backward on a persistent grid of one program
+    per SM, each looping over its tiles with the next two prefetched."""
+
+    def get(self, key, default):
+        num_warps, chunk, _, _ = default
+        return num_warps, chunk, 1, 3
+
+
+@pytest.fixture
+def persistent_backward(monkeypatch, frontend):
+    """Every dx-only backward planned on a persistent grid (programs loop over tiles)."""
+    yield from forced_plan(monkeypatch, frontend, "_BWD_TILES", _PersistentBackward(), "norm_bwd_kernel",
+                           lambda flags: flags["PERSISTENT"])
 
 
 @pytest.fixture
@@ -406,6 +422,18 @@ def test_two_pass_backward_matches_reference(frontend, tier, two_pass_backward):
         Spec("layer_norm", (5, 200), "bfloat16", "bfloat16", "float32", trained=("x",), x_layout="strided_rows"),
         Spec("fused_add_rms_norm", (3, 5, 64), "float16", "float32", trained=("residual", "x"), casting="none"),
         Spec("rms_norm", (7, 96), "float32", "bfloat16", trained=("x",), offset=1.0),
+    ])
+
+
+@TRITON_FRONTENDS
+@pytest.mark.parametrize("tier", TIERS)
+def test_persistent_backward_matches_reference(frontend, tier, persistent_backward):
+    """Every op's dx-only backward on a persistent grid (each program loops over several tiles, the
+    next ones prefetched; forced for every shape): every row layout, the tie, parameter layouts."""
+    run_property(frontend, tier, 60, specs(row_layouts=layouts.ROW_LAYOUTS, param_layouts=layouts.PARAM_LAYOUTS,
+                                           tie=True), explicit=[
+        Spec("layer_norm", (9, 2048), "bfloat16", "bfloat16", "float32", trained=("x",)),
+        Spec("fused_add_rms_norm", (3, 2, 4096), "float32", "float32", trained=("residual",), x_layout="strided_rows"),
     ])
 
 

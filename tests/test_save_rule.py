@@ -40,14 +40,14 @@ FP16_MAX = 65504.0
 # Inputs at the rule's edges.
 
 
-def _edge_inputs(op: str, N: int, dtype: str, regime: str, rng) -> dict:
-    """Inputs of ``op`` over 3 rows of N (rounded to ``dtype``), the weight and bias in a ``regime``:
+def _edge_inputs(op: str, N: int, dtype: str, regime: str, rng, rows: int = 3) -> dict:
+    """Inputs of ``op`` over ``rows`` rows of N (rounded to ``dtype``), the weight and bias in a ``regime``:
     "plain" (|w| in [0.5, 1.5], |b| below the ratio), "tiny" (one column at a quarter of W_MIN), "zero"
     (one column 0), "bias" (one column's |b| at 1.5 x the ratio), "huge" (float16's y can overflow: max|w|
     at 1.5 x 65504 / sqrt(N)); the first row of x has one element far larger than the others, so that its
     |x_hat| nears sqrt(N)."""
     spec = OPS[op]
-    x = rng.standard_normal((3, N)) * 1.5 + 0.3
+    x = rng.standard_normal((rows, N)) * 1.5 + 0.3
     x[0, rng.integers(N)] = 1e3  # |x_hat| of that element -> sqrt(N)
     w = rng.uniform(0.5, 1.5, N) * rng.choice([-1.0, 1.0], N)
     j = int(rng.integers(N))
@@ -59,16 +59,16 @@ def _edge_inputs(op: str, N: int, dtype: str, regime: str, rng) -> dict:
         w *= min(1.5 * FP16_MAX / math.sqrt(N), 60000.0) / np.abs(w).max()
     out = {"x": rounded(x, dtype), "weight": rounded(w, dtype)}
     if spec.has_residual:
-        out["residual"] = rounded(rng.standard_normal((3, N)) * 0.1, dtype)
+        out["residual"] = rounded(rng.standard_normal((rows, N)) * 0.1, dtype)
     if "bias" in spec.params:
         b = rng.uniform(0.0, 0.5, N) * OUTPUT_BIAS_RATIO * np.abs(w)
         if regime == "bias":
             b[j] = 1.5 * OUTPUT_BIAS_RATIO * abs(w[j]) + 1.0
         out["bias"] = rounded(b, dtype)
     scale = 1.0 / max(np.abs(w).max(), 1e-30) if regime == "huge" else 1.0
-    out["dy"] = rounded(rng.standard_normal((3, N)) * scale, dtype)
+    out["dy"] = rounded(rng.standard_normal((rows, N)) * scale, dtype)
     if spec.has_residual:
-        out["ds"] = rounded(rng.standard_normal((3, N)) * scale, dtype)
+        out["ds"] = rounded(rng.standard_normal((rows, N)) * scale, dtype)
     return out
 
 
@@ -130,28 +130,33 @@ def test_auto_follows_the_rule_on_every_frontend(frontend, op, dtype, N, regime,
         _check_case(frontend, case, inp)
 
 
-@pytest.fixture
-def two_pass_backward(monkeypatch, frontend):
-    """Every dx-only backward planned in two passes over half-row chunks (``CHUNK_N``)."""
-    from tests.test_properties import _HalfRowsBackward
+@pytest.fixture(params=["two passes", "persistent"])
+def backward_plan(request, monkeypatch, frontend):
+    """Every dx-only backward planned in two passes over half-row chunks (``CHUNK_N``), or on a
+    persistent grid (programs loop over tiles, keeping the weight's recovery loaded)."""
+    from tests.test_properties import _HalfRowsBackward, _PersistentBackward
 
-    yield from forced_plan(monkeypatch, frontend, "_BWD_TILES", _HalfRowsBackward(), "norm_bwd_kernel",
-                           lambda flags: flags["CHUNK_N"] > 0 and flags["FROM_Y"])
+    if request.param == "two passes":
+        yield from forced_plan(monkeypatch, frontend, "_BWD_TILES", _HalfRowsBackward(), "norm_bwd_kernel",
+                               lambda flags: flags["CHUNK_N"] > 0 and flags["FROM_Y"])
+    else:
+        yield from forced_plan(monkeypatch, frontend, "_BWD_TILES", _PersistentBackward(), "norm_bwd_kernel",
+                               lambda flags: flags["PERSISTENT"] and flags["FROM_Y"])
 
 
 @pytest.mark.parametrize("frontend", [n for n in ("jax", "torch") if n in FRONTENDS], indirect=True)
 @pytest.mark.parametrize("op", sorted(OPS))
-def test_output_saving_backward_in_two_passes(frontend, op, two_pass_backward):
-    """The output-saving backward with rows read in two passes (the row sums, then dx): right against
-    float64 at row lengths that fill, and that do not fill, the chunks, in each dtype, with and without
+def test_output_saving_backward_in_two_passes_and_on_a_persistent_grid(frontend, op, backward_plan):
+    """The output-saving backward with rows read in two passes (the row sums, then dx), and on a
+    persistent grid: right against float64 at row lengths that fill, and that do not fill, the chunks, in each dtype, with and without
     a bias (JAX under ``jit`` keeps the input of a norm with a bias: ``saving.traced_rule``)."""
     spec = OPS[op]
     for seed, (dtype, N) in enumerate([("bfloat16", 64), ("float32", 200), ("float16", 96)]):
-        case = Case(op, Shape("chunks", (3, N), frozenset()), dtype, has_b="bias" in spec.params and seed > 0,
+        case = Case(op, Shape("chunks", (70, N), frozenset()), dtype, has_b="bias" in spec.params and seed > 0,
                     trainable=frozenset(spec.row_inputs), eps=spec.default_eps,
                     casting=("llama", "gemma", "none")[seed] if spec.has_offset else "llama",
                     offset=1.0 if spec.has_offset and seed else 0.0)
-        inp = _edge_inputs(op, N, dtype, "plain", np.random.default_rng(seed))
+        inp = _edge_inputs(op, N, dtype, "plain", np.random.default_rng(seed), rows=70)
         if not case.has_b:
             inp.pop("bias", None)
         _check_case(frontend, case, inp)

@@ -353,6 +353,8 @@ def norm_bwd_kernel(
     BLOCK_M: tl.constexpr,  # rows per tile
     BLOCK_N: tl.constexpr,  # next power of two >= N
     LOOP_STAGES: tl.constexpr,  # software-pipelining depth of the tile loop (1: none)
+    PERSISTENT: tl.constexpr,  # fewer programs than tiles, each looping over many: the one-pass tiles
+    # load the weight's recovery once per program too, not once per tile
     CHUNK_N: tl.constexpr,  # 0: each row in registers, read once; else (dx alone) two passes over
     # CHUNK_N-column chunks: the row sums, then a second read (from L2) to write dx
 ):
@@ -384,6 +386,8 @@ def norm_bwd_kernel(
             w = tl.load(W + cols * W_STRIDE, mask=col_mask, other=0.0).to(tl.float32) + offset
         if FROM_Y and HAS_B:
             b = tl.load(B + cols * B_STRIDE, mask=col_mask, other=0.0).to(tl.float32)
+        if FROM_Y and HAS_W and PERSISTENT:  # once per program, which loops over many tiles
+            rec_once = tl.load(rec_ptr + cols, mask=col_mask, other=0.0)
     if COMPUTE_DW:
         dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if COMPUTE_DB:
@@ -414,9 +418,12 @@ def norm_bwd_kernel(
                 c2 = c1
                 if not IS_RMS:
                     c2 = tl.sum(g, axis=1) * (1.0 / N)
-            if FROM_Y:  # after the sums: REC is not live across them
+            if FROM_Y:
                 if HAS_W:
-                    rec = tl.load(rec_ptr + cols, mask=col_mask, other=0.0)
+                    if PERSISTENT:
+                        rec = rec_once
+                    else:  # after the sums: not live across them
+                        rec = tl.load(rec_ptr + cols, mask=col_mask, other=0.0)
                 xn = _bwd_xhat(t, rec, rstd, mask, FROM_Y, IS_RMS, HAS_W)
             if COMPUTE_DX:
                 dx = _bwd_dx(dy, xn, w, c1, c2, rstd, IS_RMS, HAS_W)
