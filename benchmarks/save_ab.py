@@ -151,7 +151,8 @@ def sweep_configs(N: int) -> dict:
     per SM, LOOP_STAGES)}`` (``normkit.launch._BWD_TILES``' values): tile_config's warps (``w1``) and
     twice as many (``w2``), each with one program per tile, in one pass and, for rows of >= 2048
     columns, in two passes over half- and quarter-row chunks (``c<CHUNK_N>``); and persistent grids
-    (``p<programs per SM>s<stages>``) at 1, 2 and 4 times the warps."""
+    (``p<programs per SM>s<stages>``): 1 or 2 programs per SM at 1, 2 and 4 times the warps, 3 or 4
+    at 1 and 2 times."""
     from normkit import launch
 
     _, block_n, warps = launch.tile_config(1, N)
@@ -165,6 +166,11 @@ def sweep_configs(N: int) -> dict:
         w = min(32, warps * scale)
         for per_sm in (1, 2):
             for stages in (1, 3):
+                out.setdefault(f"w{w // warps}_p{per_sm}s{stages}", (w, 0, per_sm, stages))
+    for scale in (1, 2):
+        w = min(32, warps * scale)
+        for per_sm in (3, 4):
+            for stages in (2, 4):
                 out.setdefault(f"w{w // warps}_p{per_sm}s{stages}", (w, 0, per_sm, stages))
     return out
 

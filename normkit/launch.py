@@ -138,7 +138,7 @@ def rms_forward_tiles(table: dict) -> dict:
 
 def backward_tiles(table: dict) -> dict:
     """tiles.json's dx-only backward entries: {(op name, from_output, elem_bytes, BLOCK_N): (num_warps, CHUNK_N,
-    programs per SM (0: one program per tile), LOOP_STAGES)}."""
+    programs per SM (0: one program per tile; a fraction: fewer programs than SMs), LOOP_STAGES)}."""
     return {(e["op"], e["from_output"], e["elem_bytes"], e["block_n"]): tuple(e["tile"])
             for e in table.get("backward_dx", [])}
 
@@ -289,7 +289,7 @@ def plan_backward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_d
         assert chunk == 0 or (block_n % chunk == 0 and 16 <= chunk < block_n), chunk
         stages = _stages(block_m, block_n, ELEM_BYTES[x_dtype], 3 if has_dres else 2, stages)
     tiles = -(-M // block_m)
-    grid = num_partials(M, N, num_sms) if reduces else min(tiles, per_sm * num_sms) if per_sm else tiles
+    grid = num_partials(M, N, num_sms) if reduces else min(tiles, max(1, round(per_sm * num_sms))) if per_sm else tiles
     if reduces:
         streams = 2 + (1 if has_dres else 0)  # x and dy (and d_residual) are prefetched
         stages = _stages(block_m, block_n, ELEM_BYTES[x_dtype], streams, 4 if block_m * block_n >= 8192 else 3)

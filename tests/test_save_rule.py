@@ -461,3 +461,31 @@ def test_compiled_modules_keep_the_output_where_eager_does(what):
         want = torch.autograd.grad(((norm(x) @ a) ** 2).sum(), [x, a])
         for g_, w_ in zip(got, want):
             assert_close(_np(g_), _np(w_), "float32", f"{what} safe={safe}: compiled vs eager")
+
+
+@requires_torch
+@pytest.mark.parametrize("entry", sorted(__import__("normkit.launch", fromlist=["_BWD_TILES"])._BWD_TILES),
+                         ids=lambda k: f"{k[0]}-{'output' if k[1] else 'input'}-{k[2]}B-{k[3]}")
+def test_each_planned_backward_tile_at_its_shape(entry):
+    """Every dx-only backward tile of normkit/tiles.json, at a shape that plans it (more rows than its
+    grid has programs, where it is persistent): dx through autograd against float64, launched with
+    the tile's warps, chunks and grid."""
+    import normkit
+    from normkit.launch import _BWD_TILES
+    from tests.frontend_torch import DEVICE
+    from torch_frontend._backend import num_sms
+
+    op, from_output, elem_bytes, block_n = entry
+    spec = OPS[op]
+    dtype = {2: "bfloat16", 4: "float32"}[elem_bytes]
+    _, _, per_sm, _ = _BWD_TILES[entry]
+    M = 3 * max(1, round(per_sm * num_sms(DEVICE))) + 5 if per_sm else 7
+    N = block_n - 40  # a row that does not fill the tile
+    case = Case(op, Shape("planned", (M, N), frozenset()), dtype, has_b="bias" in spec.params,
+                trainable=frozenset(spec.row_inputs), eps=spec.default_eps)
+    inp = _edge_inputs(op, N, dtype, "plain", np.random.default_rng(block_n), rows=M)
+    num_warps, chunk, _, _ = _BWD_TILES[entry]
+    with np.errstate(over="ignore", invalid="ignore"), normkit.record_launches() as log:
+        _check_case(FRONTENDS["torch"](), case, inp)
+    bwd = log.of("norm_bwd_kernel")[0]
+    assert (bwd.num_warps, bwd.flags["CHUNK_N"], bwd.flags["PERSISTENT"]) == (num_warps, chunk, per_sm > 0), bwd
