@@ -125,13 +125,31 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
         return None, dx if needs[1] else None, dx if needs[2] else None, dw
 
 
+# "direct": an eager call with no torch.func transform active enters each Function's C apply
+# (``_compat.direct_apply``); "python": always torch's ``Function.apply``. The same-process host A/B
+# of docs/PERFORMANCE_RECORD.md ("Torch host time") decides between them.
+APPLY = "direct"
+_DIRECT = {fn: _compat.direct_apply(fn) for fn in (RMSNormFunction, LayerNormFunction, FusedAddRMSNormFunction)}
+
+
 def apply(route, op: Op, x, residual, weight, bias):
     """The op's outputs through its Function: y, or ``(y, residual_out)``."""
+    fn = FusedAddRMSNormFunction if op.has_residual else RMSNormFunction if op.params == ("weight",) else \
+        LayerNormFunction
+    direct = _DIRECT[fn]
+    if direct is not None and APPLY == "direct" and not _compat.transforms_active():
+        unwrap = _compat.unwrap_if_dead  # a tensor left by an exited transform, as Function.apply does
+        x, weight = unwrap(x), weight if weight is None else unwrap(weight)
+        if op.has_residual:
+            return direct(route, x, unwrap(residual), weight)
+        if op.params == ("weight",):
+            return direct(route, x, weight)
+        return direct(route, x, weight, bias if bias is None else unwrap(bias))
     if op.has_residual:
-        return FusedAddRMSNormFunction.apply(route, x, residual, weight)
+        return fn.apply(route, x, residual, weight)
     if op.params == ("weight",):
-        return RMSNormFunction.apply(route, x, weight)
-    return LayerNormFunction.apply(route, x, weight, bias)
+        return fn.apply(route, x, weight)
+    return fn.apply(route, x, weight, bias)
 
 
 def _saved(ctx, dy, ds, traced: bool) -> tuple:
@@ -150,22 +168,25 @@ def _saved(ctx, dy, ds, traced: bool) -> tuple:
     saved, weight, bias, aux, rstd = ctx.saved_tensors
     mean, rec = (None, aux) if ctx.route.from_output else (aux, None)
     like = dy if dy is not None else ds
-    if like is not None and (saved.dtype != like.dtype or saved.device != like.device):
+    # (dtypes are singletons: ``is`` compares them; ``get_device`` compares devices without making
+    # device objects, and is -1 for every CPU tensor)
+    if like is not None and (saved.dtype is not like.dtype or saved.get_device() != like.get_device()):
         saved = saved.to(like.device, like.dtype)
     if not traced and (saved.is_neg() or (weight is not None and weight.is_neg())
                        or (bias is not None and bias.is_neg())):
         saved = resolve_neg(saved, "the saved input")
         weight, bias = resolve_neg(weight, "the saved weight"), resolve_neg(bias, "the saved bias")
-    rstd = _statistic(rstd, saved, traced)
+    device = saved.get_device()
+    rstd = _statistic(rstd, saved, device, traced)
     if mean is not None:
-        mean = _statistic(mean, saved, traced)
+        mean = _statistic(mean, saved, device, traced)
     if rec is not None:
-        rec = _statistic(rec, saved, traced)
+        rec = _statistic(rec, saved, device, traced)
     return saved, weight, bias, mean, rstd, rec
 
 
-def _statistic(t, like, traced: bool):
-    if t.dtype != torch.float32 or t.device != like.device:
+def _statistic(t, like, device: int, traced: bool):
+    if t.dtype is not torch.float32 or t.get_device() != device:
         t = t.to(like.device, torch.float32)
     if not traced and t.is_neg():
         t = t.resolve_neg()

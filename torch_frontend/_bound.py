@@ -21,6 +21,7 @@ and made again from the weights' values.
 """
 from __future__ import annotations
 
+import ctypes
 import itertools
 
 import torch
@@ -49,7 +50,7 @@ def key(op: Op, eps, offset, casting_mode, store_stats: bool, x, residual, weigh
 
 # --- the flag the output-keeping forward sets where a weight breaks the safety rule -----------------
 
-_TRIPS: dict = {}  # device type -> (int32 [1] tensor the kernels write, a NumPy view of it the host reads)
+_TRIPS: dict = {}  # device type -> (int32 [1] tensor the kernels write, a ctypes view of it the host reads)
 
 
 def trip(device: torch.device):
@@ -57,20 +58,19 @@ def trip(device: torch.device):
     entry = _TRIPS.get(device.type)
     if entry is None:
         t = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")
-        entry = _TRIPS[device.type] = (t, t.numpy())
+        entry = _TRIPS[device.type] = (t, ctypes.c_int32.from_address(t.data_ptr()))
     return entry[0]
 
 
-def _tripped(device: torch.device) -> bool:
-    """Whether a forward on ``device``'s kind has found a weight breaking the safety rule since the last
-    look; then every remembered choice is forgotten (and the flag cleared)."""
-    entry = _TRIPS.get(device.type)
-    if entry is not None and entry[1][0]:
-        view = entry[1]
-        view[0] = 0
-        for sig in BOUND.values():
-            sig.forget()
-        return True
+def _tripped() -> bool:
+    """Whether a forward has found a weight breaking the safety rule since the last look; then every
+    remembered choice is forgotten (and the flag cleared)."""
+    for _, flag in _TRIPS.values():
+        if flag.value:
+            flag.value = 0
+            for sig in BOUND.values():
+                sig.forget()
+            return True
     return False
 
 
@@ -147,7 +147,7 @@ class Signature:
             return self._bounds[0] or self.bound(False)
         k = (_version_key(weight), _version_key(bias))
         from_output = self._decisions.get(k)
-        if from_output is None or (from_output and _tripped(x.device)):
+        if from_output is None or (from_output and _tripped()):
             from_output = _save.saves_output(self.op, self.save, x, weight, bias, self.opts.offset, self.opts.casting,
                                              hooked)
             if False not in k:

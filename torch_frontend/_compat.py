@@ -62,6 +62,28 @@ def checkpointing() -> bool:
     return hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
 
 
+# --- autograd.Function's C apply -------------------------------------------------------------------------
+
+_C_APPLY = _lookup(getattr(torch._C, "_FunctionBase", None), "__dict__") or {}
+_C_APPLY = _C_APPLY.get("apply")
+_UNWRAP_IF_DEAD = _lookup(_functorch, "unwrap_if_dead") if _functorch is not None else None
+
+
+def direct_apply(function):
+    """``function``'s own C ``apply`` (``torch._C._FunctionBase.apply`` bound to the class), to be called
+    with each tensor argument passed through ``unwrap_if_dead``: the work of torch's Python
+    ``Function.apply`` for a Function without ``setup_context`` (a generator over the arguments and a
+    call per check, about 15% of an eager forward's host time) where no ``torch.func`` transform is
+    active (the caller checks ``transforms_active``). None where this torch lacks either entry: the
+    caller then calls ``function.apply``."""
+    if _C_APPLY is None or _UNWRAP_IF_DEAD is None or not hasattr(_C_APPLY, "__get__"):
+        return None
+    return _C_APPLY.__get__(None, function)
+
+
+unwrap_if_dead = _UNWRAP_IF_DEAD
+
+
 # --- CUDA device and stream -----------------------------------------------------------------------------
 
 _GET_DEVICE = _lookup(torch._C, "_cuda_getDevice")
