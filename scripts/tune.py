@@ -170,9 +170,19 @@ def write_tiles(path: Path, choices: dict, device: str, commit: str, date: str) 
         entries[key] = {"residual": residual, "elem_bytes": elem_bytes, "block_n": block_n, "tile": c["tile"],
                         "measured": measured}
     table["rms_forward"] = [entries[k] for k in sorted(entries)]
-    rows = ",\n".join("    " + json.dumps(e) for e in table["rms_forward"])
-    path.write_text(f'{{\n  "about": {json.dumps(table["about"])},\n  "rms_forward": [\n{rows}\n  ]\n}}\n')
+    path.write_text(tiles_text(table))
     return table
+
+
+def tiles_text(table: dict) -> str:
+    """tiles.json's text: its "about", then each list of entries (the other tables, such as the
+    backward's, kept as they were), one entry per line."""
+    parts = [f'  "about": {json.dumps(table["about"])}']
+    for name, entries in table.items():
+        if name != "about":
+            rows = ",\n".join("    " + json.dumps(e) for e in entries)
+            parts.append(f'  "{name}": [\n{rows}\n  ]')
+    return "{\n" + ",\n".join(parts) + "\n}\n"
 
 
 def build(plan: list, cfg: Config, M: int, num_sms: int) -> list | None:

@@ -474,4 +474,7 @@ def test_save_ab_dry_run(tmp_path):
     sweep = tmp_path / "sweep.json"
     run_script("benchmarks/save_ab.py", "--dry-run", "--sweep", "--ops", "rms_norm", "--out", str(sweep))
     (cell,) = json.loads(sweep.read_text())["cells"]
-    assert set(cell["sweep"]) == {"input", "output_x1", "output_x2", "output_x4"}
+    from benchmarks.save_ab import sweep_configs
+
+    assert set(cell["sweep"]) == {"input", "planned", *sweep_configs(256)}
+    assert all(v > 0 for v in cell["sweep"].values()), cell

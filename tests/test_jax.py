@@ -541,8 +541,12 @@ def test_bitwise_parity_with_torch_on_gpu(case):
     assert torch.cuda.is_available(), "jax sees a GPU, torch must too"
     res_jax, res_torch = _run_both(case)
     check_launch_flags(case, res_jax.log)
+    # where the weight's recovery is stored (Torch's eager forward: after the statistics, with the trip
+    # flag; JAX: a buffer of its own) is not math: every other flag must match
+    storage = ("REC_IN_RSTD", "HAS_TRIP")
     for a, b in zip(res_jax.log, res_torch.log):
-        assert (a.kernel, a.grid, a.num_warps, a.flags) == (b.kernel, b.grid, b.num_warps, b.flags), (a, b)
+        fa, fb = ({k: v for k, v in f.items() if k not in storage} for f in (a.flags, b.flags))
+        assert (a.kernel, a.grid, a.num_warps, fa) == (b.kernel, b.grid, b.num_warps, fb), (a, b)
     _compare(case, res_jax, res_torch, exact=True)
 
 

@@ -127,29 +127,28 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
 
 # "direct": an eager call with no torch.func transform active enters each Function's C apply
 # (``_compat.direct_apply``); "python": always torch's ``Function.apply``. The same-process host A/B
-# of docs/PERFORMANCE_RECORD.md ("Torch host time") decides between them.
+# of docs/PERFORMANCE_RECORD.md ("Torch host time") chose "direct": 9% less host time per forward.
 APPLY = "direct"
-_DIRECT = {fn: _compat.direct_apply(fn) for fn in (RMSNormFunction, LayerNormFunction, FusedAddRMSNormFunction)}
+_DIRECT_RMS, _DIRECT_LN, _DIRECT_ADD = (_compat.direct_apply(fn) for fn in
+                                        (RMSNormFunction, LayerNormFunction, FusedAddRMSNormFunction))
 
 
 def apply(route, op: Op, x, residual, weight, bias):
     """The op's outputs through its Function: y, or ``(y, residual_out)``."""
-    fn = FusedAddRMSNormFunction if op.has_residual else RMSNormFunction if op.params == ("weight",) else \
-        LayerNormFunction
-    direct = _DIRECT[fn]
-    if direct is not None and APPLY == "direct" and not _compat.transforms_active():
+    if (route.__class__ is not Traced and APPLY == "direct" and _DIRECT_RMS is not None
+            and not torch.compiler.is_compiling() and not _compat.transforms_active()):
         unwrap = _compat.unwrap_if_dead  # a tensor left by an exited transform, as Function.apply does
         x, weight = unwrap(x), weight if weight is None else unwrap(weight)
         if op.has_residual:
-            return direct(route, x, unwrap(residual), weight)
+            return _DIRECT_ADD(route, x, unwrap(residual), weight)
         if op.params == ("weight",):
-            return direct(route, x, weight)
-        return direct(route, x, weight, bias if bias is None else unwrap(bias))
+            return _DIRECT_RMS(route, x, weight)
+        return _DIRECT_LN(route, x, weight, bias if bias is None else unwrap(bias))
     if op.has_residual:
-        return fn.apply(route, x, residual, weight)
+        return FusedAddRMSNormFunction.apply(route, x, residual, weight)
     if op.params == ("weight",):
-        return fn.apply(route, x, weight)
-    return fn.apply(route, x, weight, bias)
+        return RMSNormFunction.apply(route, x, weight)
+    return LayerNormFunction.apply(route, x, weight, bias)
 
 
 def _saved(ctx, dy, ds, traced: bool) -> tuple:
