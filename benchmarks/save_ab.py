@@ -361,6 +361,8 @@ def main(argv=None) -> int:
         if not dry:
             torch.cuda.empty_cache()
         results["cells"].append(cell)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=1, default=str))  # each cell, as it ends
         kb = cell["torch"]["kernel_bwd"]
         print(f"[{time.perf_counter() - t0:5.1f}s] {op} {dtype} {M}x{N}: bwd kernel {kb['input']:.1f} -> "
               f"{kb['output']:.1f} us ({kb['ratio']:.3f}), e2e {cell['torch']['e2e_bwd']['ratio']:.3f}"
