@@ -136,8 +136,8 @@ def _xla_forward(cfg: _Config, x, weight, cos, sin, *, store_stats: bool, store_
     if store_stats:
         out["RSTD"] = rstd
     if store_rec:
-        out["REC"] = norm_math.recovery_array(weight, None, N=x.shape[-1], x_dtype=x.dtype, offset=o.offset,
-                                              casting=o.casting, xp=jnp)
+        out["REC"] = norm_math.rope_recovery_array(weight, N=x.shape[-1], x_dtype=x.dtype, offset=o.offset,
+                                                   casting=o.casting, interleaved=cfg.interleaved, xp=jnp)
     return out
 
 
@@ -193,14 +193,17 @@ def _host(a):
 
 
 def _saves_output(cfg: _Config, needs: _Needs, x, weight) -> bool:
-    """``normkit.saving.decide`` for this call (as ``functional._saves_output`` for ``rms_norm``)."""
+    """``normkit.saving.decide`` for this call (as ``functional._saves_output`` for ``rms_norm``), with
+    ``norm_math.rope_unsafe_reason`` where the weight's values are known; traced, ``saving.traced_rule``,
+    and the forward's recovery is poisoned (NaN dx) where the weight turns out unsafe."""
     x_dtype = _launch.dtype_name(x.dtype)
     traced = isinstance(weight, jax.core.Tracer)
     return saving.decide(
         rope.RMS_NORM_ROPE, cfg.save, trained=["weight"] if needs.weight else [], needs_dx=needs.x,
         row_length=x.shape[-1], has_params=weight is not None, has_bias=False, offset=cfg.opts.offset,
-        x_dtype=x_dtype, unsafe=None if traced else lambda: norm_math.unsafe_reason(
-            _host(weight), None, x_dtype=x_dtype, offset=cfg.opts.offset, casting=cfg.opts.casting))
+        x_dtype=x_dtype, unsafe=None if traced else lambda: norm_math.rope_unsafe_reason(
+            _host(weight), x_dtype=x_dtype, offset=cfg.opts.offset, casting=cfg.opts.casting,
+            interleaved=cfg.interleaved))
 
 
 def _rope_fwd(cfg: _Config, x, weight, cos, sin):

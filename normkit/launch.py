@@ -511,6 +511,7 @@ def plan_rope_forward(D: int, rows: tuple, x_dtype: str, w_dtype: str | None, op
             W_MIN=OUTPUT_W_MIN[x_dtype] if store_rec else 0.0,
             BOUND_SCALE=_f32(norm_math.bound_scale(D, x_dtype)) if store_rec else 0.0,
             Y_MAX=FINITE_MAX[x_dtype] if store_rec else 0.0,
+            PAIR_RATIO=norm_math.ROPE_PAIR_RATIO,
             REC_CHUNK=min(_next_pow2(D), REC_CHUNK),
             W_STRIDE=w_stride if has_w else 1,
             BLOCK_M=block_m,

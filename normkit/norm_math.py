@@ -551,3 +551,48 @@ def rms_norm_rope_output_backward(out, weight, cos, sin, dout, rstd, *, offset: 
         rec = recovery(weight, None, x_dtype=dt, offset=offset, casting=casting, xp=xp)
     return output_backward(y, weight, None, dy, None, rstd, is_rms=True, offset=offset, casting=casting, rec=rec,
                            xp=xp)
+
+
+# The output-saving backward of rms_norm_rope recovers y = R^-1(out) with an error of out's rounding
+# relative to each *pair's* magnitude |(y_j, y_p)|, not to y_j's own: so x_hat_j = y_j / w_y[j] carries
+# the partner's error times |w_y[p] / w_y[j]|. Past this ratio in some pair the output is not kept
+# (``rope_unsafe_reason``), or, where the weight's values were unseen, the recovery is poisoned (NaN dx).
+ROPE_PAIR_RATIO = 4.0
+
+
+def rope_pair_ratio(weight, *, x_dtype, offset: float = 0.0, casting: Casting = Casting.FP32,
+                    interleaved: bool = False, xp=None):
+    """``max_j |w_y[p(j)] / w_y[j]|`` (a 0-d array; inf where some |w_y| is 0), w_y the weight as the
+    forward multiplies by it."""
+    xp, dt, f, w, _, _, _ = _weight_terms(weight, None, x_dtype, offset, casting, xp)
+    a = xp.abs(w)
+    return xp.max(rope_partner(a, interleaved=interleaved, xp=xp) / a)
+
+
+def rope_recovery_array(weight, *, N: int, x_dtype, offset: float = 0.0, casting: Casting = Casting.FP32,
+                        interleaved: bool = False, xp=None):
+    """``recovery_array`` for rms_norm_rope: also poisoned (NaN) where the pair ratio exceeds
+    ``ROPE_PAIR_RATIO``, as the kernels' forward stores it."""
+    rec = recovery_array(weight, None, N=N, x_dtype=x_dtype, offset=offset, casting=casting, xp=xp)
+    if weight is None:
+        return rec
+    xp = _namespace(xp, weight)
+    bad = xp.logical_not(rope_pair_ratio(weight, x_dtype=x_dtype, offset=offset, casting=casting,
+                                         interleaved=interleaved, xp=xp) <= ROPE_PAIR_RATIO)
+    nan = xp.asarray(float("nan"), dtype=rec.dtype)
+    return xp.concat([rec[:N], xp.reshape(xp.where(bad, nan, rec[N]), (1,))])
+
+
+def rope_unsafe_reason(weight, *, x_dtype, offset: float = 0.0, casting: Casting = Casting.FP32,
+                       interleaved: bool = False) -> str | None:
+    """Why rms_norm_rope's output-saving backward cannot recover x_hat with this weight (RMSNorm's
+    ``unsafe_reason``, or a pair ratio above ``ROPE_PAIR_RATIO``), or None where it can."""
+    reason = unsafe_reason(weight, None, x_dtype=x_dtype, offset=offset, casting=casting)
+    if reason is not None or weight is None:
+        return reason
+    ratio = float(rope_pair_ratio(weight, x_dtype=x_dtype, offset=offset, casting=casting, interleaved=interleaved))
+    if ratio <= ROPE_PAIR_RATIO:
+        return None
+    return (f"a rotation pair's weights{' + offset' if offset else ''} differ by a factor {ratio:.3g} > "
+            f"{ROPE_PAIR_RATIO:g}: the rotation mixes each pair, so x_hat recovered from the output would carry the "
+            "partner's rounding error times that factor")

@@ -12,8 +12,8 @@ Only a last dimension that is not contiguous is copied (with a ``NormkitCopyWarn
 gradient that does not fit x's row grouping is copied into x's layout.
 
 What the backward keeps (``save``) is decided by ``normkit.saving.decide`` through ``_save``, as for
-``rms_norm``: with the weight frozen and safe, the output, its per-row rstd and the weight's recovery
-1 / w (no x); otherwise x and rstd.
+``rms_norm`` (``_saves_output``): with the weight frozen and safe, the output, its per-row rstd and the
+weight's recovery 1 / w (no x); otherwise x and rstd.
 """
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from normkit import _compat as _triton_compat
-from normkit import checks, driver, rope
+from normkit import checks, driver, norm_math, rope, saving
 from normkit.launch import INTERPRETER_NUM_SMS, plan_rope_backward, plan_rope_forward
 from normkit.ops import GRADS, Options
-from torch_frontend import _compat, _save
+from torch_frontend import _compat
 from torch_frontend._backend import DTYPE_NAMES, NormkitCopyWarning, dtype_name, num_sms, resolve_neg
 
 __all__ = ["rms_norm_rope"]
@@ -134,14 +134,29 @@ def _forward(cfg: _Config, x, weight, cos, sin, store_stats: bool, store_rec: bo
     return out, rstd, rec, layout
 
 
+def _saves_output(cfg: _Config, x, weight) -> bool:
+    """``normkit.saving.decide`` for this call, the weight's values read (a host synchronization):
+    RMSNorm's safety rule plus the rotation's pair ratio (``norm_math.rope_unsafe_reason``). A trained
+    weight keeps x (and save="output" raises)."""
+    o = cfg.opts
+
+    def unsafe():
+        with torch.no_grad():
+            return norm_math.rope_unsafe_reason(weight.detach(), x_dtype=x.dtype, offset=o.offset, casting=o.casting,
+                                                interleaved=cfg.interleaved)
+
+    return saving.decide(rope.RMS_NORM_ROPE, cfg.save, trained=["weight"] if weight is not None and
+                         weight.requires_grad else [], needs_dx=True, row_length=x.shape[-1],
+                         has_params=weight is not None, has_bias=False, offset=o.offset, x_dtype=_name(x),
+                         unsafe=unsafe, hooked=_compat.checkpointing())
+
+
 class RMSNormRoPEFunction(torch.autograd.Function):
     """``forward(cfg, x, weight, cos, sin)``; cos and sin are constants (no gradient)."""
 
     @staticmethod
     def forward(ctx, cfg: _Config, x, weight, cos, sin):
-        # a trained weight keeps x (and save="output" raises): normkit.saving.decide
-        from_output = _save.saves_output(rope.RMS_NORM_ROPE, cfg.save, x, weight, None, cfg.opts.offset,
-                                         cfg.opts.casting, hooked=_compat.checkpointing())
+        from_output = _saves_output(cfg, x, weight)
         out, rstd, rec, layout = _forward(cfg, x, weight, cos, sin, True, from_output)
         ctx.cfg, ctx.layout, ctx.from_output = cfg, layout, from_output
         ctx.save_for_backward(out if from_output else x, weight, cos, sin, rstd, rec)
@@ -214,8 +229,10 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tenso
         eps, offset, casting_mode: as in ``rms_norm``.
         interleaved: GPT-J pairing of the columns instead of ``rotate_half``'s.
         save: what the backward keeps: ``"auto"`` keeps the output (not x) where the weight is frozen
-            and x_hat can be recovered from it (``normkit.saving.decide``, the safety rule of
-            ``rms_norm``); the backward then recovers ``y = R^-1(out)`` (the rotation by -theta; per
+            and x_hat can be recovered from it (``normkit.saving.decide``: the safety rule of
+            ``rms_norm``, and no rotation pair whose weights differ by more than
+            ``norm_math.ROPE_PAIR_RATIO``, since the recovery of column j carries its partner's
+            rounding error times that ratio); the backward then recovers ``y = R^-1(out)`` (the rotation by -theta; per
             pair through its 2 x 2 determinant, 1 for HF's tables, attention_scaling^2 for tables
             that carry one) and ``x_hat = y / (weight + offset)``. ``"input"`` keeps x; ``"output"``
             keeps the output and raises where the weight is trained or unsafe.

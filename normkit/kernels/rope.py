@@ -92,6 +92,7 @@ def rms_norm_rope_fwd_kernel(
     W_MIN: tl.constexpr,  # STORE_REC: a column whose |w_y| is below this (x.dtype's bound) is unsafe
     BOUND_SCALE: tl.constexpr,  # STORE_REC: sqrt(D) (1 + 4u), the largest |x_hat|
     Y_MAX: tl.constexpr,  # STORE_REC: x.dtype's largest finite value
+    PAIR_RATIO: tl.constexpr,  # STORE_REC: the largest |w_y[p] / w_y[j]| of a pair (norm_math.ROPE_PAIR_RATIO)
     REC_CHUNK: tl.constexpr,  # STORE_REC: columns per step of the recovery
     W_STRIDE: tl.constexpr,  # the weight's element stride
     BLOCK_M: tl.constexpr,  # rows per program
@@ -136,6 +137,13 @@ def rms_norm_rope_fwd_kernel(
         if tl.program_id(0) == 0:
             _store_recovery(W, None, REC, None, offset, X, D, HAS_W, False, False, CASTING, W_STRIDE, 1, W_MIN, 0.0,
                             BOUND_SCALE, Y_MAX, REC_CHUNK)
+            if HAS_W:
+                # the recovery of column j carries its partner's rounding error times |w_y[p] / w_y[j]|:
+                # past PAIR_RATIO the poison is NaN too (norm_math.rope_recovery_array)
+                ratio = tl.where(col_mask, tl.abs(wp) / tl.abs(w), 0.0)
+                bad = (tl.max(ratio, axis=0) > PAIR_RATIO) | (tl.max(tl.where(ratio != ratio, 1, 0), axis=0) > 0)
+                tl.debug_barrier()  # after _store_recovery's store of REC[D]
+                tl.store(REC + D, float("nan"), mask=bad)
 
 
 @triton.jit(do_not_specialize=["M", "n1", "n2"])
