@@ -76,7 +76,8 @@ def inputs(case: Case) -> dict:
     theta = np.repeat(theta, 2, axis=-1) if case.interleaved else np.concatenate([theta, theta], axis=-1)
     return {
         "x": rounded(rng.standard_normal(case.shape) * 1.5 + 0.3, case.dtype),
-        "weight": rounded(rng.uniform(0.5, 1.5, D) * rng.choice([-1.0, 1.0], D), case.dtype),
+        # weight + offset in +-[0.5, 1.5] (Gemma's weights lie around 0)
+        "weight": rounded(rng.uniform(0.5, 1.5, D) * rng.choice([-1.0, 1.0], D) - case.offset, case.dtype),
         "cos": rounded(np.cos(theta) * case.scale, td),
         "sin": rounded(np.sin(theta) * case.scale, td),
         "dout": rounded(rng.standard_normal(case.shape), case.dtype),
@@ -428,3 +429,53 @@ def test_row_layout_groups_in_memory_order():
 
 def test_tolerance_table_covers_the_dtypes():
     assert set(("float32", "bfloat16", "float16")) <= set(TOLERANCES)
+
+
+def _bad_pair(case: Case, a: dict) -> dict:
+    """Column 0's weight 0.1, its partner's 1: a pair ratio of 10 (above ROPE_PAIR_RATIO)."""
+    a["weight"][0], a["weight"][1 if case.interleaved else case.D // 2] = 0.1, 1.0
+    return a
+
+
+def test_pair_ratio_keeps_the_input(adapter):
+    """A frozen weight whose rotation pair differs by more than ROPE_PAIR_RATIO: "auto" keeps x (the
+    weight's values are read), "output" raises naming the pair."""
+    case = Case(D=8, trained=False, interleaved=True)
+    a = _bad_pair(case, inputs(case))
+    assert not expected_from_output(case, a)
+    run = adapter.run(case, a)
+    assert not _flags(run.log, "bwd")["FROM_Y"]
+    with pytest.raises(ValueError, match="rotation pair"):
+        adapter.run(dataclasses.replace(case, save="output"), a)
+
+
+@pytest.mark.skipif(not HAS_JAX, reason="needs jax")
+@pytest.mark.parametrize("implementation", [n.removeprefix("jax-") for n in ADAPTERS if n.startswith("jax-")])
+def test_traced_unsafe_weight_poisons_dx(implementation):
+    """Under jit the weight's values are unseen: the traced rule keeps the output, and the forward's
+    recovery is poisoned where the pair ratio turns out too large, so dx is NaN (loud), never quietly
+    imprecise; a safe weight gives the reference's dx."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_frontend as jf
+
+    case = Case(D=8, trained=False)
+    for bad in (False, True):
+        a = inputs(case)
+        if bad:
+            a = _bad_pair(case, a)
+        x, w, cos, sin, d = (jnp.asarray(a[k], jnp.float32) for k in ("x", "weight", "cos", "sin", "dout"))
+
+        def f(x, w):
+            return jf.rms_norm_rope(x, jf.freeze(w, False), cos, sin, implementation=implementation)
+
+        with normkit.record_launches() as log:
+            _, vjp = jax.vjp(jax.jit(f), x, w)
+            dx, dw = vjp(d)
+        assert _flags(log, "bwd")["FROM_Y"] and not np.any(np.asarray(dw))
+        if bad:
+            assert np.all(np.isnan(np.asarray(dx)))
+        else:
+            ref, _ = reference.rms_norm_rope_bwd(a["x"], a["weight"], a["cos"], a["sin"], a["dout"])
+            assert_close(np.asarray(dx, np.float64), ref, "float32", "dx")
