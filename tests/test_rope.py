@@ -479,3 +479,38 @@ def test_traced_unsafe_weight_poisons_dx(implementation):
         else:
             ref, _ = reference.rms_norm_rope_bwd(a["x"], a["weight"], a["cos"], a["sin"], a["dout"])
             assert_close(np.asarray(dx, np.float64), ref, "float32", "dx")
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+def test_torch_strided_slice_and_empty_rows():
+    """q as a slice of a fused qkv projection ([B, S, 3 H D] viewed [B, S, H, D], then transposed): read
+    in place; the output dense in x's dimension order. No rows: empty results, zero dW."""
+    import torch
+
+    import torch_frontend as tf
+
+    B, S, H, D = 2, 3, 2, 8
+    rng = np.random.default_rng(1)
+    qkv = torch.tensor(rng.standard_normal((B, S, 3 * H * D)), dtype=torch.float32)
+    leaf = qkv.requires_grad_(True)
+    q = leaf[..., : H * D].view(B, S, H, D).transpose(1, 2)
+    w = torch.tensor(rng.uniform(0.5, 1.5, D), dtype=torch.float32, requires_grad=True)
+    theta = torch.tensor(rng.uniform(-4, 4, (1, 1, S, D // 2)))
+    cos, sin = (f(torch.cat([theta, theta], -1)).float() for f in (torch.cos, torch.sin))
+    d = torch.tensor(rng.standard_normal((B, H, S, D)), dtype=torch.float32)
+    with poisoned_outputs():
+        out = tf.rms_norm_rope(q, w, cos, sin)
+        out.backward(d)
+    a = {"x": q.detach().double().numpy(), "weight": w.detach().double().numpy(), "cos": cos.double().numpy(),
+         "sin": sin.double().numpy()}
+    assert_close(out.detach().numpy(), reference.rms_norm_rope(a["x"], a["weight"], a["cos"], a["sin"]), "float32", "out")
+    dx, dw = reference.rms_norm_rope_bwd(a["x"], a["weight"], a["cos"], a["sin"], d.double().numpy())
+    assert_close(leaf.grad[..., : H * D].view(B, S, H, D).transpose(1, 2).numpy(), dx, "float32", "dx")
+    assert not leaf.grad[..., H * D:].any()
+    assert_close(w.grad.numpy(), dw, "float32", "dw", reduced_over=B * S * H)
+    assert out.stride() == (S * H * D, D, H * D, 1)  # a [B, S, H, D] buffer, seen as x is
+    x0 = torch.zeros((2, 0, 3, D), requires_grad=True)
+    w0 = torch.ones(D, requires_grad=True)
+    out = tf.rms_norm_rope(x0, w0, cos[:, :, :1].expand(1, 1, 3, D)[:, :, :3], sin[:, :, :1].expand(1, 1, 3, D))
+    out.sum().backward()
+    assert out.shape == x0.shape and x0.grad.shape == x0.shape and not w0.grad.any()
