@@ -65,5 +65,6 @@ compiled (a cached jit call records nothing).
 """
 from jax_frontend._freeze import freeze
 from jax_frontend.functional import IMPLEMENTATIONS, fused_add_rms_norm, layer_norm, resolve_implementation, rms_norm
+from jax_frontend._rope import rms_norm_rope
 
-__all__ = ["rms_norm", "layer_norm", "fused_add_rms_norm", "freeze", "IMPLEMENTATIONS", "resolve_implementation"]
+__all__ = ["rms_norm", "layer_norm", "fused_add_rms_norm", "rms_norm_rope", "freeze", "IMPLEMENTATIONS", "resolve_implementation"]

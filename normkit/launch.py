@@ -465,3 +465,125 @@ def pallas_blocks(op: Op, M: int, N: int, *, elem_bytes: int, num_sms: int, back
     else:
         programs = tiles
     return PallasBlocks(block_m, block_n, num_warps, programs, -(-tiles // programs))
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm followed by rotary embedding (normkit/kernels/rope.py, normkit.rope): rows addressed by
+# three row indices, each array with its own three row strides (normkit.rope.row_layout).
+
+ROPE_STRIDES = ("0", "1", "2")
+ROPE_FWD_INPUTS = ("X", "W", "COS", "SIN")
+ROPE_FWD_SCALARS = ("eps", "offset", "M", "n1", "n2") + tuple(
+    f"s{a}{i}" for a in ("x", "c", "s", "y") for i in ROPE_STRIDES)
+ROPE_FWD_OUTPUTS = ("Y", "RSTD", "REC")
+ROPE_BWD_INPUTS = ("X", "W", "COS", "SIN", "DY", "RSTD", "REC")
+ROPE_BWD_SCALARS = ("offset", "M", "n1", "n2") + tuple(
+    f"s{a}{i}" for a in ("x", "c", "s", "dy", "dx") for i in ROPE_STRIDES)
+ROPE_BWD_OUTPUTS = ("DX", "DW_PART")
+
+
+@functools.cache
+def rope_kernels():
+    """``normkit.kernels.rope``, imported by the first rope plan."""
+    from normkit.kernels import rope
+
+    return rope
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_rope_forward(D: int, rows: tuple, x_dtype: str, w_dtype: str | None, opts: Options, interleaved: bool,
+                      store_stats: bool, store_rec: bool, strides: tuple, w_stride: int,
+                      out_shape: tuple) -> KernelCall:
+    """The forward of ``rms_norm_rope`` over ``rows = (n0, n1, n2)`` rows of D columns (``M = n0 n1
+    n2 >= 1``). ``strides``: the row strides ``(s0, s1, s2)`` of x, cos, sin and the output, in that
+    order (``normkit.rope.row_layout``); ``w_stride`` the weight's element stride; ``out_shape``
+    the output's shape (the caller's x shape), in which a backend that allocates it does so.
+    ``store_rec``: the backward will read the output, so program 0 writes the weight's recovery REC.
+    Tiles as RMSNorm's (``tile_config``: N alone fixes a row's reduction order), one per program."""
+    assert store_stats or not store_rec
+    n0, n1, n2 = rows
+    M = n0 * n1 * n2
+    has_w = w_dtype is not None
+    block_m, block_d, num_warps = tile_config(M, D)
+    out_specs = {"Y": (tuple(out_shape), x_dtype)}
+    if store_stats:
+        out_specs["RSTD"] = ((M,), "float32")
+    if store_rec:
+        out_specs["REC"] = ((D + 1,), "float32")
+    return KernelCall(
+        kernel=rope_kernels().rms_norm_rope_fwd_kernel,
+        grid=(-(-M // block_m),),
+        num_warps=num_warps,
+        num_stages=1,
+        inputs=ROPE_FWD_INPUTS,
+        present_inputs=frozenset({"X", "COS", "SIN"} | ({"W"} if has_w else set())),
+        scalar_names=ROPE_FWD_SCALARS,
+        scalars=(_f32(opts.eps), _f32(opts.offset), M, n1, n2, *(s for triple in strides for s in triple)),
+        outputs=ROPE_FWD_OUTPUTS,
+        out_specs=out_specs,
+        constexprs=dict(
+            D=D,
+            HAS_W=has_w,
+            CASTING=int(opts.casting),
+            INTERLEAVED=interleaved,
+            STORE_STATS=store_stats,
+            STORE_REC=store_rec,
+            W_MIN=OUTPUT_W_MIN[x_dtype] if store_rec else 0.0,
+            BOUND_SCALE=_f32(norm_math.bound_scale(D, x_dtype)) if store_rec else 0.0,
+            Y_MAX=FINITE_MAX[x_dtype] if store_rec else 0.0,
+            PAIR_RATIO=norm_math.ROPE_PAIR_RATIO,
+            REC_CHUNK=min(_next_pow2(D), REC_CHUNK),
+            W_STRIDE=w_stride if has_w else 1,
+            BLOCK_M=block_m,
+            BLOCK_D=block_d,
+        ),
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_rope_backward(D: int, rows: tuple, x_dtype: str, w_dtype: str | None, opts: Options, interleaved: bool,
+                       grads: Grads, from_output: bool, strides: tuple, w_stride: int, num_sms: int,
+                       out_shape: tuple) -> tuple[KernelCall, KernelCall | None]:
+    """The backward of ``rms_norm_rope`` and the fixed-order reduction of its dW partials (None
+    without dW). ``strides``: the row strides of the saved rows (x, or the output ``from_output``),
+    cos, sin, dy and dx; ``out_shape``: dx's shape. With dW, ``num_partials`` programs each own one
+    fp32 partial row (``partial_sum_kernel`` then sums them in a fixed order); without, one program
+    per tile."""
+    assert not (from_output and grads.dw), "the output-saving backward computes dx alone"
+    n0, n1, n2 = rows
+    M = n0 * n1 * n2
+    has_w = w_dtype is not None
+    block_m, block_d, num_warps = tile_config(M, D)
+    tiles = -(-M // block_m)
+    grid = num_partials(M, D, num_sms) if grads.dw else tiles
+    out_specs = {}
+    if grads.dx:
+        out_specs["DX"] = (tuple(out_shape), x_dtype)
+    if grads.dw:
+        out_specs["DW_PART"] = ((grid, D), "float32")
+    present = {"X", "COS", "SIN", "DY", "RSTD"} | ({"W"} if has_w else set()) | ({"REC"} if from_output else set())
+    bwd = KernelCall(
+        kernel=rope_kernels().rms_norm_rope_bwd_kernel,
+        grid=(grid,),
+        num_warps=num_warps,
+        num_stages=1,
+        inputs=ROPE_BWD_INPUTS,
+        present_inputs=frozenset(present),
+        scalar_names=ROPE_BWD_SCALARS,
+        scalars=(_f32(opts.offset), M, n1, n2, *(s for triple in strides for s in triple)),
+        outputs=ROPE_BWD_OUTPUTS,
+        out_specs=out_specs,
+        constexprs=dict(
+            D=D,
+            HAS_W=has_w,
+            CASTING=int(opts.casting),
+            INTERLEAVED=interleaved,
+            COMPUTE_DX=grads.dx,
+            COMPUTE_DW=grads.dw,
+            FROM_Y=from_output,
+            W_STRIDE=w_stride if has_w else 1,
+            BLOCK_M=block_m,
+            BLOCK_D=block_d,
+        ),
+    )
+    return bwd, _plan_reduce(D, grid, w_dtype if grads.dw else None, None)

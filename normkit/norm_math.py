@@ -427,3 +427,172 @@ def unsafe_reason(weight, bias, *, x_dtype, offset: float = 0.0, casting: Castin
                 f"{bound_scale(N, name) * wmax:.4g}{' plus max|bias|' if bias is not None else ''} reaches its largest "
                 f"finite value {FINITE_MAX[name]:.4g}, and an infinite y loses x_hat")
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm followed by rotary position embedding (QK-norm, then RoPE): ``rms_norm_rope``.
+#
+# ``R(y) = y * cos + rotate(y) * sin`` over the last axis (HF's ``apply_rotary_pos_emb``), where
+# ``rotate`` pairs column j with its partner p(j) and negates the first of each pair:
+#
+#   rotate_half (interleaved=False): pairs (j, j + D/2), rotate(t) = cat(-t[..., D/2:], t[..., :D/2]);
+#   interleaved (GPT-J):             pairs (2i, 2i + 1), rotate(t)[2i] = -t[2i + 1], rotate(t)[2i + 1] = t[2i].
+#
+# With sigma_j = -1 on the first of a pair and +1 on the second, rotate(t)_j = sigma_j t_{p(j)}, and
+# per pair (a, b) R is the 2 x 2 matrix [[c_a, -s_a], [s_b, c_b]]. Then
+#
+#   transpose (the gradient):  R^T(d) = d * cos - rotate(d * sin)
+#   inverse (output saving):   R^-1(o) = (partner(cos) * o - sin * rotate(o)) / det,
+#                              det = cos * partner(cos) + sin * partner(sin)
+#
+# (det = 1 for HF's tables, whose halves repeat: cos^2 + sin^2 = 1; attention_scaling^2 where the
+# tables carry one). cos and sin are constants: they get no gradient.
+#
+# Rounding points (fp32 / bf16 / fp16 x): y = rms_norm(x, weight) is rounded to x's dtype exactly as
+# ``forward`` returns it (what HF's q_norm returns); then
+#
+#   INPUT_DTYPE (casting_mode "none"):  cos and sin rounded to x's dtype, and
+#                                       out = round(round(y * cos) + round(rotate(y) * sin)):
+#                                       HF's rope evaluated in x's dtype, operation by operation;
+#   ROUND_NORMALIZED, FP32:             out = round(y * cos + rotate(y) * sin) in fp32, one rounding.
+
+
+def rope_partner(t, *, interleaved: bool, xp=None):
+    """``t_{p(j)}`` along the last axis: each column's partner in its rotation pair."""
+    xp = _namespace(xp, t)
+    D = t.shape[-1]
+    if interleaved:
+        return xp.reshape(xp.stack([t[..., 1::2], t[..., 0::2]], axis=-1), t.shape[:-1] + (D,))
+    return xp.concat([t[..., D // 2:], t[..., :D // 2]], axis=-1)
+
+
+def rope_rotate(t, *, interleaved: bool, xp=None):
+    """``rotate(t)_j = sigma_j t_{p(j)}``: HF's ``rotate_half`` (or GPT-J's ``rotate_every_two``)."""
+    xp = _namespace(xp, t)
+    D = t.shape[-1]
+    if interleaved:
+        return xp.reshape(xp.stack([-t[..., 1::2], t[..., 0::2]], axis=-1), t.shape[:-1] + (D,))
+    return xp.concat([-t[..., D // 2:], t[..., :D // 2]], axis=-1)
+
+
+def rope(y, cos, sin, *, interleaved: bool, x_dtype=None, casting: Casting = Casting.FP32, xp=None):
+    """``R(y) = y * cos + rotate(y) * sin`` in y's dtype; under INPUT_DTYPE each product and the sum
+    rounded to ``x_dtype`` (cos and sin as given: ``rms_norm_rope_forward`` rounds them first)."""
+    xp = _namespace(xp, y, cos, sin)
+    a, b = y * cos, rope_rotate(y, interleaved=interleaved, xp=xp) * sin
+    if casting == Casting.INPUT_DTYPE and x_dtype is not None:
+        return _round(xp, _round(xp, a, x_dtype) + _round(xp, b, x_dtype), x_dtype)
+    return a + b
+
+
+def rope_transpose(d, cos, sin, *, interleaved: bool, xp=None):
+    """``R^T(d) = d * cos - rotate(d * sin)``: the gradient of y for the gradient d of R(y)."""
+    xp = _namespace(xp, d, cos, sin)
+    return d * cos - rope_rotate(d * sin, interleaved=interleaved, xp=xp)
+
+
+def rope_inverse(out, cos, sin, *, interleaved: bool, xp=None):
+    """``R^-1(out)``: y back from R(y), per pair through its 2 x 2 determinant (1 for HF's tables)."""
+    xp = _namespace(xp, out, cos, sin)
+    cp = rope_partner(cos, interleaved=interleaved, xp=xp)
+    sp = rope_partner(sin, interleaved=interleaved, xp=xp)
+    return (cp * out - sin * rope_rotate(out, interleaved=interleaved, xp=xp)) / (cos * cp + sin * sp)
+
+
+def _rope_tables(xp, cos, sin, casting, x_dtype, f):
+    """cos and sin in the compute dtype, as the forward multiplies by them (rounded to x's dtype
+    under INPUT_DTYPE, as HF's ``cos.to(x.dtype)``)."""
+    c, s = _to(xp, cos, f), _to(xp, sin, f)
+    if casting == Casting.INPUT_DTYPE:
+        c, s = _round(xp, c, x_dtype), _round(xp, s, x_dtype)
+    return c, s
+
+
+def rms_norm_rope_forward(x, weight, cos, sin, *, eps: float, offset: float = 0.0, casting: Casting = Casting.FP32,
+                          interleaved: bool = False, xp=None) -> tuple:
+    """``(out, rstd)``: ``out = R(rms_norm(x, weight))`` in x's dtype (rounding points above), rstd per
+    row in the compute dtype. cos and sin broadcast against x (``(..., D)``)."""
+    xp = _namespace(xp, x, weight, cos, sin)
+    dt = x.dtype
+    f = _compute_dtype(xp, dt)
+    y, _, _, rstd = forward(x, None, weight, None, is_rms=True, eps=eps, offset=offset, casting=casting, xp=xp)
+    c, s = _rope_tables(xp, cos, sin, casting, dt, f)
+    out = rope(_to(xp, y, f), c, s, interleaved=interleaved, x_dtype=dt, casting=casting, xp=xp)
+    return _to(xp, out, dt), rstd
+
+
+def rms_norm_rope_input_backward(x, weight, cos, sin, dout, rstd=None, *, eps: float | None = None,
+                                 offset: float = 0.0, casting: Casting = Casting.FP32, interleaved: bool = False,
+                                 compute_dx: bool = True, compute_dw: bool = False, xp=None) -> tuple:
+    """``(dx, dw)`` from the saved input x, in the compute dtype (None where not asked): the RMSNorm
+    backward (``input_backward``) of ``dy = R^T(dout)``. ``rstd`` None recomputes it (with ``eps``)."""
+    xp = _namespace(xp, x, weight, cos, sin, dout)
+    f = _compute_dtype(xp, x.dtype)
+    c, s = _rope_tables(xp, cos, sin, casting, x.dtype, f)
+    dy = rope_transpose(_to(xp, dout, f), c, s, interleaved=interleaved, xp=xp)
+    dx, dw, _ = input_backward(x, weight, dy, None, None, rstd, is_rms=True, eps=eps, offset=offset, casting=casting,
+                               compute_dx=compute_dx, compute_dw=compute_dw, xp=xp)
+    return dx, dw
+
+
+def rms_norm_rope_output_backward(out, weight, cos, sin, dout, rstd, *, offset: float = 0.0,
+                                  casting: Casting = Casting.FP32, interleaved: bool = False, rec=None, xp=None):
+    """dx, in the compute dtype, from the forward's output ``out`` (x's dtype), its rstd and the frozen
+    weight: ``y = R^-1(out)``, ``dy = R^T(dout)``, then ``output_backward`` (x_hat = y / w_y, the row
+    term ``mean(dy * w_eff * x_hat) = mean(dy * y)``). ``rec``: the weight's ``recovery`` for x's
+    dtype (None computes it); NaN everywhere where the weight breaks the safety rule."""
+    xp = _namespace(xp, out, weight, cos, sin, dout)
+    dt = out.dtype
+    f = _compute_dtype(xp, dt)
+    c, s = _rope_tables(xp, cos, sin, casting, dt, f)
+    y = rope_inverse(_to(xp, out, f), c, s, interleaved=interleaved, xp=xp)
+    dy = rope_transpose(_to(xp, dout, f), c, s, interleaved=interleaved, xp=xp)
+    if rec is None:
+        rec = recovery(weight, None, x_dtype=dt, offset=offset, casting=casting, xp=xp)
+    return output_backward(y, weight, None, dy, None, rstd, is_rms=True, offset=offset, casting=casting, rec=rec,
+                           xp=xp)
+
+
+# The output-saving backward of rms_norm_rope recovers y = R^-1(out) with an error of out's rounding
+# relative to each *pair's* magnitude |(y_j, y_p)|, not to y_j's own: so x_hat_j = y_j / w_y[j] carries
+# the partner's error times |w_y[p] / w_y[j]|. Past this ratio in some pair the output is not kept
+# (``rope_unsafe_reason``), or, where the weight's values were unseen, the recovery is poisoned (NaN dx).
+ROPE_PAIR_RATIO = 4.0
+
+
+def rope_pair_ratio(weight, *, x_dtype, offset: float = 0.0, casting: Casting = Casting.FP32,
+                    interleaved: bool = False, xp=None):
+    """``max_j |w_y[p(j)] / w_y[j]|`` (a 0-d array; inf where some |w_y| is 0), w_y the weight as the
+    forward multiplies by it."""
+    xp, dt, f, w, _, _, _ = _weight_terms(weight, None, x_dtype, offset, casting, xp)
+    a = xp.abs(w)
+    return xp.max(rope_partner(a, interleaved=interleaved, xp=xp) / a)
+
+
+def rope_recovery_array(weight, *, N: int, x_dtype, offset: float = 0.0, casting: Casting = Casting.FP32,
+                        interleaved: bool = False, xp=None):
+    """``recovery_array`` for rms_norm_rope: also poisoned (NaN) where the pair ratio exceeds
+    ``ROPE_PAIR_RATIO``, as the kernels' forward stores it."""
+    rec = recovery_array(weight, None, N=N, x_dtype=x_dtype, offset=offset, casting=casting, xp=xp)
+    if weight is None:
+        return rec
+    xp = _namespace(xp, weight)
+    bad = xp.logical_not(rope_pair_ratio(weight, x_dtype=x_dtype, offset=offset, casting=casting,
+                                         interleaved=interleaved, xp=xp) <= ROPE_PAIR_RATIO)
+    nan = xp.asarray(float("nan"), dtype=rec.dtype)
+    return xp.concat([rec[:N], xp.reshape(xp.where(bad, nan, rec[N]), (1,))])
+
+
+def rope_unsafe_reason(weight, *, x_dtype, offset: float = 0.0, casting: Casting = Casting.FP32,
+                       interleaved: bool = False) -> str | None:
+    """Why rms_norm_rope's output-saving backward cannot recover x_hat with this weight (RMSNorm's
+    ``unsafe_reason``, or a pair ratio above ``ROPE_PAIR_RATIO``), or None where it can."""
+    reason = unsafe_reason(weight, None, x_dtype=x_dtype, offset=offset, casting=casting)
+    if reason is not None or weight is None:
+        return reason
+    ratio = float(rope_pair_ratio(weight, x_dtype=x_dtype, offset=offset, casting=casting, interleaved=interleaved))
+    if ratio <= ROPE_PAIR_RATIO:
+        return None
+    return (f"a rotation pair's weights{' + offset' if offset else ''} differ by a factor {ratio:.3g} > "
+            f"{ROPE_PAIR_RATIO:g}: the rotation mixes each pair, so x_hat recovered from the output would carry the "
+            "partner's rounding error times that factor")

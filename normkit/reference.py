@@ -87,3 +87,19 @@ def fused_add_rms_norm_bwd(x, residual, weight, dy, ds=None, eps=1e-6, offset=0.
     dx, dw, _ = norm_math.input_backward(s, _f64(weight), _f64(dy), _f64(ds), is_rms=True, eps=eps, offset=offset,
                                          compute_dw=weight is not None)
     return dx, _copy(dx), dw
+
+
+def rms_norm_rope(x, weight, cos, sin, eps=1e-6, offset=0.0, interleaved=False):
+    """out = R(rms_norm(x, weight, eps, offset)), ``R(y) = y * cos + rotate(y) * sin`` (HF's
+    ``apply_rotary_pos_emb`` with cos and sin broadcast against x; ``rotate`` is ``rotate_half``, or
+    GPT-J's pairs (2i, 2i + 1) when ``interleaved``): ``normkit.norm_math.rms_norm_rope_forward``."""
+    return norm_math.rms_norm_rope_forward(_f64(x), _f64(weight), _f64(cos), _f64(sin), eps=eps, offset=offset,
+                                           interleaved=interleaved)[0]
+
+
+def rms_norm_rope_bwd(x, weight, cos, sin, dout, eps=1e-6, offset=0.0, interleaved=False):
+    """(dx, dw) of rms_norm_rope for the output gradient dout (cos and sin are constants); dw is None
+    without a weight."""
+    return norm_math.rms_norm_rope_input_backward(_f64(x), _f64(weight), _f64(cos), _f64(sin), _f64(dout), eps=eps,
+                                                  offset=offset, interleaved=interleaved,
+                                                  compute_dw=weight is not None)

@@ -1,0 +1,512 @@
+"""rms_norm_rope (RMSNorm, then rotary embedding) through both frontends against the float64 reference.
+
+Each body is written once and runs through every adapter: Torch, JAX's Triton implementation (the
+interpreter behind a host callback on CPU) and JAX's XLA implementation. Outputs are poisoned (NaN
+before every launch), so an element a kernel fails to write fails the comparison.
+
+Tolerances are the table's (``normkit.testing.TOLERANCES``). The rotation's roundings are relative to
+the magnitude of the pair it mixes, not to the element it produces (``y_j cos - y_p sin`` can cancel),
+so the output is compared in units of its pair's magnitude (``_pair_units``: divided by the pair's
+norm rounded up to a power of two, which is exact).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import normkit
+from normkit import norm_math, reference, rope
+from normkit.ops import CASTING_MODES
+from normkit.testing import assert_close, coarser, poisoned_outputs, rounded
+
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+HAS_JAX = importlib.util.find_spec("jax") is not None
+CASTINGS = ("llama", "gemma", "none")
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases and inputs.
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    B: int = 2
+    S: int = 3
+    H: int = 2
+    D: int = 16
+    dtype: str = "float32"
+    table_dtype: str | None = None  # None: x's
+    casting: str = "llama"
+    offset: float = 0.0
+    interleaved: bool = False
+    transposed: bool = False  # x is [B, H, S, D], the transposed view of a [B, S, H, D] buffer (Torch)
+    table: str = "batch"  # "batch": [B, S, 1, D] / [B, 1, S, D]; "shared": [S, D] / [1, 1, S, D]
+    trained: bool = True  # the weight requires a gradient (else it is frozen)
+    save: str = "auto"
+    scale: float = 1.0  # the tables' factor (HF's attention_scaling)
+    seed: int = 0
+
+    @property
+    def shape(self) -> tuple:
+        return (self.B, self.H, self.S, self.D) if self.transposed else (self.B, self.S, self.H, self.D)
+
+    @property
+    def table_shape(self) -> tuple:
+        B = self.B if self.table == "batch" else 1
+        if self.transposed:
+            return (B, 1, self.S, self.D)
+        return (B, self.S, 1, self.D) if self.table == "batch" else (self.S, 1, self.D)
+
+    @property
+    def kwargs(self) -> dict:
+        return dict(eps=1e-6, offset=self.offset, casting_mode=self.casting, interleaved=self.interleaved,
+                    save=self.save)
+
+
+def inputs(case: Case) -> dict:
+    """Fresh random inputs (never zeros), exact in their dtypes, in float64."""
+    rng = np.random.default_rng(case.seed)
+    D, td = case.D, case.table_dtype or case.dtype
+    theta = rng.uniform(-4.0, 4.0, case.table_shape[:-1] + (D // 2,))
+    theta = np.repeat(theta, 2, axis=-1) if case.interleaved else np.concatenate([theta, theta], axis=-1)
+    return {
+        "x": rounded(rng.standard_normal(case.shape) * 1.5 + 0.3, case.dtype),
+        # weight + offset in +-[0.5, 1.5] (Gemma's weights lie around 0)
+        "weight": rounded(rng.uniform(0.5, 1.5, D) * rng.choice([-1.0, 1.0], D) - case.offset, case.dtype),
+        "cos": rounded(np.cos(theta) * case.scale, td),
+        "sin": rounded(np.sin(theta) * case.scale, td),
+        "dout": rounded(rng.standard_normal(case.shape), case.dtype),
+    }
+
+
+@dataclasses.dataclass
+class Run:
+    out: np.ndarray
+    dx: np.ndarray
+    dw: np.ndarray | None
+    log: list
+    saved_x: bool | None = None  # Torch: whether the autograd graph kept a tensor of x's storage
+
+
+# ---------------------------------------------------------------------------------------------
+# Adapters: one per frontend / implementation.
+
+
+class TorchAdapter:
+    name = "torch"
+
+    def run(self, case: Case, a: dict) -> Run:
+        import torch
+
+        import torch_frontend as tf
+        from torch_frontend._backend import TORCH_DTYPES
+
+        t = lambda v, dt: torch.from_numpy(np.ascontiguousarray(v)).to(TORCH_DTYPES[dt])  # noqa: E731
+        td = case.table_dtype or case.dtype
+        if case.transposed:  # the [B, H, S, D] view of a [B, S, H, D] buffer
+            leaf = t(a["x"].swapaxes(1, 2), case.dtype).requires_grad_(True)
+            x = leaf.transpose(1, 2)
+        else:
+            leaf = x = t(a["x"], case.dtype).requires_grad_(True)
+        w = t(a["weight"], case.dtype).requires_grad_(case.trained)
+        saved = []
+
+        def pack(s):
+            saved.append(s)
+            return s
+
+        with normkit.record_launches() as log, poisoned_outputs(), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda s: s):
+            out = tf.rms_norm_rope(x, w, t(a["cos"], td), t(a["sin"], td), **case.kwargs)
+            out.backward(t(a["dout"], case.dtype))
+        assert out.stride() == x.stride(), (out.stride(), x.stride())  # laid out like x
+        dx = leaf.grad.transpose(1, 2) if case.transposed else leaf.grad
+        ptr = leaf.untyped_storage().data_ptr()
+        np64 = lambda v: None if v is None else v.detach().double().numpy()  # noqa: E731
+        return Run(np64(out), np64(dx), np64(w.grad), log,
+                   saved_x=any(s.untyped_storage().data_ptr() == ptr for s in saved))
+
+
+class JaxAdapter:
+    def __init__(self, implementation: str):
+        self.implementation = implementation
+        self.name = f"jax-{implementation}"
+
+    def run(self, case: Case, a: dict) -> Run:
+        import jax
+        import jax.numpy as jnp
+
+        import jax_frontend as jf
+
+        dts = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+        j = lambda v, dt: jnp.asarray(np.asarray(v, np.float32)).astype(dts[dt])  # noqa: E731
+        td = case.table_dtype or case.dtype
+        x, w = j(a["x"], case.dtype), j(a["weight"], case.dtype)
+        cos, sin, d = j(a["cos"], td), j(a["sin"], td), j(a["dout"], case.dtype)
+        call = lambda x, w: jf.rms_norm_rope(x, w, cos, sin, implementation=self.implementation,  # noqa: E731
+                                             **case.kwargs)
+        with normkit.record_launches() as log, poisoned_outputs():
+            if case.trained:
+                out, vjp = jax.vjp(jax.jit(call), x, w)
+                dx, dw = vjp(d)
+            else:  # a frozen weight: closed over, not jitted, so its values are known to the save rule
+                out, vjp = jax.vjp(lambda x: call(x, w), x)
+                (dx,), dw = vjp(d), None
+        np64 = lambda v: None if v is None else np.asarray(jnp.asarray(v, jnp.float32), np.float64)  # noqa: E731
+        return Run(np64(out), np64(dx), np64(dw), log)
+
+
+ADAPTERS = {}
+if HAS_TORCH:
+    ADAPTERS["torch"] = TorchAdapter()
+    if HAS_JAX:
+        ADAPTERS["jax-triton"] = JaxAdapter("triton")  # the interpreter on CPU runs on torch tensors
+if HAS_JAX:
+    ADAPTERS["jax-xla"] = JaxAdapter("xla")
+
+
+@pytest.fixture(params=sorted(ADAPTERS))
+def adapter(request):
+    return ADAPTERS[request.param]
+
+
+# ---------------------------------------------------------------------------------------------
+# The check, written once.
+
+
+def _pair_units(y: np.ndarray, interleaved: bool) -> np.ndarray:
+    """Per element, its pair's magnitude ``|(y_j, y_p)|`` (the scale the rotation's roundings are
+    relative to) rounded up to a power of two, at least 1."""
+    norm = np.sqrt(y * y + norm_math.rope_partner(y, interleaved=interleaved) ** 2)
+    return 2.0 ** np.ceil(np.log2(np.maximum(norm, 1.0)))
+
+
+def _flags(log, part: str) -> dict:
+    (launch,) = [launch for launch in log if part in launch.kernel][-1:]
+    return launch.flags
+
+
+def expected_from_output(case: Case, a: dict) -> bool:
+    """What ``save`` keeps (normkit.saving.decide with the weight's values): the output where the
+    weight is frozen and safe (RMSNorm's rule and the pair ratio, ``norm_math.rope_unsafe_reason``)."""
+    if case.save == "input" or case.trained:
+        return False
+    return norm_math.rope_unsafe_reason(a["weight"], x_dtype=case.dtype, offset=case.offset,
+                                        casting=CASTING_MODES[case.casting], interleaved=case.interleaved) is None
+
+
+def check(adapter, case: Case) -> None:
+    a = inputs(case)
+    run = adapter.run(case, a)
+    tol = coarser(case.dtype, case.table_dtype or case.dtype)
+    ref = reference.rms_norm_rope(a["x"], a["weight"], a["cos"], a["sin"], 1e-6, case.offset, case.interleaved)
+    y = reference.rms_norm(a["x"], a["weight"], 1e-6, case.offset)
+    units = _pair_units(y, case.interleaved) * max(case.scale, 1.0)
+    assert_close(run.out / units, ref / units, tol, f"{adapter.name} {case}: out (in units of its pair)")
+    dx, dw = reference.rms_norm_rope_bwd(a["x"], a["weight"], a["cos"], a["sin"], a["dout"], 1e-6, case.offset,
+                                         case.interleaved)
+    assert_close(run.dx, dx, tol, f"{adapter.name} {case}: dx")
+    if case.trained:
+        assert_close(run.dw, dw, tol, f"{adapter.name} {case}: dw", reduced_over=int(np.prod(case.shape[:-1])))
+    else:
+        assert run.dw is None or not np.any(run.dw), f"{adapter.name}: a frozen weight got a gradient"
+    from_output = expected_from_output(case, a)
+    assert bool(_flags(run.log, "fwd")["STORE_REC"]) == from_output, run.log
+    bwd = _flags(run.log, "bwd")
+    assert bool(bwd["FROM_Y"]) == from_output and bool(bwd["COMPUTE_DW"]) == case.trained, bwd
+    if run.saved_x is not None:
+        assert run.saved_x == (not from_output), f"{adapter.name} {case}: x kept = {run.saved_x}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests.
+
+
+def _grid():
+    """Every casting mode x offset x pairing once, the other factors rotating through theirs."""
+    out = []
+    i = 0
+    for casting in CASTINGS:
+        for offset in (0.0, 1.0):
+            for interleaved in (False, True):
+                out.append(Case(casting=casting, offset=offset, interleaved=interleaved,
+                                dtype=("float32", "bfloat16", "float16")[i % 3], transposed=bool(i % 2),
+                                table=("batch", "shared")[(i // 2) % 2], trained=bool((i // 3) % 2), seed=i))
+                i += 1
+    return out
+
+
+@pytest.mark.parametrize("case", _grid(), ids=str)
+def test_matches_reference(adapter, case):
+    check(adapter, case)
+
+
+@pytest.mark.parametrize("case", [
+    Case(dtype="bfloat16", table_dtype="float32", trained=False, transposed=True, D=8),
+    Case(casting="gemma", offset=1.0, trained=False, scale=1.25, D=8),  # tables carrying attention_scaling
+    Case(trained=False, save="input", D=8),
+    Case(dtype="float16", D=24, S=2, H=3, trained=False),  # D not a power of two
+], ids=str)
+def test_variants(adapter, case):
+    check(adapter, case)
+
+
+def test_save_output_raises_for_a_trained_or_unsafe_weight(adapter):
+    case = Case(D=8, save="output")
+    with pytest.raises(ValueError, match="save='output'.*weight"):
+        adapter.run(case, inputs(case))
+    case = Case(D=8, save="output", trained=False, offset=1.0)
+    a = inputs(case)
+    a["weight"][3] = -1.0  # weight + offset is 0 in column 3
+    with pytest.raises(ValueError, match="column 3"):
+        adapter.run(case, a)
+
+
+def test_gradients_bitwise_reproducible(adapter):
+    case = Case(dtype="bfloat16", B=3, S=5, H=2, D=16, transposed=True)
+    a = inputs(case)
+    first, second = adapter.run(case, a), adapter.run(case, a)
+    for name in ("out", "dx", "dw"):
+        assert np.array_equal(getattr(first, name), getattr(second, name)), name
+
+
+BAD = {
+    "odd D": (dict(x=(2, 3, 2, 7)), "D=7 must be even"),
+    "cos shape": (dict(cos=(2, 4, 1, 8)), "cos has shape"),
+    "sin shape": (dict(sin=(1, 3, 1, 8)), "cos has shape .* but sin has shape"),
+    "table dtype": (dict(table_dtype="float16"), "cos has dtype float16; expected x's dtype bfloat16 or float32"),
+    "table dtypes differ": (dict(sin_dtype="float32"), "cos has dtype bfloat16 but sin has dtype float32"),
+    "weight shape": (dict(weight=(4,)), r"weight has shape \(4,\); expected \(8,\)"),
+    "x dtype": (dict(x_dtype="float64"), "x has dtype float64"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(BAD))
+def test_bad_inputs_raise_before_launch(adapter, what):
+    change, message = BAD[what]
+    x_shape = change.get("x", (2, 3, 2, 8))
+    D = x_shape[-1]
+    shapes = dict(x=x_shape, weight=change.get("weight", (D,)), cos=change.get("cos", (2, 3, 1, D)))
+    shapes["sin"] = change.get("sin", shapes["cos"])
+    x_dtype = change.get("x_dtype", "bfloat16")
+    td = change.get("table_dtype", x_dtype if x_dtype != "float64" else "float32")
+    dtypes = dict(x=x_dtype, weight="bfloat16", cos=td, sin=change.get("sin_dtype", td))
+    rng = np.random.default_rng(0)
+    arrays = {k: rng.standard_normal(s) + 2.0 for k, s in shapes.items()}
+    with normkit.record_launches() as log, pytest.raises((ValueError, TypeError), match=message):
+        _call(adapter, arrays, dtypes)
+    assert not log, "a launch before the check"
+
+
+def _call(adapter, arrays: dict, dtypes: dict):
+    if adapter.name == "torch":
+        import torch
+
+        import torch_frontend as tf
+
+        dt = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        a = {k: torch.from_numpy(v).to(dt[dtypes[k]]) for k, v in arrays.items()}
+        return tf.rms_norm_rope(a["x"], a["weight"], a["cos"], a["sin"])
+    import jax.numpy as jnp
+
+    import jax_frontend as jf
+
+    dt = {"float64": jnp.float32, "float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+    if dtypes["x"] == "float64":
+        pytest.skip("JAX without x64 has no float64 arrays")
+    a = {k: jnp.asarray(v.astype(np.float32)).astype(dt[dtypes[k]]) for k, v in arrays.items()}
+    return jf.rms_norm_rope(a["x"], a["weight"], a["cos"], a["sin"], implementation=adapter.implementation)
+
+
+# Property: random shapes, layouts, tables, pairings, dtypes and modes (Torch and JAX's XLA
+# implementation; the JAX Triton path shares the Torch frontend's plans).
+
+@st.composite
+def cases(draw):
+    return Case(B=draw(st.integers(1, 3)), S=draw(st.integers(1, 4)), H=draw(st.integers(1, 3)),
+                D=2 * draw(st.integers(1, 12)), dtype=draw(st.sampled_from(("float32", "bfloat16", "float16"))),
+                casting=draw(st.sampled_from(CASTINGS)), offset=draw(st.sampled_from((0.0, 1.0))),
+                interleaved=draw(st.booleans()), transposed=draw(st.booleans()),
+                table=draw(st.sampled_from(("batch", "shared"))), trained=draw(st.booleans()),
+                seed=draw(st.integers(0, 2**16)))
+
+
+@pytest.mark.parametrize("name", [n for n in ("torch", "jax-xla") if n in ADAPTERS])
+def test_property(name):
+    @settings(max_examples=12 if name == "torch" else 4, derandomize=True, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(case=cases())
+    def prop(case):
+        check(ADAPTERS[name], case)
+
+    prop()
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference itself, and the rotation's layouts, against HF's formulas.
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_reference_is_hf_formula(interleaved):
+    """The float64 reference (forward and both backwards) against HF's own formulas differentiated by
+    torch's autograd, with tables that carry an attention scaling."""
+    import torch
+
+    case = Case(interleaved=interleaved, scale=1.3, offset=1.0, transposed=True)
+    a = inputs(case)
+    x = torch.tensor(a["x"], requires_grad=True)
+    w = torch.tensor(a["weight"], requires_grad=True)
+    cos, sin, d = (torch.tensor(a[k]) for k in ("cos", "sin", "dout"))
+    D = case.D
+
+    def rotate(t):
+        if interleaved:
+            return torch.stack((-t[..., 1::2], t[..., ::2]), -1).flatten(-2)
+        return torch.cat((-t[..., D // 2:], t[..., : D // 2]), -1)
+
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w)
+    out = y * cos + rotate(y) * sin
+    out.backward(d)
+    ref = reference.rms_norm_rope(a["x"], a["weight"], a["cos"], a["sin"], 1e-6, 1.0, interleaved)
+    dx, dw = reference.rms_norm_rope_bwd(a["x"], a["weight"], a["cos"], a["sin"], a["dout"], 1e-6, 1.0, interleaved)
+    np.testing.assert_allclose(ref, out.detach().numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(dx, x.grad.numpy(), rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(dw, w.grad.numpy(), rtol=1e-10, atol=1e-10)
+    o, rstd = norm_math.rms_norm_rope_forward(a["x"], a["weight"], a["cos"], a["sin"], eps=1e-6, offset=1.0,
+                                              interleaved=interleaved)
+    dx_out = norm_math.rms_norm_rope_output_backward(o, a["weight"], a["cos"], a["sin"], a["dout"], rstd, offset=1.0,
+                                                     interleaved=interleaved)
+    np.testing.assert_allclose(dx_out, x.grad.numpy(), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+def test_none_mode_is_hf_rope_in_x_dtype():
+    """casting_mode="none": the rotation is HF's, operation by operation in x's dtype, on rms_norm's
+    output: bitwise on CPU. "llama" (the rotation in fp32, rounded once) stays within one rounding
+    of the pair's magnitude of HF's bf16 rotation of the llama-mode rms_norm."""
+    import torch
+
+    import torch_frontend as tf
+
+    case = Case(dtype="bfloat16", transposed=True)
+    a = inputs(case)
+    x = torch.tensor(a["x"]).to(torch.bfloat16)
+    w = torch.tensor(a["weight"]).to(torch.bfloat16)
+    cos, sin = (torch.tensor(a[k]).to(torch.bfloat16) for k in ("cos", "sin"))
+    D = case.D
+    rotate = lambda t: torch.cat((-t[..., D // 2:], t[..., : D // 2]), -1)  # noqa: E731
+    for mode in ("none", "llama"):
+        y = tf.rms_norm(x, w, casting_mode=mode)
+        hf = y * cos + rotate(y) * sin
+        out = tf.rms_norm_rope(x, w, cos, sin, casting_mode=mode)
+        if mode == "none":
+            assert torch.equal(out, hf)
+        else:
+            units = _pair_units(y.double().numpy(), False)
+            err = np.abs(out.double().numpy() - hf.double().numpy()) / units
+            assert err.max() <= 2.0 ** -7, err.max()
+
+
+def test_row_layout_groups_in_memory_order():
+    """x [B, H, S, D] viewed from a [B, S, H, D] buffer, with a [1, 1, S, D] table: three indices (B, S, H)
+    in memory order; contiguous x with a [B, S, 1, D] table: (B S) merged, then H."""
+    B, S, H, D = 2, 3, 4, 8
+    x_t = (S * H * D, D, H * D)  # the transposed view's row strides
+    table = rope.broadcast_strides((1, 1, S, D), (S * D, S * D, D, 1), (B, H, S, D))[:-1]
+    layout = rope.row_layout((B, H, S), x_t, table)
+    assert layout.rows == (B, S, H) and layout.strides(x_t) == (S * H * D, H * D, D)
+    assert layout.strides(table) == (0, D, 0)
+    table = rope.broadcast_strides((B, S, 1, D), (S * D, D, D, 1), (B, S, H, D))[:-1]
+    layout = rope.row_layout((B, S, H), (S * H * D, H * D, D), table)
+    assert layout.rows == (1, B * S, H) and layout.strides(table) == (0, D, 0)
+
+
+def _bad_pair(case: Case, a: dict) -> dict:
+    """Column 0's weight 0.1, its partner's 1: a pair ratio of 10 (above ROPE_PAIR_RATIO)."""
+    a["weight"][0], a["weight"][1 if case.interleaved else case.D // 2] = 0.1, 1.0
+    return a
+
+
+def test_pair_ratio_keeps_the_input(adapter):
+    """A frozen weight whose rotation pair differs by more than ROPE_PAIR_RATIO: "auto" keeps x (the
+    weight's values are read), "output" raises naming the pair."""
+    case = Case(D=8, trained=False, interleaved=True)
+    a = _bad_pair(case, inputs(case))
+    assert not expected_from_output(case, a)
+    run = adapter.run(case, a)
+    assert not _flags(run.log, "bwd")["FROM_Y"]
+    with pytest.raises(ValueError, match="rotation pair"):
+        adapter.run(dataclasses.replace(case, save="output"), a)
+
+
+@pytest.mark.skipif(not HAS_JAX, reason="needs jax")
+@pytest.mark.parametrize("implementation", [n.removeprefix("jax-") for n in ADAPTERS if n.startswith("jax-")])
+def test_traced_unsafe_weight_poisons_dx(implementation):
+    """Under jit the weight's values are unseen: the traced rule keeps the output, and the forward's
+    recovery is poisoned where the pair ratio turns out too large, so dx is NaN (loud), never quietly
+    imprecise; a safe weight gives the reference's dx."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_frontend as jf
+
+    case = Case(D=8, trained=False)
+    for bad in (False, True):
+        a = inputs(case)
+        if bad:
+            a = _bad_pair(case, a)
+        x, w, cos, sin, d = (jnp.asarray(a[k], jnp.float32) for k in ("x", "weight", "cos", "sin", "dout"))
+
+        def f(x, w):
+            return jf.rms_norm_rope(x, jf.freeze(w, False), cos, sin, implementation=implementation)
+
+        with normkit.record_launches() as log:
+            _, vjp = jax.vjp(jax.jit(f), x, w)
+            dx, dw = vjp(d)
+        assert _flags(log, "bwd")["FROM_Y"] and not np.any(np.asarray(dw))
+        if bad:
+            assert np.all(np.isnan(np.asarray(dx)))
+        else:
+            ref, _ = reference.rms_norm_rope_bwd(a["x"], a["weight"], a["cos"], a["sin"], a["dout"])
+            assert_close(np.asarray(dx, np.float64), ref, "float32", "dx")
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+def test_torch_strided_slice_and_empty_rows():
+    """q as a slice of a fused qkv projection ([B, S, 3 H D] viewed [B, S, H, D], then transposed): read
+    in place; the output dense in x's dimension order. No rows: empty results, zero dW."""
+    import torch
+
+    import torch_frontend as tf
+
+    B, S, H, D = 2, 3, 2, 8
+    rng = np.random.default_rng(1)
+    qkv = torch.tensor(rng.standard_normal((B, S, 3 * H * D)), dtype=torch.float32)
+    leaf = qkv.requires_grad_(True)
+    q = leaf[..., : H * D].view(B, S, H, D).transpose(1, 2)
+    w = torch.tensor(rng.uniform(0.5, 1.5, D), dtype=torch.float32, requires_grad=True)
+    theta = torch.tensor(rng.uniform(-4, 4, (1, 1, S, D // 2)))
+    cos, sin = (f(torch.cat([theta, theta], -1)).float() for f in (torch.cos, torch.sin))
+    d = torch.tensor(rng.standard_normal((B, H, S, D)), dtype=torch.float32)
+    with poisoned_outputs():
+        out = tf.rms_norm_rope(q, w, cos, sin)
+        out.backward(d)
+    a = {"x": q.detach().double().numpy(), "weight": w.detach().double().numpy(), "cos": cos.double().numpy(),
+         "sin": sin.double().numpy()}
+    assert_close(out.detach().numpy(), reference.rms_norm_rope(a["x"], a["weight"], a["cos"], a["sin"]), "float32", "out")
+    dx, dw = reference.rms_norm_rope_bwd(a["x"], a["weight"], a["cos"], a["sin"], d.double().numpy())
+    assert_close(leaf.grad[..., : H * D].view(B, S, H, D).transpose(1, 2).numpy(), dx, "float32", "dx")
+    assert not leaf.grad[..., H * D:].any()
+    assert_close(w.grad.numpy(), dw, "float32", "dw", reduced_over=B * S * H)
+    assert out.stride() == (S * H * D, D, H * D, 1)  # a [B, S, H, D] buffer, seen as x is
+    x0 = torch.zeros((2, 0, 3, D), requires_grad=True)
+    w0 = torch.ones(D, requires_grad=True)
+    out = tf.rms_norm_rope(x0, w0, cos[:, :, :1].expand(1, 1, 3, D)[:, :, :3], sin[:, :, :1].expand(1, 1, 3, D))
+    out.sum().backward()
+    assert out.shape == x0.shape and x0.grad.shape == x0.shape and not w0.grad.any()

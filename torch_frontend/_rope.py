@@ -1,0 +1,255 @@
+"""``rms_norm_rope``: RMSNorm over each head's D columns, then rotary position embedding, in one kernel
+(``normkit.kernels.rope``), with its own ``torch.autograd.Function``.
+
+Layouts. Every tensor is read in place through its strides (``normkit.rope.row_layout``): x as
+[B, S, H, D] rows or as the [B, H, S, D] transposed view of such a buffer, cos/sin broadcast with
+stride 0 (never expanded). The output (and x's gradient) is allocated like x (``torch.empty_like``:
+x's own strides where x is dense, else a dense layout in x's dimension order), so a [B, H, S, D]
+view of a [B, S, H, D] buffer gives a [B, H, S, D] view of a fresh [B, S, H, D] buffer: exactly the
+layout HF's eager rotary embedding returns for it, which attention (``scaled_dot_product_attention``
+on [B, H, S, D], or flash-attention's [B, S, H, D] after the transpose back) takes without a copy.
+Only a last dimension that is not contiguous is copied (with a ``NormkitCopyWarning``); an output
+gradient that does not fit x's row grouping is copied into x's layout.
+
+What the backward keeps (``save``) is decided by ``normkit.saving.decide`` through ``_save``, as for
+``rms_norm`` (``_saves_output``): with the weight frozen and safe, the output, its per-row rstd and the
+weight's recovery 1 / w (no x); otherwise x and rstd.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from normkit import _compat as _triton_compat
+from normkit import checks, driver, norm_math, rope, saving
+from normkit.launch import INTERPRETER_NUM_SMS, plan_rope_backward, plan_rope_forward
+from normkit.ops import GRADS, Options
+from torch_frontend import _compat
+from torch_frontend._backend import DTYPE_NAMES, NormkitCopyWarning, dtype_name, num_sms, resolve_neg
+
+__all__ = ["rms_norm_rope"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    opts: Options
+    interleaved: bool
+    save: str
+
+
+def _name(t) -> str:
+    return DTYPE_NAMES.get(t.dtype) or dtype_name(t.dtype)
+
+
+def _check(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save) -> Options:
+    """The options of a valid call; raises, naming the argument, before anything is launched."""
+    for name, t in (("x", x), ("weight", weight), ("cos", cos), ("sin", sin)):
+        if t is None and name == "weight":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"normkit: {name} must be a torch.Tensor; got {type(t).__name__}")
+        if t.layout != torch.strided or t.is_nested:
+            raise TypeError(f"normkit: {name} must be a dense (torch.strided) tensor; got layout {t.layout}")
+        if t.device != x.device:
+            raise ValueError(f"normkit: {name} is on {t.device} but x is on {x.device}; all tensors must share a device")
+    rope.check(x_shape=tuple(x.shape), x_dtype=_name(x),
+               weight=None if weight is None else (tuple(weight.shape), _name(weight)),
+               cos=(tuple(cos.shape), _name(cos)), sin=(tuple(sin.shape), _name(sin)), interleaved=interleaved)
+    checks.check_save(save)
+    if x.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"normkit: x is on {x.device}; normkit runs on CUDA (compiled) or CPU (interpreted)")
+    return rope.RMS_NORM_ROPE.options(eps=eps, offset=offset, casting_mode=casting_mode)
+
+
+def _columns_contiguous(t, name: str, warn: bool):
+    """``t`` with its last dimension contiguous (copied, and said so, where it is not)."""
+    t = resolve_neg(t, name)
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        if warn:
+            warnings.warn(f"normkit: {name} of shape {tuple(t.shape)} has strides {t.stride()}; its last dimension "
+                          "is not contiguous, so it is copied", NormkitCopyWarning, stacklevel=4)
+        t = t.contiguous()
+    return t
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if driver.POISON_OUTPUTS:
+        t.fill_(float("nan"))
+    return t
+
+
+def _empty_like(t) -> torch.Tensor:
+    out = torch.empty_like(t)  # preserve_format: t's strides where t is dense
+    if driver.POISON_OUTPUTS:
+        out.fill_(float("nan"))
+    return out
+
+
+def _launch(call, inputs: dict, outputs: dict) -> None:
+    """One plan on these tensors: compiled on CUDA, Triton's interpreter on CPU."""
+    device = inputs["X"].device if "X" in inputs else next(iter(outputs.values())).device
+    args = [inputs.get(n) if n in call.present_inputs else None for n in call.inputs]
+    args += list(call.scalars) + [outputs.get(n) for n in call.outputs]
+    interpreted = device.type != "cuda" or _triton_compat.is_interpreted(call.kernel)
+    if interpreted:
+        _triton_compat.interpreted(call.kernel)[call.grid](*args, **call.constexprs, num_warps=call.num_warps,
+                                                           num_stages=call.num_stages)
+    else:
+        with torch.cuda.device(device):
+            call.kernel[call.grid](*args, **call.constexprs, num_warps=call.num_warps, num_stages=call.num_stages,
+                                   enable_fp_fusion=call.fp_fusion)
+    call.record("torch", interpreted)
+
+
+def _table_strides(t, x) -> tuple:
+    return rope.broadcast_strides(tuple(t.shape), t.stride(), tuple(x.shape))[:-1]
+
+
+def _forward(cfg: _Config, x, weight, cos, sin, store_stats: bool, store_rec: bool) -> tuple:
+    """``(out, rstd, rec, layout)``; rstd and rec None where not stored."""
+    out = _empty_like(x)
+    D = x.shape[-1]
+    layout = rope.row_layout(tuple(x.shape[:-1]), x.stride()[:-1], _table_strides(cos, x), _table_strides(sin, x),
+                             out.stride()[:-1])
+    if layout is None:
+        raise ValueError(f"normkit: x of shape {tuple(x.shape)} and strides {x.stride()} has leading dimensions that "
+                         "do not merge into three row indices with cos's and sin's; pass x.contiguous()")
+    M = x.numel() // D if D else 0
+    rstd = _empty((M,), torch.float32, x.device) if store_stats else None
+    rec = _empty((D + 1,), torch.float32, x.device) if store_rec else None
+    if M == 0:
+        if store_rec:  # no rows: no backward will read it
+            rec.zero_()
+        return out, rstd, rec, layout
+    strides = tuple(layout.strides(s) for s in (x.stride()[:-1], _table_strides(cos, x), _table_strides(sin, x),
+                                                out.stride()[:-1]))
+    call = plan_rope_forward(D, layout.rows, _name(x), None if weight is None else _name(weight), cfg.opts,
+                             cfg.interleaved, store_stats, store_rec, strides,
+                             1 if weight is None else weight.stride(0), tuple(x.shape))
+    _launch(call, {"X": x, "W": weight, "COS": cos, "SIN": sin}, {"Y": out, "RSTD": rstd, "REC": rec})
+    return out, rstd, rec, layout
+
+
+def _saves_output(cfg: _Config, x, weight) -> bool:
+    """``normkit.saving.decide`` for this call, the weight's values read (a host synchronization):
+    RMSNorm's safety rule plus the rotation's pair ratio (``norm_math.rope_unsafe_reason``). A trained
+    weight keeps x (and save="output" raises)."""
+    o = cfg.opts
+
+    def unsafe():
+        with torch.no_grad():
+            return norm_math.rope_unsafe_reason(weight.detach(), x_dtype=x.dtype, offset=o.offset, casting=o.casting,
+                                                interleaved=cfg.interleaved)
+
+    return saving.decide(rope.RMS_NORM_ROPE, cfg.save, trained=["weight"] if weight is not None and
+                         weight.requires_grad else [], needs_dx=True, row_length=x.shape[-1],
+                         has_params=weight is not None, has_bias=False, offset=o.offset, x_dtype=_name(x),
+                         unsafe=unsafe, hooked=_compat.checkpointing())
+
+
+class RMSNormRoPEFunction(torch.autograd.Function):
+    """``forward(cfg, x, weight, cos, sin)``; cos and sin are constants (no gradient)."""
+
+    @staticmethod
+    def forward(ctx, cfg: _Config, x, weight, cos, sin):
+        from_output = _saves_output(cfg, x, weight)
+        out, rstd, rec, layout = _forward(cfg, x, weight, cos, sin, True, from_output)
+        ctx.cfg, ctx.layout, ctx.from_output = cfg, layout, from_output
+        ctx.save_for_backward(out if from_output else x, weight, cos, sin, rstd, rec)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        saved, weight, cos, sin, rstd, rec = ctx.saved_tensors
+        cfg, layout = ctx.cfg, ctx.layout
+        needs = ctx.needs_input_grad  # (cfg, x, weight, cos, sin)
+        grads = GRADS[(bool(needs[1]), bool(needs[2] and weight is not None), False)]
+        if not grads.any:
+            return None, None, None, None, None
+        D = saved.shape[-1]
+        dout = _columns_contiguous(dout, "the output gradient", warn=False).to(saved.dtype)
+        dy_strides = layout.strides(dout.stride()[:-1]) if dout.stride(-1) == 1 or D == 1 else None
+        if dy_strides is None:  # a layout the forward's row grouping does not cover: x's own
+            dout = torch.empty_like(saved).copy_(dout)
+            dy_strides = layout.strides(dout.stride()[:-1])
+        dx = _empty_like(saved) if grads.dx else None
+        M = saved.numel() // D if D else 0
+        dw = None
+        if M == 0:
+            if grads.dw:
+                dw = torch.zeros((D,), dtype=weight.dtype, device=weight.device)
+            return None, dx, dw, None, None
+        strides = (layout.strides(saved.stride()[:-1]), layout.strides(_table_strides(cos, saved)),
+                   layout.strides(_table_strides(sin, saved)), dy_strides,
+                   layout.strides(dx.stride()[:-1]) if dx is not None else (0, 0, 0))
+        sms = num_sms(saved.device) if saved.device.type == "cuda" else INTERPRETER_NUM_SMS
+        call, reduce = plan_rope_backward(D, layout.rows, _name(saved), None if weight is None else _name(weight),
+                                          cfg.opts, cfg.interleaved, grads, ctx.from_output, strides,
+                                          1 if weight is None else weight.stride(0), sms, tuple(saved.shape))
+        part = _empty(call.out_specs["DW_PART"][0], torch.float32, saved.device) if grads.dw else None
+        _launch(call, {"X": saved, "W": weight, "COS": cos, "SIN": sin, "DY": dout, "RSTD": rstd, "REC": rec},
+                {"DX": dx, "DW_PART": part})
+        if reduce is not None:
+            dw = _empty((D,), weight.dtype, weight.device)
+            _launch(reduce, {"DW_PART": part}, {"DW": dw})
+        return None, dx, dw, None, None
+
+
+@torch.compiler.disable  # eager kernels: under torch.compile the call is a graph break
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                  eps: float = 1e-6, *, offset: float = 0.0, casting_mode: str = "llama", interleaved: bool = False,
+                  save: str = "auto") -> torch.Tensor:
+    """RMSNorm over each row's last dimension D, then rotary position embedding, in one pass:
+    ``out = R(rms_norm(x, weight, eps, offset=offset, casting_mode=casting_mode))`` with
+    ``R(y) = y * cos + rotate_half(y) * sin`` (HF's ``apply_rotary_pos_emb`` after its unsqueeze;
+    ``rotate_half(t) = cat(-t[..., D/2:], t[..., :D/2])``, or, ``interleaved``, GPT-J's pairs
+    ``(2i, 2i + 1)``). Qwen3's q_norm/k_norm then RoPE; Gemma 3's is ``offset=1.0,
+    casting_mode="gemma"``.
+
+    Rounding: the normalized y is rounded to x's dtype exactly as ``rms_norm`` returns it (so
+    ``rms_norm_rope(x, ...) == rope(rms_norm(x, ...))`` up to the rotation's own rounding). With
+    ``casting_mode="none"`` the rotation is HF's, evaluated in x's dtype operation by operation
+    (cos and sin rounded to x's dtype, each product and the sum rounded); with ``"llama"`` and
+    ``"gemma"`` it is computed in fp32 from the rounded y and rounded once. Against HF's bf16 eager
+    code (which rounds both products and the sum) that is at most a couple of bf16 roundings apart.
+
+    Args:
+        x: ``(..., D)`` float32, bfloat16 or float16, D even: [B, S, H, D] rows, or a strided view such
+            as the [B, H, S, D] transpose of a [B, S, H, D] buffer (read in place).
+        weight: ``(D,)`` of any float dtype, or None.
+        cos, sin: the rotary tables, x's dtype or float32, of one shape broadcasting against x as in HF
+            (e.g. [B, 1, S, D] or [1, 1, S, D] for x [B, H, S, D]; [B, S, 1, D] for x [B, S, H, D]);
+            read in place with stride 0 over broadcast dimensions. They are constants: they receive
+            no gradient (None), whether or not they require one.
+        eps, offset, casting_mode: as in ``rms_norm``.
+        interleaved: GPT-J pairing of the columns instead of ``rotate_half``'s.
+        save: what the backward keeps: ``"auto"`` keeps the output (not x) where the weight is frozen
+            and x_hat can be recovered from it (``normkit.saving.decide``: the safety rule of
+            ``rms_norm``, and no rotation pair whose weights differ by more than
+            ``norm_math.ROPE_PAIR_RATIO``, since the recovery of column j carries its partner's
+            rounding error times that ratio); the backward then recovers ``y = R^-1(out)`` (the rotation by -theta; per
+            pair through its 2 x 2 determinant, 1 for HF's tables, attention_scaling^2 for tables
+            that carry one) and ``x_hat = y / (weight + offset)``. ``"input"`` keeps x; ``"output"``
+            keeps the output and raises where the weight is trained or unsafe.
+
+    Returns:
+        ``out`` of x's shape and dtype, laid out like x (``torch.empty_like(x)``): a [B, H, S, D] view
+        of a [B, S, H, D] buffer for the transposed x, as HF's own rotary embedding returns.
+
+    Not supported: torch.compile (the call is a graph break and runs eagerly), double backward.
+    """
+    opts = _check(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save)
+    x = _columns_contiguous(x, "x", warn=True)
+    cos = _columns_contiguous(cos, "cos", warn=True)
+    sin = _columns_contiguous(sin, "sin", warn=True)
+    weight = resolve_neg(weight, "weight")
+    cfg = _Config(opts, interleaved, save)
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad))
+    if not needs_grad:
+        return _forward(cfg, x, weight, cos, sin, False, False)[0]
+    return RMSNormRoPEFunction.apply(cfg, x, weight, cos, sin)
