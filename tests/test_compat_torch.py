@@ -15,7 +15,7 @@ def test_private_entry_points_are_found():
     assert _compat._TRANSFORMS_ACTIVE is not None
     assert _compat._IS_LEGACY_BATCHED is not None
     assert _compat._TOP_HOOKS is not None
-    assert _compat._C_APPLY is not None and _compat.unwrap_if_dead is not None
+    assert _compat._C_APPLY is not None and _compat.unwrap_exited is not None
     if torch.cuda.is_available():  # a CPU-only torch has no CUDA entries (the public fallbacks are never reached)
         assert _compat._GET_DEVICE is not None and _compat._RAW_STREAM is not None
 
@@ -23,7 +23,7 @@ def test_private_entry_points_are_found():
 def test_direct_apply_is_the_functions_own_apply():
     """The C apply of a Function without ``setup_context`` gives what ``Function.apply`` gives: the
     output, its grad_fn of the Function's backward class, and that backward's gradient; and
-    ``unwrap_if_dead`` hands a live tensor back as it is."""
+    ``unwrap_exited`` hands a live tensor back as it is."""
 
     class Double(torch.autograd.Function):
         @staticmethod
@@ -36,7 +36,7 @@ def test_direct_apply_is_the_functions_own_apply():
             return None, g * ctx.k
 
     x = torch.randn(3, requires_grad=True)
-    assert _compat.unwrap_if_dead(x) is x
+    assert _compat.unwrap_exited(x) is x
     direct = _compat.direct_apply(Double)
     y, ref = direct(2.0, x), Double.apply(2.0, x)
     assert type(y.grad_fn) is type(ref.grad_fn) is Double._backward_cls

@@ -126,8 +126,9 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
 
 
 # "direct": an eager call with no torch.func transform active enters each Function's C apply
-# (``_compat.direct_apply``); "python": always torch's ``Function.apply``. The same-process host A/B
-# of docs/PERFORMANCE_RECORD.md ("Torch host time") chose "direct": 9% less host time per forward.
+# (``_compat.direct_apply``); "python": always torch's ``Function.apply``. "direct" is the default by
+# the same-process host A/B in docs/PERFORMANCE_RECORD.md ("Host time against 6816bf2, with and
+# without the Functions' C apply").
 APPLY = "direct"
 _DIRECT_RMS, _DIRECT_LN, _DIRECT_ADD = (_compat.direct_apply(fn) for fn in
                                         (RMSNormFunction, LayerNormFunction, FusedAddRMSNormFunction))
@@ -137,7 +138,7 @@ def apply(route, op: Op, x, residual, weight, bias):
     """The op's outputs through its Function: y, or ``(y, residual_out)``."""
     if (route.__class__ is not Traced and APPLY == "direct" and _DIRECT_RMS is not None
             and not torch.compiler.is_compiling() and not _compat.transforms_active()):
-        unwrap = _compat.unwrap_if_dead  # a tensor left by an exited transform, as Function.apply does
+        unwrap = _compat.unwrap_exited  # a tensor left by an exited transform, as Function.apply does
         x, weight = unwrap(x), weight if weight is None else unwrap(weight)
         if op.has_residual:
             return _DIRECT_ADD(route, x, unwrap(residual), weight)

@@ -73,7 +73,7 @@ def direct_apply(function):
     """``function``'s own C ``apply`` (``torch._C._FunctionBase.apply`` bound to the class), to be called
     with each tensor argument passed through ``unwrap_if_dead``: the work of torch's Python
     ``Function.apply`` for a Function without ``setup_context`` (a generator over the arguments and a
-    call per check, about 15% of an eager forward's host time) where no ``torch.func`` transform is
+    call per check) where no ``torch.func`` transform is
     active (the caller checks ``transforms_active``). None where this torch lacks either entry: the
     caller then calls ``function.apply``."""
     if _C_APPLY is None or _UNWRAP_IF_DEAD is None or not hasattr(_C_APPLY, "__get__"):
@@ -81,7 +81,8 @@ def direct_apply(function):
     return _C_APPLY.__get__(None, function)
 
 
-unwrap_if_dead = _UNWRAP_IF_DEAD
+# a tensor as it is, or unwrapped where the torch.func transform that wrapped it has exited
+unwrap_exited = _UNWRAP_IF_DEAD
 
 
 # --- CUDA device and stream -----------------------------------------------------------------------------

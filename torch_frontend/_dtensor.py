@@ -18,14 +18,14 @@ shards under the sharding strategy registered here, and wraps the results as DTe
   gradient (dy) with replicated rows gives ``Partial`` dx/dW/dB (the backward is linear in dy).
 
 Why not ``torch.distributed.tensor.experimental.register_sharding``: it is the public wrapper of
-the same registration (``ShardingPropagator.register_op_strategy``), but (1) it counts outputs as
+the same registration (``_compat.register_dtensor_strategy``), but (1) it counts outputs as
 ``len(schema.returns)``, which is 1 for the ops' ``Tensor[]`` return, and then fails with
 "`output_specs` has 1 output which does not equal the number of op outputs: 4"; (2) its derived
 ``RuntimeSchemaInfo`` hashes the arguments from the first ``int`` one (``casting``), so the ``op``
 string is left out of ``OpSchema``'s comparison key: ``rms_norm`` and ``layer_norm`` calls on
 DTensors of the same specs compare equal for the sharding cache, although only LayerNorm returns a
 per-row mean. So the strategy below is registered through that same hook, with
-``expand_to_full_mesh_op_strategy`` (register_sharding's own helper: one mesh dimension's
+``_compat.expand_to_full_mesh`` (register_sharding's own helper: one mesh dimension's
 strategies, expanded to every mesh dimension) and a schema info that hashes ``op`` and everything
 after it.
 

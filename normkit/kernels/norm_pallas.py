@@ -223,16 +223,16 @@ def norm_bwd_kernel(
         dy = tile["dy"].astype(F32)
         rstd = tile["rstd"]
         if FROM_Y:
-            xn = x - b[None, :] if HAS_B else x  # y - b: the normalized row times w_y
-            if HAS_W:
-                xn = xn * inv_w[None, :]
+            t = x - b[None, :] if HAS_B else x  # y - b: the normalized row times w_y
+            xn = t * inv_w[None, :] if HAS_W else t
         elif IS_RMS:
             xn = x * rstd[:, None]
         else:
             xn = jnp.where(mask, (x - tile["mean"][:, None]) * rstd[:, None], 0.0)
         if COMPUTE_DX:
             g = dy * w[None, :] if HAS_W else dy
-            c1 = jnp.sum(g * xn, axis=1) * (1.0 / N)
+            # from y, mean(g x_hat) = mean(dy w (y - b) / w_y) is mean(dy (y - b)), as norm.py sums it
+            c1 = jnp.sum(dy * t if FROM_Y else g * xn, axis=1) * (1.0 / N)
             if IS_RMS:
                 dx = (g - xn * c1[:, None]) * rstd[:, None]
             else:
