@@ -759,3 +759,25 @@ def test_qk_norm_rope_is_opt_in_and_skips_what_it_cannot_fuse():
     assert [n for n, _ in report.qk_fused] == ["model.layers.1.self_attn"], str(report)
     assert any(n == "model.layers.0.self_attn" and "self.k_norm" in reason for n, _, reason in report.skipped), str(report)
     assert "forward" not in layer.self_attn.__dict__
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's compile stack warns about its own internals
+def test_qk_norm_rope_compiles():
+    """torch.compile traces the rewritten attention with fullgraph=True (aot_eager: CPU Inductor is slow
+    to compile a whole model): with frozen norms no normkit kernel runs, and the logits and gradients
+    are the eager patched model's."""
+    torch._dynamo.reset()
+    eager = _tiny_qk("qwen3", seed=91)
+    assert len(tf.patch_model(eager, qk_norm_rope=True).qk_fused) == LAYERS
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, backend="aot_eager", fullgraph=True)
+    ids = _tokens(92)
+    with normkit.record_launches() as log:
+        out = compiled(input_ids=ids, labels=ids)
+        out.loss.backward()
+    assert log.kernels() == [], log.kernels()
+    ref = eager(input_ids=ids, labels=ids)
+    ref.loss.backward()
+    assert_close(_np(out.logits), _np(ref.logits), "float32", "compiled logits")
+    _assert_trained_grads_match(compiled_model, eager)
+    torch._dynamo.reset()
