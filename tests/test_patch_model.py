@@ -692,7 +692,7 @@ def test_qk_norm_rope_matches_the_unpatched_model(kind):
     assert "q_norm/k_norm + apply_rotary_pos_emb -> rms_norm_rope" in str(report) and not report.skipped
 
     out_ref, out, log = _step_both(ref, model, 62)
-    assert len(log.of("rms_norm_rope_fwd_kernel")) == 2 * LAYERS and len(log.of("rms_norm_rope_bwd_kernel")) == 2 * LAYERS
+    assert len(log.of("rms_norm_rope_fwd_kernel")) == len(log.of("rms_norm_rope_bwd_kernel")) == 2 * LAYERS
     assert len(log.of("norm_fwd_kernel")) == len(report.patched) - 2 * LAYERS  # q_norm, k_norm: fused instead
     if kind == "qwen3":  # frozen, safe weights (offset 0): the backward recovers x from the output
         assert all(launch.flags["STORE_REC"] for launch in log.of("rms_norm_rope_fwd_kernel"))
@@ -757,7 +757,7 @@ def test_qk_norm_rope_is_opt_in_and_skips_what_it_cannot_fuse():
     layer.self_attn.__class__ = Reordered
     report = tf.patch_model(model, qk_norm_rope=True)
     assert [n for n, _ in report.qk_fused] == ["model.layers.1.self_attn"], str(report)
-    assert any(n == "model.layers.0.self_attn" and "self.k_norm" in reason for n, _, reason in report.skipped), str(report)
+    assert any(n == "model.layers.0.self_attn" and "self.k_norm" in why for n, _, why in report.skipped), str(report)
     assert "forward" not in layer.self_attn.__dict__
 
 

@@ -420,6 +420,12 @@ def _qk_norm_rope(attn: nn.Module, query_states: torch.Tensor, key_states: torch
                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What ``apply_rotary_pos_emb(q_norm(q), k_norm(k), cos, sin)`` returns (its ``unsqueeze_dim=1``:
     q and k [B, H, S, D], the tables [B, S, D])."""
+    for name, t in (("query_states", query_states), ("key_states", key_states)):
+        # the rewrite moved the norm past a .transpose(1, 2), which leaves the last dimension in place
+        # only from 4 dimensions on
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"normkit: {name} must be a 4-d [B, H, S, D] tensor in an attention rewritten by "
+                             f"patch_model(qk_norm_rope=True); got {getattr(t, 'shape', type(t).__name__)}")
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return (_norm_rope(attn.q_norm, query_states, cos, sin, "q_norm"),
             _norm_rope(attn.k_norm, key_states, cos, sin, "k_norm"))
