@@ -638,3 +638,146 @@ def test_fuse_residual_add_skips_a_layer_whose_forward_was_replaced():
     report = tf.patch_model(model, fuse_residual_add=True)
     assert [name for name, _ in report.fused] == ["model.layers.1"]
     assert any(name == "model.layers.0" and "replaced on the instance" in why for name, _, why in report.skipped)
+
+
+# ---------------------------------------------------------------------------------------------
+# QK-norm fused into the rotary embedding (qk_norm_rope=True): Qwen3 and Gemma 3 attention.
+
+QK_ARCHS = {"qwen3": ("Qwen3ForCausalLM", "Qwen3Config"), "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig")}
+
+
+def _tiny_qk(kind: str, seed: int, *, frozen_norms: bool = True):
+    """A 2-layer model of ``kind`` (hidden 64, 4 heads, 2 kv heads, head_dim 16), its norms random and
+    (by default) frozen."""
+    torch.manual_seed(seed)
+    model_cls, config_cls = QK_ARCHS[kind]
+    cfg = getattr(transformers, config_cls)(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                                            num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                            head_dim=16, max_position_embeddings=64)
+    model = getattr(transformers, model_cls)(cfg)
+    _randomize_norms(model, torch.Generator().manual_seed(seed + 1))
+    if frozen_norms:
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.requires_grad_(False)
+    return model
+
+
+def _attentions(model) -> list:
+    return [m for m in model.modules() if hasattr(m, "q_norm") and hasattr(m, "k_norm")]
+
+
+def _assert_trained_grads_match(model, ref) -> None:
+    ref_params = dict(ref.named_parameters())
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert trained
+    for name, p in trained:
+        assert p.grad is not None, name
+        assert_close(_np(p.grad), _np(ref_params[name].grad), "float32", f"grad {name}", reduced_over=BATCH * SEQ)
+    assert any(np.abs(_np(p.grad)).max() > 0 for n, p in trained if "q_proj" in n)  # a comparison that can fail
+
+
+@pytest.mark.parametrize("kind", sorted(QK_ARCHS))
+def test_qk_norm_rope_matches_the_unpatched_model(kind):
+    """Frozen norms, everything else trained: one rms_norm_rope launch for q and one for k in each
+    layer, and no separate q/k norm; logits and every trained parameter's gradient as HF's own
+    model's. Generation (eval, no_grad, KV cache) gives HF's tokens. unpatch_model puts the class's
+    forward back: the logits are then HF's bitwise."""
+    ref = _tiny_qk(kind, seed=61)
+    model = copy.deepcopy(ref)
+    report = tf.patch_model(model, qk_norm_rope=True)
+    attns = _attentions(model)
+    assert len(attns) == LAYERS and all(cls is type(attns[0]) for _, cls in report.qk_fused)
+    assert {name for name, _ in report.qk_fused} == {n for n, m in model.named_modules() if m in attns}
+    assert "q_norm/k_norm + apply_rotary_pos_emb -> rms_norm_rope" in str(report) and not report.skipped
+
+    out_ref, out, log = _step_both(ref, model, 62)
+    assert len(log.of("rms_norm_rope_fwd_kernel")) == len(log.of("rms_norm_rope_bwd_kernel")) == 2 * LAYERS
+    assert len(log.of("norm_fwd_kernel")) == len(report.patched) - 2 * LAYERS  # q_norm, k_norm: fused instead
+    if kind == "qwen3":  # frozen, safe weights (offset 0): the backward recovers x from the output
+        assert all(launch.flags["STORE_REC"] for launch in log.of("rms_norm_rope_fwd_kernel"))
+    assert_close(_np(out.logits), _np(out_ref.logits), "float32", "logits")
+    _assert_trained_grads_match(model, ref)
+
+    ref.eval(), model.eval()
+    ids = _tokens(63)[:, :5]
+    with torch.no_grad():
+        gen_ref = ref.generate(ids, max_new_tokens=3, do_sample=False, min_new_tokens=3)
+        with normkit.record_launches() as log:
+            gen = model.generate(ids, max_new_tokens=3, do_sample=False, min_new_tokens=3)
+    assert len(log.of("rms_norm_rope_fwd_kernel")) == 3 * 2 * LAYERS  # a prefill and two cached steps
+    assert gen.shape == (BATCH, 8) and torch.equal(gen, gen_ref), (gen, gen_ref)
+
+    forward = type(attns[0]).forward
+    restored = tf.unpatch_model(model)
+    assert len(restored.qk_fused) == LAYERS and "unfused" in str(restored)
+    assert all("forward" not in m.__dict__ and type(m).forward is forward for m in _attentions(model))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("kind", sorted(QK_ARCHS))
+def test_qk_norm_rope_under_lora(kind):
+    """PEFT LoRA on q_proj and v_proj, patched after PEFT wrapped the model: the LoRA gradients are
+    HF's own model's."""
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                          init_lora_weights=False)
+    ref = peft.get_peft_model(_tiny_qk(kind, seed=71), cfg)
+    model = copy.deepcopy(ref)
+    report = tf.patch_model(model, qk_norm_rope=True)
+    assert len(report.qk_fused) == LAYERS, str(report)
+    _, _, log = _step_both(ref, model, 72)
+    # layer 0's k needs no gradient: k_proj is frozen and its input is the frozen embedding's output
+    assert len(log.of("rms_norm_rope_bwd_kernel")) == 2 * LAYERS - 1
+    assert not any(launch.flags["COMPUTE_DW"] for launch in log.of("rms_norm_rope_bwd_kernel"))
+    _assert_lora_grads_match(model, ref)
+
+
+def test_qk_norm_rope_is_opt_in_and_skips_what_it_cannot_fuse():
+    """Off by default; with the q/k norms left as HF's (rms_norm=False), or an attention whose forward
+    does not have the expected structure, the attention is left alone and the report says why."""
+    model = _tiny_qk("qwen3", seed=81)
+    assert not tf.patch_model(copy.deepcopy(model)).qk_fused
+    report = tf.patch_model(copy.deepcopy(model), rms_norm=False, qk_norm_rope=True)
+    assert not report.qk_fused and "not normkit's RMSNorm; QK-norm and RoPE not fused" in str(report)
+
+    attn_cls = type(_attentions(model)[0])
+
+    class Reordered(attn_cls):  # the rotary embedding before k_norm: not the structure the rewrite expects
+        def forward(self, hidden_states, position_embeddings, attention_mask, **kwargs):
+            hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+            query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+            key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+            cos, sin = position_embeddings
+            query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)  # noqa: F821
+            key_states = self.k_norm(key_states)
+            return query_states, key_states
+
+    layer = model.model.layers[0]
+    layer.self_attn.__class__ = Reordered
+    report = tf.patch_model(model, qk_norm_rope=True)
+    assert [n for n, _ in report.qk_fused] == ["model.layers.1.self_attn"], str(report)
+    assert any(n == "model.layers.0.self_attn" and "self.k_norm" in why for n, _, why in report.skipped), str(report)
+    assert "forward" not in layer.self_attn.__dict__
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's compile stack warns about its own internals
+def test_qk_norm_rope_compiles():
+    """torch.compile traces the rewritten attention with fullgraph=True (aot_eager: CPU Inductor is slow
+    to compile a whole model): with frozen norms no normkit kernel runs, and the logits and gradients
+    are the eager patched model's."""
+    torch._dynamo.reset()
+    eager = _tiny_qk("qwen3", seed=91)
+    assert len(tf.patch_model(eager, qk_norm_rope=True).qk_fused) == LAYERS
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, backend="aot_eager", fullgraph=True)
+    ids = _tokens(92)
+    with normkit.record_launches() as log:
+        out = compiled(input_ids=ids, labels=ids)
+        out.loss.backward()
+    assert log.kernels() == [], log.kernels()
+    ref = eager(input_ids=ids, labels=ids)
+    ref.loss.backward()
+    assert_close(_np(out.logits), _np(ref.logits), "float32", "compiled logits")
+    _assert_trained_grads_match(compiled_model, eager)
+    torch._dynamo.reset()

@@ -99,6 +99,7 @@ class Run:
 
 class TorchAdapter:
     name = "torch"
+    compile_backend = None  # a torch.compile backend: the call compiled, fullgraph (TorchCompiledAdapter)
 
     def run(self, case: Case, a: dict) -> Run:
         import torch
@@ -120,16 +121,34 @@ class TorchAdapter:
             saved.append(s)
             return s
 
-        with normkit.record_launches() as log, poisoned_outputs(), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda s: s):
-            out = tf.rms_norm_rope(x, w, t(a["cos"], td), t(a["sin"], td), **case.kwargs)
-            out.backward(t(a["dout"], case.dtype))
-        assert out.stride() == x.stride(), (out.stride(), x.stride())  # laid out like x
+        cos, sin = t(a["cos"], td), t(a["sin"], td)
+        if self.compile_backend is not None:
+            def f(leaf, w):  # the leaf passed in (the transposed view taken inside, as a model does)
+                return tf.rms_norm_rope(leaf.transpose(1, 2) if case.transposed else leaf, w, cos, sin, **case.kwargs)
+
+            call = torch.compile(f, backend=self.compile_backend, fullgraph=True)  # fullgraph: no graph break
+            with normkit.record_launches() as log:
+                out = call(leaf, w)
+                out.backward(t(a["dout"], case.dtype))
+        else:
+            with normkit.record_launches() as log, poisoned_outputs(), \
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda s: s):
+                out = tf.rms_norm_rope(x, w, cos, sin, **case.kwargs)
+                out.backward(t(a["dout"], case.dtype))
+            assert out.stride() == x.stride(), (out.stride(), x.stride())  # laid out like x
         dx = leaf.grad.transpose(1, 2) if case.transposed else leaf.grad
         ptr = leaf.untyped_storage().data_ptr()
         np64 = lambda v: None if v is None else v.detach().double().numpy()  # noqa: E731
-        return Run(np64(out), np64(dx), np64(w.grad), log,
-                   saved_x=any(s.untyped_storage().data_ptr() == ptr for s in saved))
+        return Run(np64(out), np64(dx), np64(w.grad), log, saved_x=None if self.compile_backend else
+                   any(s.untyped_storage().data_ptr() == ptr for s in saved))
+
+
+class TorchCompiledAdapter(TorchAdapter):
+    """The Torch call inside ``torch.compile(..., fullgraph=True)``: traced as torch operations."""
+
+    def __init__(self, backend: str):
+        self.compile_backend = backend
+        self.name = f"torch-compile-{backend}"
 
 
 class JaxAdapter:
@@ -203,24 +222,29 @@ def expected_from_output(case: Case, a: dict) -> bool:
 def check(adapter, case: Case) -> None:
     a = inputs(case)
     run = adapter.run(case, a)
-    tol = coarser(case.dtype, case.table_dtype or case.dtype)
-    ref = reference.rms_norm_rope(a["x"], a["weight"], a["cos"], a["sin"], 1e-6, case.offset, case.interleaved)
-    y = reference.rms_norm(a["x"], a["weight"], 1e-6, case.offset)
-    units = _pair_units(y, case.interleaved) * max(case.scale, 1.0)
-    assert_close(run.out / units, ref / units, tol, f"{adapter.name} {case}: out (in units of its pair)")
-    dx, dw = reference.rms_norm_rope_bwd(a["x"], a["weight"], a["cos"], a["sin"], a["dout"], 1e-6, case.offset,
-                                         case.interleaved)
-    assert_close(run.dx, dx, tol, f"{adapter.name} {case}: dx")
-    if case.trained:
-        assert_close(run.dw, dw, tol, f"{adapter.name} {case}: dw", reduced_over=int(np.prod(case.shape[:-1])))
-    else:
-        assert run.dw is None or not np.any(run.dw), f"{adapter.name}: a frozen weight got a gradient"
+    check_values(adapter.name, case, a, run)
     from_output = expected_from_output(case, a)
     assert bool(_flags(run.log, "fwd")["STORE_REC"]) == from_output, run.log
     bwd = _flags(run.log, "bwd")
     assert bool(bwd["FROM_Y"]) == from_output and bool(bwd["COMPUTE_DW"]) == case.trained, bwd
     if run.saved_x is not None:
         assert run.saved_x == (not from_output), f"{adapter.name} {case}: x kept = {run.saved_x}"
+
+
+def check_values(name: str, case: Case, a: dict, run: Run) -> None:
+    """A run's out, dx and dw against the float64 reference."""
+    tol = coarser(case.dtype, case.table_dtype or case.dtype)
+    ref = reference.rms_norm_rope(a["x"], a["weight"], a["cos"], a["sin"], 1e-6, case.offset, case.interleaved)
+    y = reference.rms_norm(a["x"], a["weight"], 1e-6, case.offset)
+    units = _pair_units(y, case.interleaved) * max(case.scale, 1.0)
+    assert_close(run.out / units, ref / units, tol, f"{name} {case}: out (in units of its pair)")
+    dx, dw = reference.rms_norm_rope_bwd(a["x"], a["weight"], a["cos"], a["sin"], a["dout"], 1e-6, case.offset,
+                                         case.interleaved)
+    assert_close(run.dx, dx, tol, f"{name} {case}: dx")
+    if case.trained:
+        assert_close(run.dw, dw, tol, f"{name} {case}: dw", reduced_over=int(np.prod(case.shape[:-1])))
+    else:
+        assert run.dw is None or not np.any(run.dw), f"{name}: a frozen weight got a gradient"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -509,3 +533,57 @@ def test_torch_strided_slice_and_empty_rows():
     out = tf.rms_norm_rope(x0, w0, cos[:, :, :1].expand(1, 1, 3, D)[:, :, :3], sin[:, :, :1].expand(1, 1, 3, D))
     out.sum().backward()
     assert out.shape == x0.shape and x0.grad.shape == x0.shape and not w0.grad.any()
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile: traced as torch operations (no graph break), against the reference and eager.
+
+COMPILED_CASES = [  # CPU Inductor compiles slowly: two cases; aot_eager runs the same traced graph for the rest
+    ("inductor", Case(D=8, trained=False, transposed=True)),  # frozen: the output-saving route
+    ("inductor", Case(D=8, casting="gemma", offset=1.0)),  # trained: dW
+    ("aot_eager", Case(D=8, dtype="bfloat16", trained=False, casting="gemma", offset=1.0, transposed=True,
+                       table="shared")),
+    ("aot_eager", Case(D=8, dtype="bfloat16", casting="none", interleaved=True, table_dtype="float32")),
+    ("aot_eager", Case(D=8, dtype="float16", trained=False, save="input")),
+]
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's compile stack warns about its own internals
+@pytest.mark.parametrize("backend, case", COMPILED_CASES, ids=lambda v: str(v))
+def test_torch_compile_matches_reference_and_eager(backend, case):
+    """Compiled with fullgraph=True (a graph break raises): no kernel launches, out, dx and dW as the
+    float64 reference's and the eager kernels' within the tolerance table."""
+    import torch
+
+    torch._dynamo.reset()
+    a = inputs(case)
+    run = TorchCompiledAdapter(backend).run(case, a)
+    assert run.log.kernels() == [], run.log.kernels()
+    check_values(f"torch-compile-{backend}", case, a, run)
+    eager = TorchAdapter().run(case, a)
+    tol = coarser(case.dtype, case.table_dtype or case.dtype)
+    units = _pair_units(reference.rms_norm(a["x"], a["weight"], 1e-6, case.offset), case.interleaved)
+    assert_close(run.out / units, eager.out / units, tol, "compiled vs eager: out (in units of its pair)")
+    assert_close(run.dx, eager.dx, tol, "compiled vs eager: dx")
+    if case.trained:
+        assert_close(run.dw, eager.dw, tol, "compiled vs eager: dw", reduced_over=int(np.prod(case.shape[:-1])))
+    torch._dynamo.reset()
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_torch_compiled_unsafe_weight_poisons_dx():
+    """Compiled, the weight's values are unseen: a frozen weight keeps the output under "auto" (the
+    traced rule) and the recovery is poisoned where the pair ratio turns out too large, so dx is NaN;
+    save="input" keeps x and gives the reference's dx."""
+    import torch
+
+    torch._dynamo.reset()
+    case = Case(D=8, trained=False)
+    a = _bad_pair(case, inputs(case))
+    dx_ref, _ = reference.rms_norm_rope_bwd(a["x"], a["weight"], a["cos"], a["sin"], a["dout"])
+    assert np.all(np.isnan(TorchCompiledAdapter("aot_eager").run(case, a).dx))
+    run = TorchCompiledAdapter("aot_eager").run(dataclasses.replace(case, save="input"), a)
+    assert_close(run.dx, dx_ref, "float32", "dx")
+    torch._dynamo.reset()

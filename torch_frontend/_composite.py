@@ -42,7 +42,8 @@ _route = "inductor"
 def compile_frozen_with(route: Literal["inductor", "kernels"]) -> str:
     """Where ``torch.compile`` sends a norm whose parameters are frozen: ``"inductor"`` (the default:
     the op as torch operations, fused with its neighbours) or ``"kernels"`` (normkit's kernels, as
-    in eager mode). Returns the previous route. A compiled function recompiles when this changes."""
+    in eager mode). Returns the previous route. A compiled function recompiles when this changes.
+    ``rms_norm_rope`` always compiles as torch operations (it has no custom op)."""
     global _route
     if not isinstance(route, str) or route not in _ROUTES:
         raise ValueError(f"normkit: compile_frozen_with takes one of {_ROUTES}; got {route!r}")

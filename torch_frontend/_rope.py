@@ -14,12 +14,23 @@ gradient that does not fit x's row grouping is copied into x's layout.
 What the backward keeps (``save``) is decided by ``normkit.saving.decide`` through ``_save``, as for
 ``rms_norm`` (``_saves_output``): with the weight frozen and safe, the output, its per-row rstd and the
 weight's recovery 1 / w (no x); otherwise x and rstd.
+
+Under ``torch.compile`` the call is traced (no graph break) as torch operations of ``normkit.norm_math``
+(``_compiled``), with a frozen or a trained weight, for the compiler to generate and fuse with its
+neighbours, as frozen plain norms are (``_composite``; ``compile_frozen_with`` does not apply here:
+there is no custom op for this one). Its backward is ``_Traced``'s, the kernels' formulas in torch
+operations, and keeps what the eager Function keeps: the output, rstd and the weight's recovery
+(output-saving), or x and rstd. The weight's values are unseen while tracing, so ``save="auto"``
+follows ``saving.traced_rule``: the output where the weight is frozen, the offset 0 and x not float16
+(Qwen3's q/k norms, not Gemma's ``1 + w``); a weight that turns out unsafe (RMSNorm's rule or the pair
+ratio) gives a NaN dx, never a quietly imprecise one. The output's strides are the compiler's choice.
 """
 from __future__ import annotations
 
 import dataclasses
 import warnings
 
+import array_api_compat.torch as _xp  # the namespace, named here: dynamo warns on array_namespace's lru_cache
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -200,7 +211,6 @@ class RMSNormRoPEFunction(torch.autograd.Function):
         return None, dx, dw, None, None
 
 
-@torch.compiler.disable  # eager kernels: under torch.compile the call is a graph break
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                   eps: float = 1e-6, *, offset: float = 0.0, casting_mode: str = "llama", interleaved: bool = False,
                   save: str = "auto") -> torch.Tensor:
@@ -241,8 +251,20 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tenso
         ``out`` of x's shape and dtype, laid out like x (``torch.empty_like(x)``): a [B, H, S, D] view
         of a [B, S, H, D] buffer for the transposed x, as HF's own rotary embedding returns.
 
-    Not supported: torch.compile (the call is a graph break and runs eagerly), double backward.
+    Under ``torch.compile`` the call is traced, not a graph break: it runs as torch operations of
+    ``normkit.norm_math`` for the compiler to generate and fuse (``_Traced``), frozen or trained weight
+    alike; ``save`` keeps its meaning there, decided without the weight's values (``_traced_saves_output``).
+
+    Not supported: double backward.
     """
+    if torch.compiler.is_compiling():
+        return _compiled(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save)
+    return _eager(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save)
+
+
+@torch.compiler.disable  # never traced: rms_norm_rope sends a compiled call to _compiled
+def _eager(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save) -> torch.Tensor:
+    """The kernels (``normkit.kernels.rope``): the call outside ``torch.compile``."""
     opts = _check(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save)
     x = _columns_contiguous(x, "x", warn=True)
     cos = _columns_contiguous(cos, "cos", warn=True)
@@ -253,3 +275,70 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tenso
     if not needs_grad:
         return _forward(cfg, x, weight, cos, sin, False, False)[0]
     return RMSNormRoPEFunction.apply(cfg, x, weight, cos, sin)
+
+
+# ---------------------------------------------------------------------------------------------
+# Under torch.compile: the op as torch operations (``normkit.norm_math``), traced into the graph.
+
+
+def _traced_saves_output(cfg: _Config, x, weight) -> bool:
+    """``normkit.saving.decide`` where the weight's values are unseen (a trace of fake tensors):
+    ``saving.traced_rule`` (no offset, x not float16) for ``"auto"``; the forward's recovery is then
+    poisoned (NaN dx) where the weight turns out unsafe, the pair ratio included
+    (``norm_math.rope_recovery_array``), as the kernels' is."""
+    o = cfg.opts
+    return saving.decide(rope.RMS_NORM_ROPE, cfg.save, trained=["weight"] if weight is not None and
+                         weight.requires_grad else [], needs_dx=x.requires_grad, row_length=x.shape[-1],
+                         has_params=weight is not None, has_bias=False, offset=o.offset, x_dtype=_name(x), unsafe=None)
+
+
+def _compiled(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save) -> torch.Tensor:
+    """Inside a ``torch.compile`` trace: ``norm_math.rms_norm_rope_forward`` as torch operations, and
+    where a gradient is needed the ``_Traced`` Function, whose backward is ``norm_math``'s too (the
+    kernels' backward formulas: from the output, or from x and rstd, dW included)."""
+    opts = _check(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save)
+    cfg = _Config(opts, interleaved, save)
+    trained = weight is not None and weight.requires_grad
+    if not (torch.is_grad_enabled() and (x.requires_grad or trained)):
+        return norm_math.rms_norm_rope_forward(x, weight, cos, sin, eps=opts.eps, offset=opts.offset,
+                                               casting=opts.casting, interleaved=interleaved, xp=_xp)[0]
+    from_output = _traced_saves_output(cfg, x, weight)
+    return _Traced.apply(cfg, from_output, trained, x, weight, cos, sin)
+
+
+class _Traced(torch.autograd.Function):
+    """``forward(cfg, from_output, trained, x, weight, cos, sin)`` in torch operations. It keeps what the
+    eager Function keeps: the output, rstd and the weight's recovery (``from_output``), or x and rstd;
+    so AOTAutograd keeps no x for an output-saving call. ``trained``: dW is computed."""
+
+    @staticmethod
+    def forward(ctx, cfg: _Config, from_output: bool, trained: bool, x, weight, cos, sin):
+        o = cfg.opts
+        out, rstd = norm_math.rms_norm_rope_forward(x, weight, cos, sin, eps=o.eps, offset=o.offset,
+                                                    casting=o.casting, interleaved=cfg.interleaved, xp=_xp)
+        rec = None
+        if from_output:
+            rec = norm_math.rope_recovery_array(weight, N=x.shape[-1], x_dtype=x.dtype, offset=o.offset,
+                                                casting=o.casting, interleaved=cfg.interleaved, xp=_xp)
+        ctx.cfg, ctx.from_output, ctx.trained = cfg, from_output, trained
+        ctx.save_for_backward(out if from_output else x, weight, cos, sin, rstd, rec)
+        # A view, not the tensor itself: traced by dynamo, an autograd.Function output that is also
+        # saved receives a zero gradient (as in ``_composite._FromOutput``).
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, dout):
+        saved, weight, cos, sin, rstd, rec = ctx.saved_tensors
+        cfg, o = ctx.cfg, ctx.cfg.opts
+        if ctx.from_output:
+            dx = norm_math.rms_norm_rope_output_backward(
+                saved, weight, cos, sin, dout, rstd, offset=o.offset, casting=o.casting, interleaved=cfg.interleaved,
+                rec=norm_math.split_recovery(rec, saved.shape[-1], weight is not None), xp=_xp)
+            dw = None
+        else:
+            dx, dw = norm_math.rms_norm_rope_input_backward(
+                saved, weight, cos, sin, dout, rstd, offset=o.offset, casting=o.casting, interleaved=cfg.interleaved,
+                compute_dx=True, compute_dw=ctx.trained, xp=_xp)
+        # dx whether or not x needs it (autograd drops what is not needed): under dynamo,
+        # needs_input_grad need not count the non-tensor arguments
+        return (None, None, None, dx.to(saved.dtype), None if dw is None else dw.to(weight.dtype), None, None)

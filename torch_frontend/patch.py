@@ -226,15 +226,25 @@ class PatchReport(_PatchReport):
     ``patched``: ``(qualified name, old class, new class)`` for each swapped module.
     ``skipped``: ``(qualified name, class, reason)`` for each norm-looking module left as it was.
     ``fused``: ``(name, class)`` of the decoder layers whose residual add was fused.
+    ``qk_fused``: ``(name, class)`` of the attention modules whose QK-norm and rotary embedding were fused.
     ``saves``: ``(name, SaveDecision)`` of each patched norm: whether, frozen, its backward keeps the
     output (save="auto": decided for its current weight and inputs of the weight's dtype) and why.
     """
 
     fused: list = dataclasses.field(default_factory=list)
     saves: list = dataclasses.field(default_factory=list)
+    qk_fused: list = dataclasses.field(default_factory=list)
 
     def extra_lines(self) -> list:
         lines = []
+        attns: dict = {}
+        for name, cls in self.qk_fused:
+            attns.setdefault(cls.__name__, []).append(name)
+        for cls, names in attns.items():
+            what = ("q_norm/k_norm + apply_rotary_pos_emb -> rms_norm_rope" if self.verb == "patched"
+                    else "its own forward again (QK-norm and rotary embedding apart)")
+            lines.append(f"  {'fused' if self.verb == 'patched' else 'unfused'} {len(names):3d} x {cls}: {what}: "
+                         f"{listed(names)}")
         layers: dict = {}
         for name, cls in self.fused:
             layers.setdefault(cls.__name__, []).append(name)
@@ -286,9 +296,10 @@ def _add_norm(norm: nn.Module, hidden_states: torch.Tensor, residual: torch.Tens
     return norm(hidden_states), hidden_states
 
 
-@functools.lru_cache(maxsize=None)
-def _rewrite(cls: type):
-    """``cls.forward`` with the add and the norm fused (a function), or the reason there is none."""
+def _recompiled(cls: type, edit: Callable, helper_name: str, helper: Callable, marker: str):
+    """``cls.forward`` recompiled from its source after ``edit(func)`` changed its ``ast.FunctionDef`` in
+    place (``edit`` returns None, or the reason it cannot), with ``helper`` reachable under
+    ``helper_name``; the new function carries ``marker``. Or the reason there is none."""
     import ast
     import inspect
     import textwrap
@@ -303,6 +314,31 @@ def _rewrite(cls: type):
         return "its forward is not a plain function"
     if any(isinstance(n, ast.Name) and n.id == "super" for n in ast.walk(func)):
         return "its forward calls super(), which a recompiled copy cannot"
+    reason = edit(func)
+    if reason is not None:
+        return reason
+    inner = inspect.unwrap(fn)  # the function its decorators wrap: the source's own lines and file
+    ast.increment_lineno(func, inner.__code__.co_firstlineno - 1)  # tracebacks name the original lines
+    module = sys.modules.get(fn.__module__)
+    if module is None:
+        return "its forward's module is not imported"
+    # The new forward's globals are its module's own (torch.compile resolves a function's globals
+    # through its module), and the helper reaches it as a closure variable of a factory, so nothing
+    # is added to the module.
+    factory = ast.parse(f"def _normkit_factory({helper_name}):\n    return {func.name}").body[0]
+    factory.body.insert(0, func)
+    tree.body = [factory]
+    code = compile(ast.fix_missing_locations(tree), inspect.getsourcefile(inner) or "<normkit>", "exec")
+    local: dict = {}
+    exec(code, vars(module), local)  # defines the factory only; the decorators run when it is called
+    new = local["_normkit_factory"](helper)
+    setattr(new, marker, True)
+    return new
+
+
+def _edit_add_norm(func) -> Optional[str]:
+    import ast
+
     want = [ast.dump(st) for st in ast.parse(_ADD_NORM_SOURCE).body]
     body = [ast.dump(st) for st in func.body]
     starts = [i for i in range(len(body) - 2) if body[i:i + 3] == want]
@@ -311,22 +347,13 @@ def _rewrite(cls: type):
                 "hidden_states; hidden_states = self.post_attention_layernorm(hidden_states)` exactly once")
     i = starts[0]
     func.body[i:i + 3] = ast.parse(_FUSED_SOURCE).body
-    ast.increment_lineno(func, fn.__code__.co_firstlineno - 1)  # tracebacks name the original lines
-    module = sys.modules.get(fn.__module__)
-    if module is None:
-        return "its forward's module is not imported"
-    # The new forward's globals are its module's own (torch.compile resolves a function's globals
-    # through its module), and _normkit_add_norm reaches it as a closure variable of a factory,
-    # so nothing is added to the module.
-    factory = ast.parse(f"def _normkit_factory(_normkit_add_norm):\n    return {func.name}").body[0]
-    factory.body.insert(0, func)
-    tree.body = [factory]
-    code = compile(ast.fix_missing_locations(tree), inspect.getsourcefile(fn) or "<normkit>", "exec")
-    local: dict = {}
-    exec(code, vars(module), local)  # defines the factory only; the decorators run when it is called
-    new = local["_normkit_factory"](_add_norm)
-    setattr(new, _FUSED, True)
-    return new
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _rewrite(cls: type):
+    """``cls.forward`` with the add and the norm fused (a function), or the reason there is none."""
+    return _recompiled(cls, _edit_add_norm, "_normkit_add_norm", _add_norm, _FUSED)
 
 
 def _fuse_residual_adds(model: nn.Module, report: PatchReport) -> None:
@@ -348,6 +375,133 @@ def _fuse_residual_adds(model: nn.Module, report: PatchReport) -> None:
             continue
         module.forward = new.__get__(module, cls)
         report.fused.append((name, cls))
+
+
+# ---------------------------------------------------------------------------------------------
+# Fusing an attention's QK-norm into its rotary embedding (qk_norm_rope=True).
+#
+# Qwen3's and Gemma 3's attention normalize q and k per head (``self.q_norm``, ``self.k_norm``:
+# RMSNorm over head_dim) and then rotate them (``apply_rotary_pos_emb(query_states, key_states, cos,
+# sin)``). The forward's source is rewritten, as for the residual add: the two norm calls are
+# removed, and the rotary call becomes ``_normkit_qk_norm_rope(self, query_states, key_states, cos,
+# sin)``, which runs ``rms_norm_rope`` (one pass over q, one over k) with each norm module's weight,
+# eps, offset and casting mode. Everything else (the projections, the cache update, the attention
+# interface: eager, sdpa or flash; GQA; masks) is the original code. Removing a norm call is sound
+# only where nothing but a ``.transpose(1, 2)`` (which leaves the last dimension, the norm's, alone)
+# comes between it and the rotary call: the edit checks that, or leaves the forward alone.
+
+_QK_FUSED = "_normkit_qk_norm_rope_forward"  # marks a forward whose QK-norm and rotary embedding are fused
+_ROPE_SOURCE = "query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)"
+_QK_SOURCE = "query_states, key_states = _normkit_qk_norm_rope(self, query_states, key_states, cos, sin)"
+_QK_NORMS = (("query_states", "q_norm"), ("key_states", "k_norm"))
+
+
+def _norm_rope(norm: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, name: str) -> torch.Tensor:
+    """``apply_rotary_pos_emb``'s rotation of ``norm(x)``, in one ``rms_norm_rope``. The result has
+    the dtype HF's code gives it: the norm's output dtype (``HFRMSNorm``: promoted with the weight's)
+    promoted with the tables'; where that is wider than x's, the fused result (rounded to x's dtype)
+    is cast up, one rounding HF's code does not have."""
+    from torch_frontend._rope import rms_norm_rope
+
+    if not isinstance(norm, RMSNorm):
+        raise TypeError(f"normkit: {name} is a {type(norm).__name__}, not normkit's RMSNorm, but this attention's "
+                        "forward was rewritten by patch_model(qk_norm_rope=True) for normkit's; call unpatch_model "
+                        "before replacing it")
+    out = rms_norm_rope(x, norm.weight, cos, sin, norm.eps, offset=norm.offset, casting_mode=norm.casting_mode,
+                        save=norm.save)
+    dtype = x.dtype
+    if isinstance(norm, HFRMSNorm) and norm.weight is not None:
+        dtype = torch.promote_types(norm.weight.dtype, dtype)
+    dtype = torch.promote_types(dtype, cos.dtype)
+    return out if out.dtype == dtype else out.to(dtype)
+
+
+def _qk_norm_rope(attn: nn.Module, query_states: torch.Tensor, key_states: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``apply_rotary_pos_emb(q_norm(q), k_norm(k), cos, sin)`` returns (its ``unsqueeze_dim=1``:
+    q and k [B, H, S, D], the tables [B, S, D])."""
+    for name, t in (("query_states", query_states), ("key_states", key_states)):
+        # the rewrite moved the norm past a .transpose(1, 2), which leaves the last dimension in place
+        # only from 4 dimensions on
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"normkit: {name} must be a 4-d [B, H, S, D] tensor in an attention rewritten by "
+                             f"patch_model(qk_norm_rope=True); got {getattr(t, 'shape', type(t).__name__)}")
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (_norm_rope(attn.q_norm, query_states, cos, sin, "q_norm"),
+            _norm_rope(attn.k_norm, key_states, cos, sin, "k_norm"))
+
+
+def _edit_qk_norm_rope(func) -> Optional[str]:
+    import ast
+
+    rope_dump = ast.dump(ast.parse(_ROPE_SOURCE).body[0])
+    at = [i for i, st in enumerate(func.body) if ast.dump(st) == rope_dump]
+    if len(at) != 1:
+        return f"its forward does not contain `{_ROPE_SOURCE}` exactly once at its top level"
+    r = at[0]
+
+    def is_norm(node, attr) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == attr and isinstance(node.value, ast.Name)
+                and node.value.id == "self")
+
+    for var, attr in _QK_NORMS:
+        uses = [n for n in ast.walk(func) if is_norm(n, attr)]
+        stmts = [i for i, st in enumerate(func.body[:r]) if any(is_norm(n, attr) for n in ast.walk(st))]
+        if len(uses) != 1 or len(stmts) != 1:
+            return f"its forward does not call `self.{attr}` exactly once, before the rotary embedding"
+        i = stmts[0]
+        st = func.body[i]
+        if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
+                and st.targets[0].id == var):
+            return f"its forward's `self.{attr}` call is not in an assignment to {var}"
+        value, outer = st.value, None
+        if (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "transpose"
+                and [ast.dump(a) for a in value.args] == [ast.dump(ast.Constant(1)), ast.dump(ast.Constant(2))]
+                and not value.keywords):
+            value, outer = value.func.value, value.func
+        if not (isinstance(value, ast.Call) and is_norm(value.func, attr) and len(value.args) == 1
+                and not value.keywords):
+            return (f"its forward assigns {var} something other than `self.{attr}(...)` or "
+                    f"`self.{attr}(...).transpose(1, 2)`")
+        between = func.body[i + 1:r]
+        if any(isinstance(n, ast.Name) and n.id == var for st2 in between for n in ast.walk(st2)):
+            return f"its forward uses {var} between `self.{attr}` and the rotary embedding"
+        if outer is None:
+            st.value = value.args[0]
+        else:
+            outer.value = value.args[0]
+    func.body[r] = ast.parse(_QK_SOURCE).body[0]
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _rewrite_qk(cls: type):
+    """``cls.forward`` with its QK-norm fused into the rotary embedding (a function), or the reason
+    there is none."""
+    return _recompiled(cls, _edit_qk_norm_rope, "_normkit_qk_norm_rope", _qk_norm_rope, _QK_FUSED)
+
+
+def _fuse_qk_norm_rope(model: nn.Module, report: PatchReport) -> None:
+    for name, module in model.named_modules():
+        if not all(hasattr(module, a) for a in ("q_norm", "k_norm")):
+            continue
+        cls = type(module)
+        if getattr(module.__dict__.get("forward"), _QK_FUSED, False):
+            continue  # fused already
+        if "forward" in module.__dict__:
+            report.skipped.append((name, cls, "its forward was replaced on the instance; QK-norm and RoPE not fused"))
+            continue
+        bad = [a for a in ("q_norm", "k_norm") if not isinstance(getattr(module, a), RMSNorm)]
+        if bad:
+            report.skipped.append((name, cls, f"its {' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not "
+                                              "normkit's RMSNorm; QK-norm and RoPE not fused"))
+            continue
+        new = _rewrite_qk(cls)
+        if isinstance(new, str):
+            report.skipped.append((name, cls, new + "; QK-norm and RoPE not fused"))
+            continue
+        module.forward = new.__get__(module, cls)
+        report.qk_fused.append((name, cls))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,6 +536,7 @@ def patch_model(
     layer_norm: bool = True,
     include: Optional[Callable[[str, nn.Module], bool]] = None,
     fuse_residual_add: bool = False,
+    qk_norm_rope: bool = False,
     save: str = "auto",
 ) -> PatchReport:
     """Swap the norm modules of ``model`` for normkit's, in place, and report what was done.
@@ -400,6 +555,14 @@ def patch_model(
             hidden_states = self.post_attention_layernorm(hidden_states)`` (transformers' Llama,
             Mistral, Qwen2/3 layers) are rewritten, and only those three statements; other layers are
             listed in the report with the reason.
+        qk_norm_rope: also fuse, in each attention whose ``forward`` normalizes q and k per head
+            (``self.q_norm``, ``self.k_norm``, swapped for normkit's RMSNorm) and then calls
+            ``query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)``
+            (transformers' Qwen3 and Gemma 3 attention), each norm and the rotation into one
+            ``rms_norm_rope``: the forward's source is rewritten there and nowhere else (the attention
+            interface, GQA, masks and caches are the original code). Off by default: the fused kernels
+            have not yet been compiled and measured on a GPU. Attention modules whose forward does not
+            match are listed in the report with the reason; ``report.qk_fused`` lists the fused ones.
         save: what the new modules' backward keeps (``torch_frontend.rms_norm``'s ``save``): with
             ``"auto"``, a norm whose parameters are frozen keeps its output rather than its input
             where its weight allows (one activation per norm less in a LoRA model whose adapters
@@ -449,6 +612,8 @@ def patch_model(
     _swap(model, replacements)
     if fuse_residual_add:
         _fuse_residual_adds(model, report)
+    if qk_norm_rope:
+        _fuse_qk_norm_rope(model, report)
     return report
 
 
@@ -464,6 +629,9 @@ def unpatch_model(model: nn.Module) -> PatchReport:
         if getattr(module.__dict__.get("forward"), _FUSED, False):
             del module.forward
             report.fused.append((name, type(module)))
+        if getattr(module.__dict__.get("forward"), _QK_FUSED, False):
+            del module.forward
+            report.qk_fused.append((name, type(module)))
         orig = module.__dict__.get(_ORIGINAL)
         if orig is None:
             continue
