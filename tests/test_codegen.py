@@ -159,6 +159,38 @@ def test_an_fp64_scalar_from_inductor_does_not_promote_the_math(what, op, traine
     assert global_accesses(inductor) == global_accesses(eager), what
 
 
+ROPE_CASES = [("fwd", False, False), ("bwd from x", False, False), ("bwd from y", True, False),
+              ("bwd with dW", False, True)]
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+@pytest.mark.parametrize("what,from_output,dw", ROPE_CASES, ids=[c[0] for c in ROPE_CASES])
+def test_rms_norm_rope_kernels_compile_for_sm90(what, from_output, dw, interleaved):
+    """The fused QK-norm + RoPE kernels compile for an H200 (sm_90) at head_dim 128 on [B, S, H, D]
+    rows read as [B, H, S, D] with broadcast tables, under either launcher's argument typing, with
+    their math fp32 under Inductor's fp64 typing of float arguments. (Their row accesses are not yet
+    128 bits wide: the partner columns are gathered, and jax-triton gives no stride hints.)"""
+    from normkit.launch import plan_rope_backward, plan_rope_forward
+
+    D, rows = 128, (2, 8, 16)  # (B, H, S) of a [B, S, H, D] buffer
+    x_strides = (16 * 8 * D, D, 8 * D)
+    table = (0, 0, D)
+    opts = OPS["rms_norm"].options(eps=1e-6)
+    dtypes = {"X": "bfloat16", "W": "bfloat16", "COS": "bfloat16", "SIN": "bfloat16", "DY": "bfloat16",
+              "RSTD": "float32", "REC": "float32"}
+    if what == "fwd":
+        call = plan_rope_forward(D, rows, "bfloat16", "bfloat16", opts, interleaved, True, True,
+                                 (x_strides, table, table, x_strides), 1, (2, 16, 8, D))
+    else:
+        call, _ = plan_rope_backward(D, rows, "bfloat16", "bfloat16", opts, interleaved, Grads(True, dw, False),
+                                     from_output, (x_strides, table, table, x_strides, x_strides), 1, SMS,
+                                     (2, 16, 8, D))
+    for hints in (False, True):
+        assert global_accesses(ptx(call, dtypes, integer_hints=hints)), f"rope {what}: no global access"
+    inductor = ptx(call, dtypes, integer_hints=True, float_type="fp64")
+    assert not _f64_instructions(inductor), dict(_f64_instructions(inductor))
+
+
 # ---------------------------------------------------------------------------------------------
 # The Pallas kernels, lowered for CUDA through the public API.
 
