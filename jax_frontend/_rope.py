@@ -91,7 +91,8 @@ def _triton_forward(cfg: _Config, x, weight, cos, sin, *, store_stats: bool, sto
         return out
     layout, (xs, cs, ss) = _layout(x, cos, sin)
     call = plan_rope_forward(D, layout.rows, _dtype(x), _dtype(weight), cfg.opts, cfg.interleaved, store_stats,
-                             store_rec, (xs, cs, ss, xs), 1, tuple(x.shape))
+                             store_rec, (xs, cs, ss, xs), 1, tuple(x.shape),
+                             table_dtypes=(_dtype(cos), _dtype(sin)))
     return _launch.backend(_platform()).launch(call, {"X": x, "W": weight, "COS": cos, "SIN": sin})
 
 
@@ -106,7 +107,8 @@ def _triton_backward(cfg: _Config, saved, weight, cos, sin, dout, rstd, rec, *, 
     layout, (xs, cs, ss) = _layout(saved, cos, sin)
     call, reduce = plan_rope_backward(D, layout.rows, _dtype(saved), _dtype(weight), cfg.opts, cfg.interleaved,
                                       grads, needs.from_output, (xs, cs, ss, xs, xs), 1,
-                                      _launch.num_sms(_platform()), tuple(saved.shape))
+                                      _launch.num_sms(_platform()), tuple(saved.shape),
+                                      table_dtypes=(_dtype(cos), _dtype(sin)))
     backend = _launch.backend(_platform())
     out = backend.launch(call, {"X": saved, "W": weight, "COS": cos, "SIN": sin, "DY": dout, "RSTD": rstd,
                                 "REC": rec})

@@ -490,14 +490,27 @@ def rope_kernels():
     return rope
 
 
+def _rope_strides_aligned(D: int, interleaved: bool, strides: tuple, dtypes: tuple) -> bool:
+    """Whether every row stride of every array, and rotate_half's offset D/2 of the second half, is a
+    multiple of 16 bytes' worth of that array's elements (a stride of 0 is): then the kernels mark
+    each row start ``tl.multiple_of`` it (STRIDES_ALIGNED), and their row accesses are 128 bits wide
+    under jax-triton too, which gives the compiler no divisibility of the run-time strides."""
+    for triple, dtype in zip(strides, dtypes, strict=True):
+        step = 16 // ELEM_BYTES[dtype]
+        if any(s % step for s in (*triple, *(() if interleaved else (D // 2,)))):
+            return False
+    return True
+
+
 @functools.lru_cache(maxsize=4096)
 def plan_rope_forward(D: int, rows: tuple, x_dtype: str, w_dtype: str | None, opts: Options, interleaved: bool,
                       store_stats: bool, store_rec: bool, strides: tuple, w_stride: int,
-                      out_shape: tuple) -> KernelCall:
+                      out_shape: tuple, *, table_dtypes: tuple) -> KernelCall:
     """The forward of ``rms_norm_rope`` over ``rows = (n0, n1, n2)`` rows of D columns (``M = n0 n1
     n2 >= 1``). ``strides``: the row strides ``(s0, s1, s2)`` of x, cos, sin and the output, in that
     order (``normkit.rope.row_layout``); ``w_stride`` the weight's element stride; ``out_shape``
-    the output's shape (the caller's x shape), in which a backend that allocates it does so.
+    the output's shape (the caller's x shape), in which a backend that allocates it does so;
+    ``table_dtypes``: cos's and sin's dtypes (with the strides, they decide STRIDES_ALIGNED).
     ``store_rec``: the backward will read the output, so program 0 writes the weight's recovery REC.
     Tiles as RMSNorm's (``tile_config``: N alone fixes a row's reduction order), one per program."""
     assert store_stats or not store_rec
@@ -534,6 +547,7 @@ def plan_rope_forward(D: int, rows: tuple, x_dtype: str, w_dtype: str | None, op
             PAIR_RATIO=norm_math.ROPE_PAIR_RATIO,
             REC_CHUNK=min(_next_pow2(D), REC_CHUNK),
             W_STRIDE=w_stride if has_w else 1,
+            STRIDES_ALIGNED=_rope_strides_aligned(D, interleaved, strides, (x_dtype, *table_dtypes, x_dtype)),
             BLOCK_M=block_m,
             BLOCK_D=block_d,
         ),
@@ -543,12 +557,12 @@ def plan_rope_forward(D: int, rows: tuple, x_dtype: str, w_dtype: str | None, op
 @functools.lru_cache(maxsize=4096)
 def plan_rope_backward(D: int, rows: tuple, x_dtype: str, w_dtype: str | None, opts: Options, interleaved: bool,
                        grads: Grads, from_output: bool, strides: tuple, w_stride: int, num_sms: int,
-                       out_shape: tuple) -> tuple[KernelCall, KernelCall | None]:
+                       out_shape: tuple, *, table_dtypes: tuple) -> tuple[KernelCall, KernelCall | None]:
     """The backward of ``rms_norm_rope`` and the fixed-order reduction of its dW partials (None
     without dW). ``strides``: the row strides of the saved rows (x, or the output ``from_output``),
-    cos, sin, dy and dx; ``out_shape``: dx's shape. With dW, ``num_partials`` programs each own one
-    fp32 partial row (``partial_sum_kernel`` then sums them in a fixed order); without, one program
-    per tile."""
+    cos, sin, dy and dx (dy and dx in x's dtype); ``out_shape``: dx's shape; ``table_dtypes``: cos's
+    and sin's dtypes. With dW, ``num_partials`` programs each own one fp32 partial row
+    (``partial_sum_kernel`` then sums them in a fixed order); without, one program per tile."""
     assert not (from_output and grads.dw), "the output-saving backward computes dx alone"
     n0, n1, n2 = rows
     M = n0 * n1 * n2
@@ -582,6 +596,8 @@ def plan_rope_backward(D: int, rows: tuple, x_dtype: str, w_dtype: str | None, o
             COMPUTE_DW=grads.dw,
             FROM_Y=from_output,
             W_STRIDE=w_stride if has_w else 1,
+            STRIDES_ALIGNED=_rope_strides_aligned(D, interleaved, strides,
+                                                  (x_dtype, *table_dtypes, x_dtype, x_dtype)),
             BLOCK_M=block_m,
             BLOCK_D=block_d,
         ),

@@ -167,9 +167,11 @@ ROPE_CASES = [("fwd", False, False), ("bwd from x", False, False), ("bwd from y"
 @pytest.mark.parametrize("what,from_output,dw", ROPE_CASES, ids=[c[0] for c in ROPE_CASES])
 def test_rms_norm_rope_kernels_compile_for_sm90(what, from_output, dw, interleaved):
     """The fused QK-norm + RoPE kernels compile for an H200 (sm_90) at head_dim 128 on [B, S, H, D]
-    rows read as [B, H, S, D] with broadcast tables, under either launcher's argument typing, with
-    their math fp32 under Inductor's fp64 typing of float arguments. (Their row accesses are not yet
-    128 bits wide: the partner columns are gathered, and jax-triton gives no stride hints.)"""
+    rows read as [B, H, S, D] with broadcast tables, with every access 128 bits wide under either
+    launcher's argument typing: each row is read once as contiguous blocks (rotate_half's two halves;
+    interleaved pairs split in registers), and the plan's STRIDES_ALIGNED marks the row starts
+    16-byte aligned, which jax-triton's typing of the run-time strides does not tell the compiler.
+    Their math stays fp32 under Inductor's fp64 typing of float arguments."""
     from normkit.launch import plan_rope_backward, plan_rope_forward
 
     D, rows = 128, (2, 8, 16)  # (B, H, S) of a [B, S, H, D] buffer
@@ -180,13 +182,16 @@ def test_rms_norm_rope_kernels_compile_for_sm90(what, from_output, dw, interleav
               "RSTD": "float32", "REC": "float32"}
     if what == "fwd":
         call = plan_rope_forward(D, rows, "bfloat16", "bfloat16", opts, interleaved, True, True,
-                                 (x_strides, table, table, x_strides), 1, (2, 16, 8, D))
+                                 (x_strides, table, table, x_strides), 1, (2, 16, 8, D),
+                                 table_dtypes=("bfloat16", "bfloat16"))
     else:
         call, _ = plan_rope_backward(D, rows, "bfloat16", "bfloat16", opts, interleaved, Grads(True, dw, False),
                                      from_output, (x_strides, table, table, x_strides, x_strides), 1, SMS,
-                                     (2, 16, 8, D))
+                                     (2, 16, 8, D), table_dtypes=("bfloat16", "bfloat16"))
+    assert call.constexprs["STRIDES_ALIGNED"] is True, f"rope {what}: aligned strides planned as unaligned"
     for hints in (False, True):
-        assert global_accesses(ptx(call, dtypes, integer_hints=hints)), f"rope {what}: no global access"
+        assert_rows_128_bits_wide(global_accesses(ptx(call, dtypes, integer_hints=hints)),
+                                  f"rope {what}, integer hints {hints}")
     inductor = ptx(call, dtypes, integer_hints=True, float_type="fp64")
     assert not _f64_instructions(inductor), dict(_f64_instructions(inductor))
 

@@ -140,7 +140,8 @@ def _forward(cfg: _Config, x, weight, cos, sin, store_stats: bool, store_rec: bo
                                                 out.stride()[:-1]))
     call = plan_rope_forward(D, layout.rows, _name(x), None if weight is None else _name(weight), cfg.opts,
                              cfg.interleaved, store_stats, store_rec, strides,
-                             1 if weight is None else weight.stride(0), tuple(x.shape))
+                             1 if weight is None else weight.stride(0), tuple(x.shape),
+                             table_dtypes=(_name(cos), _name(sin)))
     _launch(call, {"X": x, "W": weight, "COS": cos, "SIN": sin}, {"Y": out, "RSTD": rstd, "REC": rec})
     return out, rstd, rec, layout
 
@@ -201,7 +202,8 @@ class RMSNormRoPEFunction(torch.autograd.Function):
         sms = num_sms(saved.device) if saved.device.type == "cuda" else INTERPRETER_NUM_SMS
         call, reduce = plan_rope_backward(D, layout.rows, _name(saved), None if weight is None else _name(weight),
                                           cfg.opts, cfg.interleaved, grads, ctx.from_output, strides,
-                                          1 if weight is None else weight.stride(0), sms, tuple(saved.shape))
+                                          1 if weight is None else weight.stride(0), sms, tuple(saved.shape),
+                                          table_dtypes=(_name(cos), _name(sin)))
         part = _empty(call.out_specs["DW_PART"][0], torch.float32, saved.device) if grads.dw else None
         _launch(call, {"X": saved, "W": weight, "COS": cos, "SIN": sin, "DY": dout, "RSTD": rstd, "REC": rec},
                 {"DX": dx, "DW_PART": part})

@@ -13,9 +13,19 @@ of [B, S, 1, D], [B, 1, S, D] or [1, 1, S, D] are all read in place, without a c
 table.
 
 Pairs. Column j rotates with its partner p(j): j +- D/2 (``rotate_half``), or j ^ 1 when
-INTERLEAVED; sigma_j is -1 on the first column of a pair and +1 on the second. The partner's values
-are loaded a second time at the partner columns (the same cache lines), so each program computes
-both members of every pair from its own loads.
+INTERLEAVED; sigma_j is -1 on the first column of a pair and +1 on the second. Every row is read
+once, as contiguous blocks the compiler vectorizes, and split into the pairs' first and second
+members, two ``[BLOCK_M, BLOCK_D / 2]`` tiles: rotate_half loads the halves ``[0, D/2)`` and
+``[D/2, D)`` as two tiles; INTERLEAVED loads the whole row and splits each pair in registers
+(``tl.reshape`` then ``tl.split``; ``tl.join`` to store). Each half's result is computed from both,
+with the products and rounding points of ``normkit.norm_math``'s formulas (out_1 = y_1 cos_1 -
+y_2 sin_1, out_2 = y_2 cos_2 + y_1 sin_2). Row reductions sum over both tiles.
+
+Alignment. Pointers are 16-byte aligned under every launcher, but a row start computed from run-time
+strides tells the compiler nothing (jax-triton marks no integer divisible by 16). With
+STRIDES_ALIGNED (``normkit.launch``: every row stride, and D/2 for rotate_half, a multiple of 16
+bytes of its array's dtype) each row start is marked ``tl.multiple_of`` 16 bytes' worth of elements,
+so the row accesses are 128 bits wide under either launcher.
 
 Parameter order is fixed for jax-triton 0.3.1, which binds by position: array inputs, then runtime
 scalars, then outputs, then constexprs. Launch configuration lives in ``normkit.launch``
@@ -24,7 +34,7 @@ scalars, then outputs, then constexprs. Launch configuration lives in ``normkit.
 import triton
 import triton.language as tl
 
-from normkit.kernels.norm import _load_weight, _scale_shift, _store_recovery
+from normkit.kernels.norm import _scale_shift, _store_recovery
 
 
 @triton.jit
@@ -36,33 +46,144 @@ def _row_indices(rows64, n1, n2):
 
 
 @triton.jit
-def _row_starts(i0, i1, i2, s0, s1, s2):
-    """Element offset of each row's first column, from its three row strides."""
-    return i0 * s0 + i1 * s1 + i2 * s2
+def _row_starts(i0, i1, i2, s0, s1, s2, P, ALIGNED: tl.constexpr):
+    """Element offset of each row's first column in array P, from its three row strides; ALIGNED: a
+    multiple of 16 bytes' worth of P's elements (every stride is, ``normkit.launch``)."""
+    start = i0 * s0 + i1 * s1 + i2 * s2
+    if ALIGNED:
+        start = tl.multiple_of(start, 128 // P.dtype.element_ty.primitive_bitwidth)
+    return start
 
 
 @triton.jit
-def _pairs(cols, D: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """``(partner column, sigma)``: sigma -1.0 on the first column of a pair, +1.0 on the second."""
+def _load_rows(P, start, row_mask, D: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """Rows of P at ``start`` as the pairs' (first, second) members in fp32, ``[BLOCK_M, BLOCK_D // 2]``
+    each (0 past D/2): rotate_half's two halves, or INTERLEAVED's even and odd columns."""
     if INTERLEAVED:
-        partner = cols ^ 1
-        sign = tl.where((cols % 2) == 0, -1.0, 1.0)
+        cols = tl.arange(0, BLOCK_D)
+        mask = row_mask[:, None] & (cols < D)[None, :]
+        v = tl.load(P + start[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        first, second = tl.split(tl.reshape(v, (BLOCK_M, BLOCK_D // 2, 2)))
     else:
-        first = cols < D // 2
-        partner = tl.where(first, cols + D // 2, cols - D // 2)
-        sign = tl.where(first, -1.0, 1.0)
-    return partner, sign
+        h = tl.arange(0, BLOCK_D // 2)
+        mask = row_mask[:, None] & (h < D // 2)[None, :]
+        first = tl.load(P + start[:, None] + h[None, :], mask=mask, other=0.0).to(tl.float32)
+        second = tl.load(P + (start[:, None] + D // 2) + h[None, :], mask=mask, other=0.0).to(tl.float32)
+    return first, second
 
 
 @triton.jit
-def _load_tables(COS, SIN, c_start, s_start, cols, mask, X, CASTING: tl.constexpr):
-    """cos and sin at ``cols`` in fp32, rounded to x.dtype first under CASTING 0 (HF's ``cos.to(x.dtype)``)."""
-    c = tl.load(COS + c_start[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(SIN + s_start[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+def _store_rows(P, start, first, second, row_mask, D: tl.constexpr, INTERLEAVED: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``_load_rows``' inverse: the pairs' members stored, rounded to P's dtype, as contiguous rows."""
+    first = first.to(P.dtype.element_ty)
+    second = second.to(P.dtype.element_ty)
+    if INTERLEAVED:
+        cols = tl.arange(0, BLOCK_D)
+        mask = row_mask[:, None] & (cols < D)[None, :]
+        tl.store(P + start[:, None] + cols[None, :], tl.reshape(tl.join(first, second), (BLOCK_M, BLOCK_D)),
+                 mask=mask)
+    else:
+        h = tl.arange(0, BLOCK_D // 2)
+        mask = row_mask[:, None] & (h < D // 2)[None, :]
+        tl.store(P + start[:, None] + h[None, :], first, mask=mask)
+        tl.store(P + (start[:, None] + D // 2) + h[None, :], second, mask=mask)
+
+
+@triton.jit
+def _load_columns(P, STRIDE: tl.constexpr, D: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """A vector of D columns (element stride STRIDE) as the pairs' (first, second) members in fp32,
+    loaded as ``[BLOCK_M, BLOCK_D // 2]`` tiles of identical rows: laid out as the row tiles, 128 bits
+    wide. (A lone vector of D columns has fewer elements than the program has threads: the compiler
+    spreads it one element per thread, scalar loads, and re-loads it so in any layout a use asks for.)"""
+    same = tl.zeros((BLOCK_M, 1), dtype=tl.int32)  # every row of the tile at the vector
+    if INTERLEAVED:
+        cols = tl.arange(0, BLOCK_D)[None, :]
+        v = tl.load(P + same + cols * STRIDE, mask=(same == 0) & (cols < D), other=0.0).to(tl.float32)
+        first, second = tl.split(tl.reshape(v, (BLOCK_M, BLOCK_D // 2, 2)))
+    else:
+        h = tl.arange(0, BLOCK_D // 2)[None, :]
+        mask = (same == 0) & (h < D // 2)
+        first = tl.load(P + same + h * STRIDE, mask=mask, other=0.0).to(tl.float32)
+        second = tl.load(P + same + (h + D // 2) * STRIDE, mask=mask, other=0.0).to(tl.float32)
+    return first, second
+
+
+@triton.jit
+def _store_columns(P, first, second, D: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A contiguous vector of D columns from the pairs' (first, second) members, ``[BLOCK_D // 2]`` each."""
+    first = first.to(P.dtype.element_ty)
+    second = second.to(P.dtype.element_ty)
+    if INTERLEAVED:
+        cols = tl.arange(0, BLOCK_D)
+        tl.store(P + cols, tl.reshape(tl.join(first, second), (BLOCK_D,)), mask=cols < D)
+    else:
+        h = tl.arange(0, BLOCK_D // 2)
+        tl.store(P + h, first, mask=h < D // 2)
+        tl.store(P + D // 2 + h, second, mask=h < D // 2)
+
+
+@triton.jit
+def _max_all(t):
+    return tl.max(tl.max(t, axis=1), axis=0)
+
+
+@triton.jit
+def _store_pair_recovery(REC, w1, w2, D: tl.constexpr, INTERLEAVED: tl.constexpr, W_MIN: tl.constexpr,
+                         BOUND_SCALE: tl.constexpr, Y_MAX: tl.constexpr, PAIR_RATIO: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """norm's ``_store_recovery`` (no bias) from the weight tiles ``_load_columns`` gave, w_y in fp32,
+    plus the pair ratio: REC[j] = 1 / w_y[j] (1 where column j is unsafe) from the tiles' first row;
+    REC[D] = 0, or NaN where a column is unsafe, y could overflow x's dtype, or some pair's
+    |w_y[p] / w_y[j]| exceeds PAIR_RATIO (its recovery would carry the partner's rounding error times
+    that ratio: norm_math.rope_recovery_array)."""
+    # the tiles' first row alone: a mask that differs by row keeps the reductions on the tiles' layout
+    # (over a broadcast the compiler would reduce a [1, D / 2] vector, spread one column per thread)
+    lead = tl.arange(0, BLOCK_M) == 0
+    mask = lead[:, None] & (tl.arange(0, BLOCK_D // 2) < D // 2)[None, :]
+    a1 = tl.abs(w1)
+    a2 = tl.abs(w2)
+    unsafe1 = mask & ((a1 < W_MIN) | (a1 == float("inf")) | (w1 != w1))
+    unsafe2 = mask & ((a2 < W_MIN) | (a2 == float("inf")) | (w2 != w2))
+    wmax = tl.maximum(_max_all(tl.where(mask, a1, 0.0)), _max_all(tl.where(mask, a2, 0.0)))
+    r1 = tl.where(mask, a2 / a1, 0.0)
+    r2 = tl.where(mask, a1 / a2, 0.0)
+    bad = tl.maximum(_max_all((unsafe1 | unsafe2).to(tl.int32)),
+                     _max_all(((r1 > PAIR_RATIO) | (r1 != r1) | (r2 > PAIR_RATIO) | (r2 != r2)).to(tl.int32)))
+    bound = BOUND_SCALE * wmax
+    poisoned = (bad > 0) | (bound > Y_MAX) | (bound != bound)
+    _store_rows(REC, tl.zeros((BLOCK_M,), dtype=tl.int64), 1.0 / tl.where(unsafe1, 1.0, w1),
+                1.0 / tl.where(unsafe2, 1.0, w2), lead, D, INTERLEAVED, BLOCK_M, BLOCK_D)
+    tl.store(REC + D, tl.where(poisoned, float("nan"), 0.0))
+
+
+@triton.jit
+def _round_weight(w, offset, X, CASTING: tl.constexpr):
+    """weight + offset in fp32, rounded to x.dtype first under CASTING 0 (norm's ``_load_weight``)."""
+    w = w + offset
     if CASTING == 0:
-        c = c.to(X.dtype.element_ty).to(tl.float32)
-        s = s.to(X.dtype.element_ty).to(tl.float32)
-    return c, s
+        w = w.to(X.dtype.element_ty).to(tl.float32)
+    return w
+
+
+@triton.jit
+def _round_table(t, X, CASTING: tl.constexpr):
+    """cos or sin in fp32, rounded to x.dtype first under CASTING 0 (HF's ``cos.to(x.dtype)``)."""
+    if CASTING == 0:
+        t = t.to(X.dtype.element_ty).to(tl.float32)
+    return t
+
+
+@triton.jit
+def _load_tables(COS, SIN, c_start, s_start, row_mask, X, D: tl.constexpr, CASTING: tl.constexpr,
+                 INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``(cos_1, cos_2, sin_1, sin_2)``: the tables at the pairs' first and second members."""
+    c1, c2 = _load_rows(COS, c_start, row_mask, D, INTERLEAVED, BLOCK_M, BLOCK_D)
+    s1, s2 = _load_rows(SIN, s_start, row_mask, D, INTERLEAVED, BLOCK_M, BLOCK_D)
+    return (_round_table(c1, X, CASTING), _round_table(c2, X, CASTING), _round_table(s1, X, CASTING),
+            _round_table(s2, X, CASTING))
 
 
 @triton.jit(do_not_specialize=["M", "n1", "n2"])
@@ -95,55 +216,57 @@ def rms_norm_rope_fwd_kernel(
     PAIR_RATIO: tl.constexpr,  # STORE_REC: the largest |w_y[p] / w_y[j]| of a pair (norm_math.ROPE_PAIR_RATIO)
     REC_CHUNK: tl.constexpr,  # STORE_REC: columns per step of the recovery
     W_STRIDE: tl.constexpr,  # the weight's element stride
+    STRIDES_ALIGNED: tl.constexpr,  # every row stride (and D/2) a multiple of 16 bytes of its array's dtype
     BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_D: tl.constexpr,  # next power of two >= D
 ):
-    # y = rms_norm(x) rounded to x.dtype, as rms_norm stores it; then out = y * cos + sigma * y_p * sin
-    # (CASTING 0: each product and the sum rounded to x.dtype; else fp32, one rounding at the store).
+    # y = rms_norm(x) rounded to x.dtype, as rms_norm stores it; then out = y * cos + sigma * y_p * sin,
+    # out_1 = y_1 cos_1 - y_2 sin_1 and out_2 = y_2 cos_2 + y_1 sin_2 over the pairs' (first, second)
+    # members (CASTING 0: each product and the sum rounded to x.dtype; else fp32, one rounding at the store).
     eps = tl.cast(eps, tl.float32)  # fp64 when Inductor launches the kernel: see norm_fwd_kernel
     offset = tl.cast(offset, tl.float32)
-    cols = tl.arange(0, BLOCK_D)
-    col_mask = cols < D
-    pcols, sign = _pairs(cols, D, INTERLEAVED)
-    w = None
-    wp = None
     if HAS_W:
-        w = _load_weight(W, cols, col_mask, offset, X, W_STRIDE, CASTING)
-        wp = _load_weight(W, pcols, col_mask, offset, X, W_STRIDE, CASTING)
+        w1, w2 = _load_columns(W, W_STRIDE, D, INTERLEAVED, BLOCK_M, BLOCK_D)
+        w1 = _round_weight(w1, offset, X, CASTING)
+        w2 = _round_weight(w2, offset, X, CASTING)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     rows64 = rows.to(tl.int64)
     i0, i1, i2 = _row_indices(rows64, n1, n2)
-    mask = row_mask[:, None] & col_mask[None, :]
-    x_start = _row_starts(i0, i1, i2, sx0, sx1, sx2)
-    x = tl.load(X + x_start[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(X + x_start[:, None] + pcols[None, :], mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) * (1.0 / D) + eps)
-    y = _scale_shift(x, rstd, w, None, X, HAS_W, False, CASTING).to(X.dtype.element_ty).to(tl.float32)
-    yp = _scale_shift(xp, rstd, wp, None, X, HAS_W, False, CASTING).to(X.dtype.element_ty).to(tl.float32)
-    c, s = _load_tables(COS, SIN, _row_starts(i0, i1, i2, sc0, sc1, sc2), _row_starts(i0, i1, i2, ss0, ss1, ss2),
-                        cols, mask, X, CASTING)
-    a = y * c
-    b = (sign[None, :] * yp) * s
+    x_start = _row_starts(i0, i1, i2, sx0, sx1, sx2, X, STRIDES_ALIGNED)
+    x1, x2 = _load_rows(X, x_start, row_mask, D, INTERLEAVED, BLOCK_M, BLOCK_D)
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) * (1.0 / D) + eps)
+    y1 = _scale_shift(x1, rstd, None, None, X, False, False, CASTING)  # x_hat; the weight tiles are 2-d
+    y2 = _scale_shift(x2, rstd, None, None, X, False, False, CASTING)
+    if HAS_W:
+        y1 = y1 * w1
+        y2 = y2 * w2
+    y1 = y1.to(X.dtype.element_ty).to(tl.float32)
+    y2 = y2.to(X.dtype.element_ty).to(tl.float32)
+    c1, c2, s1, s2 = _load_tables(COS, SIN, _row_starts(i0, i1, i2, sc0, sc1, sc2, COS, STRIDES_ALIGNED),
+                                  _row_starts(i0, i1, i2, ss0, ss1, ss2, SIN, STRIDES_ALIGNED), row_mask, X, D,
+                                  CASTING, INTERLEAVED, BLOCK_M, BLOCK_D)
+    a1 = y1 * c1
+    b1 = y2 * s1
+    a2 = y2 * c2
+    b2 = y1 * s2
     if CASTING == 0:
-        a = a.to(X.dtype.element_ty).to(tl.float32)
-        b = b.to(X.dtype.element_ty).to(tl.float32)
-    out = a + b
-    y_start = _row_starts(i0, i1, i2, sy0, sy1, sy2)
-    tl.store(Y + y_start[:, None] + cols[None, :], out.to(Y.dtype.element_ty), mask=mask)
+        a1 = a1.to(X.dtype.element_ty).to(tl.float32)
+        b1 = b1.to(X.dtype.element_ty).to(tl.float32)
+        a2 = a2.to(X.dtype.element_ty).to(tl.float32)
+        b2 = b2.to(X.dtype.element_ty).to(tl.float32)
+    y_start = _row_starts(i0, i1, i2, sy0, sy1, sy2, Y, STRIDES_ALIGNED)
+    _store_rows(Y, y_start, a1 - b1, a2 + b2, row_mask, D, INTERLEAVED, BLOCK_M, BLOCK_D)
     if STORE_STATS:
         tl.store(RSTD + rows64, rstd, mask=row_mask)
     if STORE_REC:
         if tl.program_id(0) == 0:
-            _store_recovery(W, None, REC, None, offset, X, D, HAS_W, False, False, CASTING, W_STRIDE, 1, W_MIN, 0.0,
-                            BOUND_SCALE, Y_MAX, REC_CHUNK)
             if HAS_W:
-                # the recovery of column j carries its partner's rounding error times |w_y[p] / w_y[j]|:
-                # past PAIR_RATIO the poison is NaN too (norm_math.rope_recovery_array)
-                ratio = tl.where(col_mask, tl.abs(wp) / tl.abs(w), 0.0)
-                bad = (tl.max(ratio, axis=0) > PAIR_RATIO) | (tl.max(tl.where(ratio != ratio, 1, 0), axis=0) > 0)
-                tl.debug_barrier()  # after _store_recovery's store of REC[D]
-                tl.store(REC + D, float("nan"), mask=bad)
+                _store_pair_recovery(REC, w1, w2, D, INTERLEAVED, W_MIN, BOUND_SCALE, Y_MAX, PAIR_RATIO, BLOCK_M,
+                                     BLOCK_D)
+            else:  # REC[D] alone
+                _store_recovery(W, None, REC, None, offset, X, D, HAS_W, False, False, CASTING, W_STRIDE, 1, W_MIN,
+                                0.0, BOUND_SCALE, Y_MAX, REC_CHUNK)
 
 
 @triton.jit(do_not_specialize=["M", "n1", "n2"])
@@ -174,10 +297,12 @@ def rms_norm_rope_bwd_kernel(
     COMPUTE_DW: tl.constexpr,  # weight needs a gradient: accumulate and write DW_PART
     FROM_Y: tl.constexpr,  # X holds the output, weight frozen: y = R^-1(out), x_hat = y * REC
     W_STRIDE: tl.constexpr,  # the weight's element stride
+    STRIDES_ALIGNED: tl.constexpr,  # every row stride (and D/2) a multiple of 16 bytes of its array's dtype
     BLOCK_M: tl.constexpr,  # rows per tile
     BLOCK_D: tl.constexpr,  # next power of two >= D
 ):
-    # dy = R^T(d_out) = d_out * cos - sigma * d_out_p * sin_p, then RMSNorm's backward:
+    # dy = R^T(d_out) = d_out * cos - sigma * d_out_p * sin_p (dy_1 = d_1 cos_1 + d_2 sin_2,
+    # dy_2 = d_2 cos_2 - d_1 sin_1), then RMSNorm's backward:
     # g = dy * w_eff, c1 = mean(g * x_hat), dx = (g - x_hat * c1) * rstd, dW += dy * x_hat.
     # FROM_Y (frozen weight, the output kept instead of x): y = (cos_p * out - sigma * sin * out_p) / det,
     # det = cos * cos_p + sin * sin_p, and x_hat = y / w_y (REC), so c1 = mean(dy * y). Tiles are dealt
@@ -187,56 +312,65 @@ def rms_norm_rope_bwd_kernel(
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
     offset = tl.cast(offset, tl.float32)
-    cols = tl.arange(0, BLOCK_D)
-    col_mask = cols < D
-    pcols, sign = _pairs(cols, D, INTERLEAVED)
+    h_mask = tl.arange(0, BLOCK_D // 2) < D // 2
     if HAS_W:
-        w = tl.load(W + cols * W_STRIDE, mask=col_mask, other=0.0).to(tl.float32) + offset
+        w1, w2 = _load_columns(W, W_STRIDE, D, INTERLEAVED, BLOCK_M, BLOCK_D)
+        w1 += offset
+        w2 += offset
     if FROM_Y:
         poison = tl.load(REC + D)
-        inv_w = tl.load(REC + cols, mask=col_mask, other=0.0)
+        inv_w1, inv_w2 = _load_columns(REC, 1, D, INTERLEAVED, BLOCK_M, BLOCK_D)
     if COMPUTE_DW:
-        dw_acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+        dw_acc1 = tl.zeros((BLOCK_M, BLOCK_D // 2), dtype=tl.float32)
+        dw_acc2 = tl.zeros((BLOCK_M, BLOCK_D // 2), dtype=tl.float32)
     num_tiles = (M + BLOCK_M - 1) // BLOCK_M
     for tile in tl.range(pid, num_tiles, num_progs):
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < M
         rows64 = rows.to(tl.int64)
         i0, i1, i2 = _row_indices(rows64, n1, n2)
-        mask = row_mask[:, None] & col_mask[None, :]
-        c_start = _row_starts(i0, i1, i2, sc0, sc1, sc2)
-        s_start = _row_starts(i0, i1, i2, ss0, ss1, ss2)
-        c, s = _load_tables(COS, SIN, c_start, s_start, cols, mask, X, CASTING)
-        cp, sp = _load_tables(COS, SIN, c_start, s_start, pcols, mask, X, CASTING)
-        dy_start = _row_starts(i0, i1, i2, sdy0, sdy1, sdy2)
-        d = tl.load(DY + dy_start[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dp = tl.load(DY + dy_start[:, None] + pcols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = d * c - sign[None, :] * (dp * sp)
-        x_start = _row_starts(i0, i1, i2, sx0, sx1, sx2)
-        x = tl.load(X + x_start[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        c1, c2, s1, s2 = _load_tables(COS, SIN, _row_starts(i0, i1, i2, sc0, sc1, sc2, COS, STRIDES_ALIGNED),
+                                      _row_starts(i0, i1, i2, ss0, ss1, ss2, SIN, STRIDES_ALIGNED), row_mask, X,
+                                      D, CASTING, INTERLEAVED, BLOCK_M, BLOCK_D)
+        d1, d2 = _load_rows(DY, _row_starts(i0, i1, i2, sdy0, sdy1, sdy2, DY, STRIDES_ALIGNED), row_mask, D,
+                            INTERLEAVED, BLOCK_M, BLOCK_D)
+        dy1 = d1 * c1 + d2 * s2
+        dy2 = d2 * c2 - d1 * s1
+        x1, x2 = _load_rows(X, _row_starts(i0, i1, i2, sx0, sx1, sx2, X, STRIDES_ALIGNED), row_mask, D,
+                            INTERLEAVED, BLOCK_M, BLOCK_D)
         rstd = tl.load(RSTD + rows64, mask=row_mask, other=0.0)
         if FROM_Y:
-            xp = tl.load(X + x_start[:, None] + pcols[None, :], mask=mask, other=0.0).to(tl.float32)
-            y = (cp * x - sign[None, :] * (s * xp)) / (c * cp + s * sp)
-            xn = tl.where(mask, y, 0.0)  # masked lanes divide 0 by 0
+            det = c1 * c2 + s1 * s2
+            mask = row_mask[:, None] & h_mask[None, :]
+            xn1 = tl.where(mask, (c2 * x1 + s1 * x2) / det, 0.0)  # masked lanes divide 0 by 0
+            xn2 = tl.where(mask, (c1 * x2 - s2 * x1) / det, 0.0)
             if HAS_W:
-                xn = xn * inv_w[None, :]
+                xn1 = xn1 * inv_w1
+                xn2 = xn2 * inv_w2
         else:
-            xn = x * rstd[:, None]
+            xn1 = x1 * rstd[:, None]
+            xn2 = x2 * rstd[:, None]
         if COMPUTE_DX:
             if HAS_W:
-                g = dy * w[None, :]
+                g1 = dy1 * w1
+                g2 = dy2 * w2
             else:
-                g = dy
-            c1 = tl.sum(g * xn, axis=1) * (1.0 / D)
-            dx = (g - xn * c1[:, None]) * rstd[:, None]
+                g1 = dy1
+                g2 = dy2
+            m = (tl.sum(g1 * xn1, axis=1) + tl.sum(g2 * xn2, axis=1)) * (1.0 / D)
+            dx1 = (g1 - xn1 * m[:, None]) * rstd[:, None]
+            dx2 = (g2 - xn2 * m[:, None]) * rstd[:, None]
             if FROM_Y:
-                dx += poison
-            dx_start = _row_starts(i0, i1, i2, sdx0, sdx1, sdx2)
-            tl.store(DX + dx_start[:, None] + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+                dx1 += poison
+                dx2 += poison
+            _store_rows(DX, _row_starts(i0, i1, i2, sdx0, sdx1, sdx2, DX, STRIDES_ALIGNED), dx1, dx2, row_mask, D,
+                        INTERLEAVED, BLOCK_M, BLOCK_D)
         if COMPUTE_DW:
             if CASTING == 1:
-                xn = xn.to(X.dtype.element_ty).to(tl.float32)
-            dw_acc += dy * xn
+                xn1 = xn1.to(X.dtype.element_ty).to(tl.float32)
+                xn2 = xn2.to(X.dtype.element_ty).to(tl.float32)
+            dw_acc1 += dy1 * xn1
+            dw_acc2 += dy2 * xn2
     if COMPUTE_DW:
-        tl.store(DW_PART + pid.to(tl.int64) * D + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+        _store_columns(DW_PART + pid.to(tl.int64) * D, tl.sum(dw_acc1, axis=0), tl.sum(dw_acc2, axis=0), D,
+                       INTERLEAVED, BLOCK_D)
