@@ -35,12 +35,26 @@ def _load_rows(X, R, S, rows64, cols, mask, stride_xm, stride_rm, N: tl.constexp
 
 
 @triton.jit
-def _load_weight(W, cols, col_mask, offset, X, W_STRIDE: tl.constexpr, CASTING: tl.constexpr):
+def _effective_weight(w, offset, X, CASTING: tl.constexpr):
     """weight + offset in fp32 (rounded to x.dtype first under CASTING 0, as eager low-precision math)."""
-    w = tl.load(W + cols * W_STRIDE, mask=col_mask, other=0.0).to(tl.float32) + offset
+    w = w.to(tl.float32) + offset
     if CASTING == 0:
         w = w.to(X.dtype.element_ty).to(tl.float32)
     return w
+
+
+@triton.jit
+def _load_weight(W, cols, col_mask, offset, X, W_STRIDE: tl.constexpr, CASTING: tl.constexpr):
+    """``_effective_weight`` of the weight's columns ``cols``."""
+    return _effective_weight(tl.load(W + cols * W_STRIDE, mask=col_mask, other=0.0), offset, X, CASTING)
+
+
+@triton.jit
+def _unsafe_weight(w, W_MIN: tl.constexpr):
+    """Where x_hat cannot be recovered from y through w_y (normkit.norm_math's rule): |w_y| under W_MIN,
+    infinite or NaN."""
+    w_abs = tl.abs(w)
+    return (w_abs < W_MIN) | (w_abs == float("inf")) | (w != w)
 
 
 @triton.jit
@@ -80,7 +94,7 @@ def _store_recovery(W, B, REC, TRIP, offset, X, N: tl.constexpr, HAS_W: tl.const
         if HAS_W:
             w = _load_weight(W, cols, cmask, offset, X, W_STRIDE, CASTING)  # w_y: what the forward multiplied by
             w_abs = tl.abs(w)
-            unsafe = cmask & ((w_abs < W_MIN) | (w_abs == float("inf")) | (w != w))
+            unsafe = cmask & _unsafe_weight(w, W_MIN)
             wmax = tl.maximum(wmax, tl.max(tl.where(cmask, w_abs, 0.0), axis=0))
         if HAS_B:
             b_abs = tl.abs(tl.load(B + cols * B_STRIDE, mask=cmask, other=0.0).to(tl.float32))

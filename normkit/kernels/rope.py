@@ -34,7 +34,7 @@ scalars, then outputs, then constexprs. Launch configuration lives in ``normkit.
 import triton
 import triton.language as tl
 
-from normkit.kernels.norm import _scale_shift, _store_recovery
+from normkit.kernels.norm import _effective_weight, _scale_shift, _store_recovery, _unsafe_weight
 
 
 @triton.jit
@@ -145,8 +145,8 @@ def _store_pair_recovery(REC, w1, w2, D: tl.constexpr, INTERLEAVED: tl.constexpr
     mask = lead[:, None] & (tl.arange(0, BLOCK_D // 2) < D // 2)[None, :]
     a1 = tl.abs(w1)
     a2 = tl.abs(w2)
-    unsafe1 = mask & ((a1 < W_MIN) | (a1 == float("inf")) | (w1 != w1))
-    unsafe2 = mask & ((a2 < W_MIN) | (a2 == float("inf")) | (w2 != w2))
+    unsafe1 = mask & _unsafe_weight(w1, W_MIN)
+    unsafe2 = mask & _unsafe_weight(w2, W_MIN)
     wmax = tl.maximum(_max_all(tl.where(mask, a1, 0.0)), _max_all(tl.where(mask, a2, 0.0)))
     r1 = tl.where(mask, a2 / a1, 0.0)
     r2 = tl.where(mask, a1 / a2, 0.0)
@@ -157,15 +157,6 @@ def _store_pair_recovery(REC, w1, w2, D: tl.constexpr, INTERLEAVED: tl.constexpr
     _store_rows(REC, tl.zeros((BLOCK_M,), dtype=tl.int64), 1.0 / tl.where(unsafe1, 1.0, w1),
                 1.0 / tl.where(unsafe2, 1.0, w2), lead, D, INTERLEAVED, BLOCK_M, BLOCK_D)
     tl.store(REC + D, tl.where(poisoned, float("nan"), 0.0))
-
-
-@triton.jit
-def _round_weight(w, offset, X, CASTING: tl.constexpr):
-    """weight + offset in fp32, rounded to x.dtype first under CASTING 0 (norm's ``_load_weight``)."""
-    w = w + offset
-    if CASTING == 0:
-        w = w.to(X.dtype.element_ty).to(tl.float32)
-    return w
 
 
 @triton.jit
@@ -227,8 +218,8 @@ def rms_norm_rope_fwd_kernel(
     offset = tl.cast(offset, tl.float32)
     if HAS_W:
         w1, w2 = _load_columns(W, W_STRIDE, D, INTERLEAVED, BLOCK_M, BLOCK_D)
-        w1 = _round_weight(w1, offset, X, CASTING)
-        w2 = _round_weight(w2, offset, X, CASTING)
+        w1 = _effective_weight(w1, offset, X, CASTING)
+        w2 = _effective_weight(w2, offset, X, CASTING)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     rows64 = rows.to(tl.int64)
