@@ -271,6 +271,28 @@ def _bwd_rows(X, DY, rows64, cols, mask, stride_xm, stride_dym, N: tl.constexpr,
 
 
 @triton.jit
+def _bwd_weight(W, cols, col_mask, offset, W_STRIDE: tl.constexpr):
+    """weight + offset in fp32 at ``cols``, as the backward multiplies dy by it (not rounded to x.dtype)."""
+    return tl.load(W + cols * W_STRIDE, mask=col_mask, other=0.0).to(tl.float32) + offset
+
+
+@triton.jit
+def _bwd_chunk(X, DY, B, rows64, row_mask, c0, bc, stride_xm, stride_dym, N: tl.constexpr,
+               ROWS_CONTIGUOUS: tl.constexpr, X_COL_STRIDE: tl.constexpr, DY_COL_STRIDE: tl.constexpr,
+               B_STRIDE: tl.constexpr, LOAD_B: tl.constexpr, CHUNK_N: tl.constexpr, EVICTION: tl.constexpr):
+    """One chunk of a two-pass backward from column c0: its columns, their mask, the block's mask, the
+    saved rows and dy there, and (LOAD_B) the bias there, else ``bc`` as given."""
+    ccols = c0 + tl.arange(0, CHUNK_N)
+    ccol_mask = ccols < N
+    cmask = row_mask[:, None] & ccol_mask[None, :]
+    x, dy = _bwd_rows(X, DY, rows64, ccols, cmask, stride_xm, stride_dym, N, ROWS_CONTIGUOUS, X_COL_STRIDE,
+                      DY_COL_STRIDE, EVICTION)
+    if LOAD_B:
+        bc = tl.load(B + ccols * B_STRIDE, mask=ccol_mask, other=0.0).to(tl.float32)
+    return ccols, ccol_mask, cmask, x, dy, bc
+
+
+@triton.jit
 def _bwd_centred(x, b, mean, FROM_Y: tl.constexpr, IS_RMS: tl.constexpr, HAS_B: tl.constexpr):
     """The saved rows centred: y - b (FROM_Y), x - mean (LayerNorm) or x."""
     if FROM_Y:
@@ -397,7 +419,7 @@ def norm_bwd_kernel(
         poison = tl.load(rec_ptr + N)
     if CHUNK_N == 0:  # the one-pass tiles hold the parameters in registers, loaded once per program
         if HAS_W:
-            w = tl.load(W + cols * W_STRIDE, mask=col_mask, other=0.0).to(tl.float32) + offset
+            w = _bwd_weight(W, cols, col_mask, offset, W_STRIDE)
         if FROM_Y and HAS_B:
             b = tl.load(B + cols * B_STRIDE, mask=col_mask, other=0.0).to(tl.float32)
         if FROM_Y and HAS_W and PERSISTENT:  # once per program, which loops over many tiles
@@ -460,15 +482,11 @@ def norm_bwd_kernel(
             acc1 = tl.zeros((BLOCK_M, CHUNK_N), dtype=tl.float32)
             acc2 = tl.zeros((BLOCK_M, CHUNK_N), dtype=tl.float32)
             for c0 in tl.static_range(0, BLOCK_N, CHUNK_N):
-                ccols = c0 + tl.arange(0, CHUNK_N)
-                ccol_mask = ccols < N
-                cmask = row_mask[:, None] & ccol_mask[None, :]
-                x, dy = _bwd_rows(X, DY, rows64, ccols, cmask, stride_xm, stride_dym, N, ROWS_CONTIGUOUS,
-                                  X_COL_STRIDE, DY_COL_STRIDE, "evict_last")
-                if FROM_Y and HAS_B:
-                    bc = tl.load(B + ccols * B_STRIDE, mask=ccol_mask, other=0.0).to(tl.float32)
+                ccols, ccol_mask, cmask, x, dy, bc = _bwd_chunk(
+                    X, DY, B, rows64, row_mask, c0, bc, stride_xm, stride_dym, N, ROWS_CONTIGUOUS, X_COL_STRIDE,
+                    DY_COL_STRIDE, B_STRIDE, FROM_Y and HAS_B, CHUNK_N, "evict_last")
                 if HAS_W and not (FROM_Y and IS_RMS):  # FROM_Y RMSNorm: the sum needs no weight
-                    wc = tl.load(W + ccols * W_STRIDE, mask=ccol_mask, other=0.0).to(tl.float32) + offset
+                    wc = _bwd_weight(W, ccols, ccol_mask, offset, W_STRIDE)
                 t = _bwd_centred(x, bc, mean, FROM_Y, IS_RMS, HAS_B)
                 xn = t
                 if not FROM_Y:
@@ -483,15 +501,11 @@ def norm_bwd_kernel(
                 c2 = tl.sum(acc2, axis=1) * (1.0 / N)
             # second pass: read the chunks again and write dx
             for c0 in tl.static_range(0, BLOCK_N, CHUNK_N):
-                ccols = c0 + tl.arange(0, CHUNK_N)
-                ccol_mask = ccols < N
-                cmask = row_mask[:, None] & ccol_mask[None, :]
-                x, dy = _bwd_rows(X, DY, rows64, ccols, cmask, stride_xm, stride_dym, N, ROWS_CONTIGUOUS,
-                                  X_COL_STRIDE, DY_COL_STRIDE, "evict_first")
-                if FROM_Y and HAS_B:
-                    bc = tl.load(B + ccols * B_STRIDE, mask=ccol_mask, other=0.0).to(tl.float32)
+                ccols, ccol_mask, cmask, x, dy, bc = _bwd_chunk(
+                    X, DY, B, rows64, row_mask, c0, bc, stride_xm, stride_dym, N, ROWS_CONTIGUOUS, X_COL_STRIDE,
+                    DY_COL_STRIDE, B_STRIDE, FROM_Y and HAS_B, CHUNK_N, "evict_first")
                 if HAS_W:
-                    wc = tl.load(W + ccols * W_STRIDE, mask=ccol_mask, other=0.0).to(tl.float32) + offset
+                    wc = _bwd_weight(W, ccols, ccol_mask, offset, W_STRIDE)
                     if FROM_Y:
                         rec = tl.load(rec_ptr + ccols, mask=ccol_mask, other=0.0)
                 t = _bwd_centred(x, bc, mean, FROM_Y, IS_RMS, HAS_B)
