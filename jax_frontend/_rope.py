@@ -25,8 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_frontend import _launch
+from jax_frontend import _launch, functional
 from jax_frontend._compat import SymbolicZero
+from jax_frontend.functional import _as_array
 from normkit import checks, norm_math, record, rope, saving
 from normkit.launch import plan_rope_backward, plan_rope_forward
 from normkit.ops import GRADS, Options
@@ -149,15 +150,9 @@ def _xla_backward(cfg: _Config, saved, weight, cos, sin, dout, rstd, rec, *, nee
     _record("xla_rms_norm_rope_bwd", HAS_W=weight is not None, CASTING=int(o.casting), INTERLEAVED=cfg.interleaved,
             COMPUTE_DX=needs.x, COMPUTE_DW=compute_dw, FROM_Y=needs.from_output)
     out = {}
-    if needs.from_output:
-        dx = norm_math.rms_norm_rope_output_backward(
-            saved, weight, cos, sin, dout, rstd, offset=o.offset, casting=o.casting, interleaved=cfg.interleaved,
-            rec=norm_math.split_recovery(rec, saved.shape[-1], weight is not None), xp=jnp)
-        dw = None
-    else:
-        dx, dw = norm_math.rms_norm_rope_input_backward(
-            saved, weight, cos, sin, dout, rstd, offset=o.offset, casting=o.casting, interleaved=cfg.interleaved,
-            compute_dx=needs.x, compute_dw=compute_dw, xp=jnp)
+    dx, dw = norm_math.rms_norm_rope_backward(
+        saved, weight, cos, sin, dout, rstd, rec, from_output=needs.from_output, offset=o.offset, casting=o.casting,
+        interleaved=cfg.interleaved, compute_dx=needs.x, compute_dw=compute_dw, xp=jnp)
     if needs.x:
         out["DX"] = dx.astype(saved.dtype)
     if compute_dw:
@@ -232,17 +227,7 @@ def _rope_bwd(cfg: _Config, res, ct):
 _rope.defvjp(_rope_fwd, _rope_bwd, symbolic_zeros=True)
 
 
-def _as_array(a, name: str):
-    if a is None:
-        return None
-    if not isinstance(a, (jax.Array, np.ndarray)):
-        raise TypeError(f"normkit: {name} must be a jax.Array; got {type(a).__name__}")
-    return jnp.asarray(a)
-
-
 def _implementation(implementation) -> str:
-    from jax_frontend import functional
-
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"normkit: rms_norm_rope has the implementations {IMPLEMENTATIONS} (or None: auto); got "
                          f"{implementation!r}")

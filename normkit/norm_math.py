@@ -553,6 +553,19 @@ def rms_norm_rope_output_backward(out, weight, cos, sin, dout, rstd, *, offset: 
                            xp=xp)
 
 
+def rms_norm_rope_backward(saved, weight, cos, sin, dout, rstd, rec, *, from_output: bool, offset: float = 0.0,
+                           casting: Casting = Casting.FP32, interleaved: bool = False, compute_dx: bool = True,
+                           compute_dw: bool = False, xp=None) -> tuple:
+    """``(dx, dw)`` of what the forward kept, in the compute dtype: from its output (``from_output``,
+    ``rec`` the forward's recovery buffer of N + 1 values, or None; dw None) or from its input."""
+    if from_output:
+        rec = None if rec is None else split_recovery(rec, saved.shape[-1], weight is not None)
+        return rms_norm_rope_output_backward(saved, weight, cos, sin, dout, rstd, offset=offset, casting=casting,
+                                             interleaved=interleaved, rec=rec, xp=xp), None
+    return rms_norm_rope_input_backward(saved, weight, cos, sin, dout, rstd, offset=offset, casting=casting,
+                                        interleaved=interleaved, compute_dx=compute_dx, compute_dw=compute_dw, xp=xp)
+
+
 # The output-saving backward of rms_norm_rope recovers y = R^-1(out) with an error of out's rounding
 # relative to each *pair's* magnitude |(y_j, y_p)|, not to y_j's own: so x_hat_j = y_j / w_y[j] carries
 # the partner's error times |w_y[p] / w_y[j]|. Past this ratio in some pair the output is not kept

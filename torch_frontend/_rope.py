@@ -332,15 +332,9 @@ class _Traced(torch.autograd.Function):
     def backward(ctx, dout):
         saved, weight, cos, sin, rstd, rec = ctx.saved_tensors
         cfg, o = ctx.cfg, ctx.cfg.opts
-        if ctx.from_output:
-            dx = norm_math.rms_norm_rope_output_backward(
-                saved, weight, cos, sin, dout, rstd, offset=o.offset, casting=o.casting, interleaved=cfg.interleaved,
-                rec=norm_math.split_recovery(rec, saved.shape[-1], weight is not None), xp=_xp)
-            dw = None
-        else:
-            dx, dw = norm_math.rms_norm_rope_input_backward(
-                saved, weight, cos, sin, dout, rstd, offset=o.offset, casting=o.casting, interleaved=cfg.interleaved,
-                compute_dx=True, compute_dw=ctx.trained, xp=_xp)
+        dx, dw = norm_math.rms_norm_rope_backward(
+            saved, weight, cos, sin, dout, rstd, rec, from_output=ctx.from_output, offset=o.offset,
+            casting=o.casting, interleaved=cfg.interleaved, compute_dx=True, compute_dw=ctx.trained, xp=_xp)
         # dx whether or not x needs it (autograd drops what is not needed): under dynamo,
         # needs_input_grad need not count the non-tensor arguments
         return (None, None, None, dx.to(saved.dtype), None if dw is None else dw.to(weight.dtype), None, None)

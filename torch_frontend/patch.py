@@ -237,22 +237,18 @@ class PatchReport(_PatchReport):
 
     def extra_lines(self) -> list:
         lines = []
-        attns: dict = {}
-        for name, cls in self.qk_fused:
-            attns.setdefault(cls.__name__, []).append(name)
-        for cls, names in attns.items():
-            what = ("q_norm/k_norm + apply_rotary_pos_emb -> rms_norm_rope" if self.verb == "patched"
-                    else "its own forward again (QK-norm and rotary embedding apart)")
-            lines.append(f"  {'fused' if self.verb == 'patched' else 'unfused'} {len(names):3d} x {cls}: {what}: "
-                         f"{listed(names)}")
-        layers: dict = {}
-        for name, cls in self.fused:
-            layers.setdefault(cls.__name__, []).append(name)
-        for cls, names in layers.items():
-            what = ("residual add + post_attention_layernorm -> fused_add_rms_norm" if self.verb == "patched"
-                    else "its own forward again (residual add and norm apart)")
-            lines.append(f"  {'fused' if self.verb == 'patched' else 'unfused'} {len(names):3d} x {cls}: {what}: "
-                         f"{listed(names)}")
+        for modules, fused, apart in (
+                (self.qk_fused, "q_norm/k_norm + apply_rotary_pos_emb -> rms_norm_rope",
+                 "its own forward again (QK-norm and rotary embedding apart)"),
+                (self.fused, "residual add + post_attention_layernorm -> fused_add_rms_norm",
+                 "its own forward again (residual add and norm apart)")):
+            by_class: dict = {}
+            for name, cls in modules:
+                by_class.setdefault(cls.__name__, []).append(name)
+            what = fused if self.verb == "patched" else apart
+            for cls, names in by_class.items():
+                lines.append(f"  {'fused' if self.verb == 'patched' else 'unfused'} {len(names):3d} x {cls}: {what}: "
+                             f"{listed(names)}")
         if self.saves:
             outputs = [name for name, d in self.saves if d.saves_output]
             lines.append(f"  backward keeps the output (not the input) in {len(outputs)} of {len(self.saves)} "
@@ -356,25 +352,35 @@ def _rewrite(cls: type):
     return _recompiled(cls, _edit_add_norm, "_normkit_add_norm", _add_norm, _FUSED)
 
 
-def _fuse_residual_adds(model: nn.Module, report: PatchReport) -> None:
+def _fuse_forwards(model: nn.Module, report: PatchReport, done: list, attrs: tuple, norms: tuple, marker: str,
+                   rewrite, what: str) -> None:
+    """Replace the forward of each module that has ``attrs`` and whose ``norms`` are normkit's RMSNorm
+    with ``rewrite(cls)``'s (added to ``done``); else say in ``report.skipped`` why ``what`` was not."""
     for name, module in model.named_modules():
-        if not all(hasattr(module, a) for a in ("post_attention_layernorm", "self_attn", "mlp")):
+        if not all(hasattr(module, a) for a in attrs):
             continue
         cls = type(module)
-        if getattr(module.__dict__.get("forward"), _FUSED, False):
+        if getattr(module.__dict__.get("forward"), marker, False):
             continue  # fused already
         if "forward" in module.__dict__:
-            report.skipped.append((name, cls, "its forward was replaced on the instance; not fused"))
+            report.skipped.append((name, cls, f"its forward was replaced on the instance; {what}"))
             continue
-        if not isinstance(module.post_attention_layernorm, RMSNorm):
-            report.skipped.append((name, cls, "its post_attention_layernorm is not normkit's RMSNorm; not fused"))
+        bad = [a for a in norms if not isinstance(getattr(module, a), RMSNorm)]
+        if bad:
+            report.skipped.append((name, cls, f"its {' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not "
+                                              f"normkit's RMSNorm; {what}"))
             continue
-        new = _rewrite(cls)
+        new = rewrite(cls)
         if isinstance(new, str):
-            report.skipped.append((name, cls, new + "; not fused"))
+            report.skipped.append((name, cls, f"{new}; {what}"))
             continue
         module.forward = new.__get__(module, cls)
-        report.fused.append((name, cls))
+        done.append((name, cls))
+
+
+def _fuse_residual_adds(model: nn.Module, report: PatchReport) -> None:
+    _fuse_forwards(model, report, report.fused, ("post_attention_layernorm", "self_attn", "mlp"),
+                   ("post_attention_layernorm",), _FUSED, _rewrite, "not fused")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,26 +488,8 @@ def _rewrite_qk(cls: type):
 
 
 def _fuse_qk_norm_rope(model: nn.Module, report: PatchReport) -> None:
-    for name, module in model.named_modules():
-        if not all(hasattr(module, a) for a in ("q_norm", "k_norm")):
-            continue
-        cls = type(module)
-        if getattr(module.__dict__.get("forward"), _QK_FUSED, False):
-            continue  # fused already
-        if "forward" in module.__dict__:
-            report.skipped.append((name, cls, "its forward was replaced on the instance; QK-norm and RoPE not fused"))
-            continue
-        bad = [a for a in ("q_norm", "k_norm") if not isinstance(getattr(module, a), RMSNorm)]
-        if bad:
-            report.skipped.append((name, cls, f"its {' and '.join(bad)} {'is' if len(bad) == 1 else 'are'} not "
-                                              "normkit's RMSNorm; QK-norm and RoPE not fused"))
-            continue
-        new = _rewrite_qk(cls)
-        if isinstance(new, str):
-            report.skipped.append((name, cls, new + "; QK-norm and RoPE not fused"))
-            continue
-        module.forward = new.__get__(module, cls)
-        report.qk_fused.append((name, cls))
+    _fuse_forwards(model, report, report.qk_fused, ("q_norm", "k_norm"), ("q_norm", "k_norm"), _QK_FUSED,
+                   _rewrite_qk, "QK-norm and RoPE not fused")
 
 
 # ---------------------------------------------------------------------------------------------

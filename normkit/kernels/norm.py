@@ -293,6 +293,19 @@ def _bwd_chunk(X, DY, B, rows64, row_mask, c0, bc, stride_xm, stride_dym, N: tl.
 
 
 @triton.jit
+def _bwd_store_dx(DX, DRES, dx, poison, rows64, cols, mask, stride_dresm, N: tl.constexpr,
+                  ROWS_CONTIGUOUS: tl.constexpr, DRES_COL_STRIDE: tl.constexpr, HAS_DRES: tl.constexpr,
+                  FROM_Y: tl.constexpr):
+    """dx (plus d_residual_out, plus the recovery's poison from y) stored to the contiguous DX."""
+    if HAS_DRES:
+        dx += tl.load(DRES + _row_offsets(rows64, cols, N, stride_dresm, DRES_COL_STRIDE, ROWS_CONTIGUOUS),
+                      mask=mask, other=0.0).to(tl.float32)
+    if FROM_Y:
+        dx += poison
+    tl.store(DX + rows64[:, None] * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _bwd_centred(x, b, mean, FROM_Y: tl.constexpr, IS_RMS: tl.constexpr, HAS_B: tl.constexpr):
     """The saved rows centred: y - b (FROM_Y), x - mean (LayerNorm) or x."""
     if FROM_Y:
@@ -411,6 +424,7 @@ def norm_bwd_kernel(
     col_mask = cols < N
     w = None
     b = None
+    poison = None  # FROM_Y: REC's last value, 0 or NaN
     if FROM_Y:
         if REC_IN_RSTD:
             rec_ptr = RSTD + (M + 3) // 4 * 4  # normkit.ops.rec_offset: 16-byte aligned
@@ -463,12 +477,8 @@ def norm_bwd_kernel(
                 xn = _bwd_xhat(t, rec, rstd, mask, FROM_Y, IS_RMS, HAS_W)
             if COMPUTE_DX:
                 dx = _bwd_dx(dy, xn, w, c1, c2, rstd, IS_RMS, HAS_W)
-                if HAS_DRES:
-                    dx += tl.load(DRES + _row_offsets(rows64, cols, N, stride_dresm, DRES_COL_STRIDE,
-                                                      ROWS_CONTIGUOUS), mask=mask, other=0.0).to(tl.float32)
-                if FROM_Y:
-                    dx += poison
-                tl.store(DX + rows64[:, None] * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)  # contiguous
+                _bwd_store_dx(DX, DRES, dx, poison, rows64, cols, mask, stride_dresm, N, ROWS_CONTIGUOUS,
+                              DRES_COL_STRIDE, HAS_DRES, FROM_Y)
             if COMPUTE_DW:
                 if CASTING == 1:
                     xn = xn.to(X.dtype.element_ty).to(tl.float32)
@@ -511,12 +521,8 @@ def norm_bwd_kernel(
                 t = _bwd_centred(x, bc, mean, FROM_Y, IS_RMS, HAS_B)
                 xn = _bwd_xhat(t, rec, rstd, cmask, FROM_Y, IS_RMS, HAS_W)
                 dx = _bwd_dx(dy, xn, wc, c1, c2, rstd, IS_RMS, HAS_W)
-                if HAS_DRES:
-                    dx += tl.load(DRES + _row_offsets(rows64, ccols, N, stride_dresm, DRES_COL_STRIDE,
-                                                      ROWS_CONTIGUOUS), mask=cmask, other=0.0).to(tl.float32)
-                if FROM_Y:
-                    dx += poison
-                tl.store(DX + rows64[:, None] * N + ccols[None, :], dx.to(DX.dtype.element_ty), mask=cmask)
+                _bwd_store_dx(DX, DRES, dx, poison, rows64, ccols, cmask, stride_dresm, N, ROWS_CONTIGUOUS,
+                              DRES_COL_STRIDE, HAS_DRES, FROM_Y)
     if COMPUTE_DW:
         tl.store(DW_PART + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
     if COMPUTE_DB:
