@@ -91,8 +91,9 @@ from benchmarks.timing import Timer, torch_sync  # noqa: E402
 
 SCHEMA = "normkit-lora-step/1"
 # run order within a mode; hf first: it is the reference. normkit_input: normkit keeping each norm's input
-# (save="input"), the control of what keeping the output saves.
-VARIANTS = ("hf", "normkit", "normkit_fused", "normkit_input", "liger")
+# (save="input"), the control of what keeping the output saves; normkit_apart: normkit without the
+# adapters' shared copy (share_adapter_copy=False), the control of what sharing it saves.
+VARIANTS = ("hf", "normkit", "normkit_fused", "normkit_input", "normkit_apart", "liger")
 TARGETS = {"attn": LORA_TARGETS, "all-linear": ALL_LINEAR_TARGETS}
 MODES = ("eager", "compile", "reduce-overhead")  # reduce-overhead: torch.compile with CUDA graphs
 FWD_SCOPE = "lora_step::norm_forward"
@@ -103,6 +104,7 @@ NORM_KERNELS = {
     "normkit": _NORMKIT_KERNELS,
     "normkit_fused": _NORMKIT_KERNELS,
     "normkit_input": _NORMKIT_KERNELS,
+    "normkit_apart": _NORMKIT_KERNELS,
     "liger": re.compile(r"_(block_)?rms_norm_(forward|backward)_kernel"),
 }
 ESTIMATE_S = {"eager": 20.0, "compile": 90.0, "reduce-overhead": 90.0}  # a row's cost before one of its kind has run
@@ -613,7 +615,7 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=3, help="rounds of timed steps, interleaved across a mode's variants")
     p.add_argument("--warmup", type=int, help="steps before timing, the first (checked, compiling) one included")
     p.add_argument("--variants", default="hf,liger,normkit,normkit_fused",
-                   help="comma list of hf, liger, normkit, normkit_fused")
+                   help="comma list of hf, liger, normkit, normkit_fused, normkit_input, normkit_apart")
     p.add_argument("--modes", default=None, help="eager,compile,reduce-overhead (default all on a GPU, eager on CPU)")
     p.add_argument("--no-compile", action="store_true", help="eager rows only")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled steps (no norm share)")

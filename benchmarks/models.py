@@ -29,8 +29,9 @@ import torch
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 ALL_LINEAR_TARGETS = LORA_TARGETS + ("gate_proj", "up_proj", "down_proj")  # PEFT's "all-linear" for a Llama
-# normkit_input: normkit with save="input", the control of what keeping the output saves
-NORMS = ("hf", "normkit", "normkit_fused", "normkit_input", "liger")
+# normkit_input: normkit with save="input", the control of what keeping the output saves; normkit_apart:
+# normkit without sharing its output's copy with LoRA layers in another dtype (share_adapter_copy=False)
+NORMS = ("hf", "normkit", "normkit_fused", "normkit_input", "normkit_apart", "liger")
 
 
 class Unavailable(Exception):
@@ -96,27 +97,28 @@ def swap_norms(model, norms: str) -> dict:
     when the variant cannot run here."""
     if norms == "hf":
         return {"how": "transformers' LlamaRMSNorm, unchanged"}
-    if norms in ("normkit", "normkit_fused", "normkit_input"):
+    if norms in ("normkit", "normkit_fused", "normkit_input", "normkit_apart"):
         return _patch_normkit(model, fuse_residual_add=norms == "normkit_fused",
-                              save="input" if norms == "normkit_input" else "auto")
+                              save="input" if norms == "normkit_input" else "auto", share=norms != "normkit_apart")
     if norms == "liger":
         return _swap_liger(model)
     raise ValueError(f"unknown norms {norms!r}; expected one of {NORMS}")
 
 
-def _patch_normkit(model, fuse_residual_add: bool, save: str = "auto") -> dict:
+def _patch_normkit(model, fuse_residual_add: bool, save: str = "auto", share: bool = True) -> dict:
     import torch_frontend
 
     llama_norms = sum(type(m).__name__ == "LlamaRMSNorm" for _, m in norm_modules(model))
     layers = sum(type(m).__name__ == "LlamaDecoderLayer" for m in model.modules())
-    report = torch_frontend.patch_model(model, fuse_residual_add=fuse_residual_add, save=save)
+    report = torch_frontend.patch_model(model, fuse_residual_add=fuse_residual_add, save=save,
+                                        share_adapter_copy=share)
     if len(report.patched) != llama_norms or len(report.fused) != (layers if fuse_residual_add else 0):
         raise RuntimeError(f"patch_model swapped {len(report.patched)} of {llama_norms} LlamaRMSNorm modules and "
                            f"fused {len(report.fused)} of {layers} decoder layers:\n{report}")
     how = ("torch_frontend.patch_model(model" + (", fuse_residual_add=True" if fuse_residual_add else "")
-           + (f", save={save!r}" if save != "auto" else "") + ")")
+           + (f", save={save!r}" if save != "auto" else "") + ("" if share else ", share_adapter_copy=False") + ")")
     return {"how": how, "patch_report": str(report), "patched": len(report.patched),
-            "skipped": len(report.skipped), "fused": len(report.fused)}
+            "skipped": len(report.skipped), "fused": len(report.fused), "shares": len(report.shares)}
 
 
 def _swap_liger(model) -> dict:

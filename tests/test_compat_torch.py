@@ -155,3 +155,28 @@ def test_triton_launch_entries():
         assert triton_compat.direct_launch(object(), 1, (), ()) is None
     else:
         assert triton_compat.direct_launch(object(), 1, (), ()) is None  # not a compiled kernel: refused
+
+
+def test_peft_input_conversion_entries():
+    """PEFT's LoRA layer converts its input through ``_cast_input_dtype``; ``set_peft_cast`` puts another
+    conversion in its place on one layer, and ``restore_peft_cast`` gives PEFT's back."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(torch.nn.Sequential(torch.nn.Linear(8, 8)),
+                                peft.LoraConfig(r=2, target_modules=["0"]))
+    layer = model.base_model.model[0]
+    assert _compat.peft_casts_input(layer) and not _compat.peft_casts_input(torch.nn.Linear(8, 8))
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    assert torch.equal(_compat.peft_cast(layer, x, torch.float32), x.float())
+    seen = []
+
+    def conversion(self, x, dtype):
+        seen.append(self)
+        return _compat.peft_cast(self, x, dtype)
+
+    _compat.set_peft_cast(layer, conversion)
+    assert torch.equal(layer._cast_input_dtype(x, torch.float32), x.float()) and seen == [layer]
+    layer(x.float())  # the layer's forward calls it too
+    assert len(seen) == 2
+    assert _compat.restore_peft_cast(layer) and not _compat.restore_peft_cast(layer)
+    layer(x.float())
+    assert len(seen) == 2

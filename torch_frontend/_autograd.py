@@ -125,6 +125,36 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
         return None, dx if needs[1] else None, dx if needs[2] else None, dw
 
 
+class WithCopyFunction(torch.autograd.Function):
+    """``forward(route, copy, x, residual, weight, bias)``: the op's outputs by an eager ``route`` (a
+    ``Bound``), followed by y in the dtype ``copy[0]`` (an exact widening: the same values as
+    ``y.to(copy[0])``), for consumers that would each convert y to that dtype (PEFT's LoRA layers,
+    ``torch_frontend.patch``). Where the route keeps the output and ``copy[1]`` says the consumers keep
+    that copy for their own backward, the norm keeps the copy instead of y: nothing of its own. The
+    backward adds the copy's gradient to y's in fp32."""
+
+    @staticmethod
+    def forward(ctx, route, copy, x, residual, weight, bias):
+        y, s, mean, rstd, rec = route.forward(x, residual, weight, bias)
+        y2 = y.to(copy[0])
+        ctx.route, ctx.y_dtype = route, y.dtype
+        ctx.set_materialize_grads(False)
+        if route.from_output:
+            ctx.save_for_backward(y2 if copy[1] else y, weight, bias, rec, rstd)
+        else:
+            ctx.save_for_backward(x if residual is None else s, weight, None, mean, rstd)
+        return (y, s, y2) if residual is not None else (y, y2)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        needs = ctx.needs_input_grad  # (route, copy, x, residual, weight, bias)
+        dy, ds, dy2 = grads if len(grads) == 3 else (grads[0], None, grads[1])
+        if dy2 is not None:  # y's gradient and its copy's, summed in the copy's (wider) dtype
+            dy = (dy2 if dy is None else dy.to(dy2.dtype) + dy2).to(ctx.y_dtype)
+        dx, dw, db = _backward(ctx, (needs[2] or needs[3], needs[4], needs[5]), dy, ds)
+        return None, None, dx if needs[2] else None, dx if needs[3] else None, dw, db
+
+
 # "direct": an eager call with no torch.func transform active enters each Function's C apply
 # (``_compat.direct_apply``); "python": always torch's ``Function.apply``. "direct" is the default by
 # the same-process host A/B in docs/PERFORMANCE_RECORD.md ("Host time against 6816bf2, with and
@@ -134,8 +164,11 @@ _DIRECT_RMS, _DIRECT_LN, _DIRECT_ADD = (_compat.direct_apply(fn) for fn in
                                         (RMSNormFunction, LayerNormFunction, FusedAddRMSNormFunction))
 
 
-def apply(route, op: Op, x, residual, weight, bias):
-    """The op's outputs through its Function: y, or ``(y, residual_out)``."""
+def apply(route, op: Op, x, residual, weight, bias, copy=None):
+    """The op's outputs through its Function: y, or ``(y, residual_out)``; with ``copy`` (an eager
+    route's ``(dtype, keep)``), y's copy in that dtype follows them (``WithCopyFunction``)."""
+    if copy is not None:
+        return WithCopyFunction.apply(route, copy, x, residual, weight, bias)
     if (route.__class__ is not Traced and APPLY == "direct" and _DIRECT_RMS is not None
             and not torch.compiler.is_compiling() and not _compat.transforms_active()):
         unwrap = _compat.unwrap_exited  # a tensor left by an exited transform, as Function.apply does

@@ -146,3 +146,38 @@ def expand_to_full_mesh(mesh, op_schema, strategies: list, n_outputs: int):
 def schema_mesh(op_schema):
     """The mesh of an ``OpSchema``'s arguments."""
     return op_schema.get_mesh_from_args()
+
+
+# --- PEFT: a LoRA layer's conversion of its input to its adapters' dtype --------------------------------
+
+_PEFT_CAST = "_cast_input_dtype"  # peft.tuners.tuners_utils.BaseTunerLayer's (PEFT >= 0.15)
+_OURS = "_normkit_takes_copy"  # marks a conversion set here
+
+
+def peft_casts_input(module) -> bool:
+    """Whether ``module`` is a PEFT LoRA layer that converts its input to its adapters' dtype through
+    ``BaseTunerLayer._cast_input_dtype`` (``x.to(lora_A.weight.dtype)`` unless casting is disabled)."""
+    return hasattr(module, "lora_A") and callable(getattr(type(module), _PEFT_CAST, None))
+
+
+def peft_cast(layer, x, dtype):
+    """PEFT's own conversion of ``x`` for ``layer`` (its class's method)."""
+    return getattr(type(layer), _PEFT_CAST)(layer, x, dtype)
+
+
+def set_peft_cast(layer, fn) -> None:
+    """Make ``fn(layer, x, dtype)`` ``layer``'s conversion (an instance attribute over the class's
+    method), once."""
+    if not getattr(layer.__dict__.get(_PEFT_CAST), _OURS, False):
+        import types
+
+        setattr(fn, _OURS, True)
+        layer.__dict__[_PEFT_CAST] = types.MethodType(fn, layer)  # not Module.__setattr__: a plain attribute
+
+
+def restore_peft_cast(layer) -> bool:
+    """Give ``layer`` back PEFT's own conversion; whether one of ``set_peft_cast``'s was there."""
+    if getattr(layer.__dict__.get(_PEFT_CAST), _OURS, False):
+        del layer.__dict__[_PEFT_CAST]
+        return True
+    return False

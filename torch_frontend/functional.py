@@ -70,9 +70,12 @@ def _outputs(op: Op, outs: tuple):
     return (outs[0], outs[1]) if op.has_residual else outs[0]
 
 
-def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode, save, known=None):
+def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode, save, known=None, copy=None):
     """A call by its route (the module docstring). ``known``: a normkit module's ``save_hint``, what it
-    knows of its weight for the traced route (``torch_frontend.modules``)."""
+    knows of its weight for the traced route (``torch_frontend.modules``). ``copy``: ``(dtype, keep)``
+    where the output's consumers take it in another dtype (``torch_frontend.patch``): on the eager and
+    no-grad routes y then carries that copy (``copy_of``), and with ``keep`` a norm keeping its output
+    keeps the copy instead."""
     if torch.compiler.is_compiling():  # traced
         return _compiled(op, x, residual, weight, bias, eps, offset, casting_mode, save, known)
     k = None
@@ -103,8 +106,34 @@ def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode, save, k
     bound = sig.fixed or sig.route(x, weight, bias)
     if not store_stats and not _compat.transforms_active():  # no-grad
         y, s, _, _, _ = bound.forward(x, residual, weight, bias)
+        if copy is not None:
+            _attach_copy(y, y.to(copy[0]))
         return (y, s) if op.has_residual else y
+    if copy is not None:  # eager, with the consumers' copy of y
+        *outs, y2 = _autograd.apply(bound, op, x, residual, weight, bias, copy)
+        _attach_copy(outs[0], y2)
+        return tuple(outs) if op.has_residual else outs[0]
     return _autograd.apply(bound, op, x, residual, weight, bias)  # eager
+
+
+_COPY = "_normkit_copy"  # the attribute of an output that carries its copy in another dtype
+
+
+def _attach_copy(y, y2) -> None:
+    # with both versions: an in-place write to either after this makes the copy stale (``copy_of``)
+    try:
+        setattr(y, _COPY, (y2, y._version, y2._version))
+    except RuntimeError:  # an inference tensor has no version counter: no copy to share
+        pass
+
+
+def copy_of(x, dtype):
+    """The copy of ``x`` in ``dtype`` that the norm that produced ``x`` wrote with it (``_apply``'s
+    ``copy``), or None: none was written, or x or the copy has been written in place since."""
+    c = getattr(x, _COPY, None)
+    if c is None or c[0].dtype is not dtype or c[1] != x._version or c[2] != c[0]._version:
+        return None
+    return c[0]
 
 
 def _compiled(op: Op, x, residual, weight, bias, eps, offset, casting_mode, save, known):

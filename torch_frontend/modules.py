@@ -46,6 +46,12 @@ class _SaveHint(nn.Module):
     """The ``save_hint`` of a normkit module (the module docstring)."""
 
     save_hint: dict
+    # ``patch_model``'s, where the output's consumers take it in another dtype (PEFT's LoRA layers):
+    # ``output_copy(module, x)`` is ``(dtype, keep)`` for this call or None (``functional._apply``'s copy)
+    output_copy = None
+
+    def _copy(self, x):
+        return None if self.output_copy is None else self.output_copy(self, x)
 
     def _init_save_hint(self) -> None:
         """An empty hint, refreshed after every ``load_state_dict``; ``reset_parameters`` fills it."""
@@ -110,7 +116,7 @@ class RMSNorm(_RMSBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F._apply(RMS_NORM, x, None, self.weight, None, self.eps, self.offset, self.casting_mode, self.save,
-                        self.save_hint)
+                        self.save_hint, self._copy(x))
 
 
 class FusedAddRMSNorm(_RMSBase):
@@ -118,7 +124,7 @@ class FusedAddRMSNorm(_RMSBase):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return F._apply(FUSED_ADD_RMS_NORM, x, residual, self.weight, None, self.eps, self.offset, self.casting_mode,
-                        self.save, self.save_hint)
+                        self.save, self.save_hint, self._copy(x))
 
 
 class LayerNorm(_SaveHint):
@@ -154,7 +160,7 @@ class LayerNorm(_SaveHint):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F._apply(LAYER_NORM, x, None, self.weight, self.bias, self.eps, 0.0, "llama", self.save,
-                        self.save_hint)
+                        self.save_hint, self._copy(x))
 
     def extra_repr(self) -> str:
         return (f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "

@@ -34,10 +34,11 @@ from typing import Callable, Optional, Union
 import torch
 from torch import nn
 
-from normkit.ops import MAX_N
+from normkit.ops import FUSED_ADD_RMS_NORM, MAX_N
 from normkit.patch_report import PatchReport as _PatchReport
 from normkit.patch_report import listed
 from normkit.checks import check_save
+from torch_frontend import _compat
 from torch_frontend import functional as F
 from torch_frontend._save import SaveDecision, save_decision
 from torch_frontend.modules import FusedAddRMSNorm, LayerNorm, RMSNorm
@@ -229,11 +230,16 @@ class PatchReport(_PatchReport):
     ``qk_fused``: ``(name, class)`` of the attention modules whose QK-norm and rotary embedding were fused.
     ``saves``: ``(name, SaveDecision)`` of each patched norm: whether, frozen, its backward keeps the
     output (save="auto": decided for its current weight and inputs of the weight's dtype) and why.
+    ``shares``: ``(name, LoRA layers, their dtype)`` of each norm whose output PEFT LoRA layers take in
+    another dtype, found when patching (``share_adapter_copy``); ``casts``: on ``unpatch_model``, how
+    many LoRA layers got PEFT's own conversion back.
     """
 
     fused: list = dataclasses.field(default_factory=list)
     saves: list = dataclasses.field(default_factory=list)
     qk_fused: list = dataclasses.field(default_factory=list)
+    shares: list = dataclasses.field(default_factory=list)
+    casts: int = 0
 
     def extra_lines(self) -> list:
         lines = []
@@ -259,6 +265,14 @@ class PatchReport(_PatchReport):
                     kept.setdefault(d.reason, []).append(name)
             for reason, names in kept.items():
                 lines.append(f"  keeps the input {len(names):3d} x ({reason}): {listed(names)}")
+        by_takers: dict = {}
+        for name, takers, dtype in self.shares:
+            by_takers.setdefault((len(takers), dtype), []).append(name)
+        for (n, dtype), names in by_takers.items():
+            lines.append(f"  shares  {len(names):3d} x its output's {str(dtype).replace('torch.', '')} copy with {n} LoRA "
+                         f"layer(s) each (one conversion, one tensor kept): {listed(names)}")
+        if self.casts:
+            lines.append(f"  restored PEFT's own input conversion in {self.casts} LoRA layer(s)")
         return lines
 
 
@@ -286,8 +300,8 @@ def _add_norm(norm: nn.Module, hidden_states: torch.Tensor, residual: torch.Tens
     if isinstance(norm, RMSNorm) and hidden_states.dtype == residual.dtype and hidden_states.shape == residual.shape:
         w = norm.weight
         if w is None or torch.promote_types(w.dtype, hidden_states.dtype) == hidden_states.dtype:
-            return F.fused_add_rms_norm(hidden_states, residual, w, norm.eps, offset=norm.offset,
-                                        casting_mode=norm.casting_mode, save=norm.save)
+            return F._apply(FUSED_ADD_RMS_NORM, hidden_states, residual, w, None, norm.eps, norm.offset,
+                            norm.casting_mode, norm.save, norm.save_hint, norm._copy(hidden_states))
     hidden_states = residual + hidden_states
     return norm(hidden_states), hidden_states
 
@@ -493,6 +507,104 @@ def _fuse_qk_norm_rope(model: nn.Module, report: PatchReport) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Sharing a norm's output, in the adapters' dtype, with the PEFT LoRA layers that take it
+# (share_adapter_copy=True).
+#
+# PEFT's default adapters on a bf16 model are fp32: each LoRA layer converts its input
+# (``x.to(lora_A.weight.dtype)``), and its ``lora_A`` keeps that copy for its backward, so q, k and v
+# each keep their own fp32 copy of one norm output. A patched norm whose decoder layer feeds its output
+# to such layers writes that copy once (``functional._apply``'s ``copy``); each LoRA layer's conversion
+# takes it when it is handed the very output that carries it, unchanged since (``functional.copy_of``),
+# and converts as PEFT does otherwise. Where some adapter keeps its input as it is (no dropout), a
+# frozen norm keeps the copy instead of its own output, which the adapters keep anyway. The values are
+# those of PEFT's conversion; only the gradient of the norm's output is summed once more, in fp32.
+
+# (the norm's attribute in a decoder layer, the consumers' parent, the consumers' attributes)
+_CONSUMERS = (
+    ("input_layernorm", "self_attn", ("q_proj", "k_proj", "v_proj", "qkv_proj")),
+    ("post_attention_layernorm", "mlp", ("gate_proj", "up_proj", "gate_up_proj")),
+    ("pre_feedforward_layernorm", "mlp", ("gate_proj", "up_proj", "gate_up_proj")),  # Gemma 2, Gemma 3
+)
+
+
+def _take_copy(layer, x, dtype):
+    """A LoRA layer's conversion of its input: the norm's copy where the input carries one of this dtype,
+    else PEFT's own (always under ``torch.compile``, where Inductor fuses the conversions)."""
+    if x is not None and not torch.compiler.is_compiling() and getattr(layer, "cast_input_dtype_enabled", True):
+        c = F.copy_of(x, dtype)
+        if c is not None:
+            return c
+    return _compat.peft_cast(layer, x, dtype)
+
+
+def _adapter_use(layer) -> tuple:
+    """``(dtype, keeps)``: the dtype ``layer`` converts its input to now (None: it does not: adapters off
+    or merged, casting disabled, an in-place dropout that would write the shared copy), and whether an
+    active adapter keeps that converted input as it is (no dropout)."""
+    if layer.disable_adapters or layer.merged or not getattr(layer, "cast_input_dtype_enabled", True):
+        return None, False
+    dtype, keeps = None, False
+    for name in layer.active_adapters:
+        if name not in layer.lora_A:
+            continue
+        drop = layer.lora_dropout[name]
+        if getattr(drop, "inplace", False):
+            return None, False
+        dtype = dtype or layer.lora_A[name].weight.dtype
+        keeps = keeps or isinstance(drop, nn.Identity)
+    return dtype, keeps
+
+
+class _Share:
+    """A patched norm's ``output_copy`` (``modules._SaveHint``): the LoRA layers among its decoder
+    layer's consumers of its output, looked up at each call (PEFT may wrap them after patching, switch,
+    merge or disable adapters); ``(dtype, keep)`` where they convert the output to another dtype."""
+
+    def __init__(self, layer: nn.Module, parent: str, names: tuple):
+        self.layer, self.parent, self.names = layer, parent, names
+
+    def takers(self) -> list:
+        parent = getattr(self.layer, self.parent, None)
+        found = (getattr(parent, n, None) for n in self.names) if parent is not None else ()
+        return [m for m in found if m is not None and _compat.peft_casts_input(m)]
+
+    def __call__(self, norm: nn.Module, x: torch.Tensor):
+        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+            return None
+        out_dtype = x.dtype
+        if isinstance(norm, HFRMSNorm) and norm.weight is not None:
+            out_dtype = torch.promote_types(norm.weight.dtype, x.dtype)
+        if out_dtype != x.dtype:  # the output is cast after the kernel: no copy can ride on it
+            return None
+        dtype, keep = None, False
+        for m in self.takers():
+            d, k = _adapter_use(m)
+            if d is None or d == out_dtype or (dtype is not None and d != dtype):
+                continue
+            _compat.set_peft_cast(m, _take_copy)
+            dtype, keep = d, keep or k
+        return None if dtype is None else (dtype, keep)
+
+
+def _share_outputs(model: nn.Module, report: PatchReport) -> None:
+    """Give each patched norm of a decoder layer a ``_Share`` of its consumers (``report.shares``: those
+    with LoRA layers in another dtype now)."""
+    for name, layer in model.named_modules():
+        for attr, parent, names in _CONSUMERS:
+            norm = layer._modules.get(attr)
+            if not isinstance(norm, _NORMKIT_CLASSES):
+                continue
+            if attr == "post_attention_layernorm" and "pre_feedforward_layernorm" in layer._modules:
+                continue  # Gemma 2/3: it normalizes the attention's output, which no linear layer takes
+            share = norm.output_copy = _Share(layer, parent, names)
+            uses = [(m, _adapter_use(m)[0]) for m in share.takers()]
+            w_dtype = None if norm.weight is None else norm.weight.dtype
+            uses = [(m, d) for m, d in uses if d is not None and d != w_dtype]
+            if uses:
+                report.shares.append((f"{name}.{attr}" if name else attr, [m for m, _ in uses], uses[0][1]))
+
+
+# ---------------------------------------------------------------------------------------------
 # Public functions.
 
 
@@ -526,6 +638,7 @@ def patch_model(
     fuse_residual_add: bool = False,
     qk_norm_rope: bool = False,
     save: str = "auto",
+    share_adapter_copy: bool = True,
 ) -> PatchReport:
     """Swap the norm modules of ``model`` for normkit's, in place, and report what was done.
 
@@ -556,6 +669,14 @@ def patch_model(
             where its weight allows (one activation per norm less in a LoRA model whose adapters
             compute in the activations' dtype); the report lists,
             for each patched norm, which it keeps and why (``PatchReport.saves``).
+        share_adapter_copy: where a patched norm of a decoder layer feeds PEFT LoRA layers whose
+            adapters compute in another dtype (PEFT's default fp32 adapters on a bf16 model), the norm
+            writes its output in that dtype once and every such layer takes that copy instead of
+            converting the output itself; a frozen norm whose adapters keep the copy (no dropout) keeps
+            it for its own backward too, and nothing of its own. Eager only (under ``torch.compile``
+            PEFT's own conversions run, and Inductor fuses them). The same values as PEFT's conversion;
+            the report lists the norms that share (``PatchReport.shares``), found when patching (a
+            norm patched before ``get_peft_model`` finds its LoRA layers when called).
 
     Returns:
         A ``PatchReport``; ``print(report)`` lists each swap and each skipped norm-looking module with
@@ -598,6 +719,8 @@ def patch_model(
         report.patched.append((name, cls, type(new)))
         report.saves.append((name, _decision(new, save)))
     _swap(model, replacements)
+    if share_adapter_copy:
+        _share_outputs(model, report)
     if fuse_residual_add:
         _fuse_residual_adds(model, report)
     if qk_norm_rope:
@@ -609,11 +732,13 @@ def unpatch_model(model: nn.Module) -> PatchReport:
     """Put back the modules that ``patch_model`` replaced; return what was restored.
 
     The original module gets the patched module's current ``weight``/``bias`` Parameters (normally
-    the very objects it had) and its training mode.
+    the very objects it had) and its training mode; PEFT LoRA layers get their own input conversion
+    back (``share_adapter_copy``).
     """
     report = PatchReport(verb="restored")
     replacements: dict[int, nn.Module] = {}
     for name, module in model.named_modules():
+        report.casts += _compat.restore_peft_cast(module)
         if getattr(module.__dict__.get("forward"), _FUSED, False):
             del module.forward
             report.fused.append((name, type(module)))

@@ -1,0 +1,277 @@
+"""A patched norm writes its output once in the dtype of the PEFT LoRA layers that take it, and keeps that
+copy instead of a tensor of its own (``patch_model(share_adapter_copy=True)``, the default).
+
+Under PEFT's defaults a bf16 model gets fp32 adapters, and each LoRA layer converts its input to fp32
+and keeps that copy: q, k and v each keep one copy of the same norm output. These tests count what
+autograd keeps (saved-tensor hooks) in tiny bf16 Llama and Qwen3 models, and compare the loss and
+the LoRA gradients with the unpatched model's, in every PEFT state that changes what a LoRA layer
+does with its input (dropout, several adapters, disabled, merged, casting disabled, checkpointing,
+unpatched again).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+from peft.helpers import disable_input_dtype_casting
+
+import torch_frontend as tf
+from normkit.testing import assert_close
+from tests.frontend_torch import DEVICE
+from torch_frontend import functional as F
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+    # Qwen3's QK-norm gets a gradient that cannot be viewed as rows: copied, and said so
+    pytest.mark.filterwarnings("ignore::torch_frontend.NormkitCopyWarning"),
+]
+
+HIDDEN, LAYERS, SEQ, BATCH, VOCAB = 64, 2, 16, 2, 96
+ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+ALL_LINEAR = ATTN + ["gate_proj", "up_proj", "down_proj"]
+
+
+def _tiny(kind: str, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=16))
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # norm weights away from their init (ones), within the range that keeps y
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+    return model.to(DEVICE, torch.bfloat16)
+
+
+def _lora(model, targets, dropout=0.0, **kw):
+    # PEFT's defaults otherwise: fp32 adapters on a bf16 model (autocast_adapter_dtype=True);
+    # init_lora_weights=False makes B random too, so every gradient is non-zero
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=dropout, init_lora_weights=False)
+    return peft.get_peft_model(model, cfg, **kw)
+
+
+def _pair(kind="llama", targets=ATTN, dropout=0.0, seed=0, **patch_kw):
+    """(the unpatched PEFT model, a patched deep copy of it, the patch report)."""
+    ref = _lora(_tiny(kind, seed), targets, dropout)
+    model = copy.deepcopy(ref)
+    return ref, model, tf.patch_model(model, **patch_kw)
+
+
+def _ids(seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+@contextlib.contextmanager
+def _kept():
+    """The hidden-sized tensors autograd keeps while the block runs, one per storage: ``{data_ptr: dtype}``."""
+    kept: dict = {}
+
+    def pack(t):
+        if t.dim() >= 2 and t.shape[-1] == HIDDEN and t.numel() == BATCH * SEQ * HIDDEN:
+            kept.setdefault(t.untyped_storage().data_ptr(), t.dtype)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield kept
+
+
+def _step(model, seed: int, dropout_seed: int | None = None):
+    if dropout_seed is not None:
+        torch.manual_seed(dropout_seed)
+    out = model(input_ids=_ids(seed), labels=_ids(seed))
+    out.loss.backward()
+    return out.loss.detach()
+
+
+def _assert_same_training(model, ref, seed: int, dropout_seed: int | None = None, run=None) -> None:
+    """One step of each (``run``: how ``model`` is called, e.g. compiled): the same loss and LoRA
+    gradients, within the bf16 tolerance."""
+    loss = _step(model if run is None else run, seed, dropout_seed)
+    loss_ref = _step(ref, seed, dropout_seed)
+    assert_close(loss.float().item(), loss_ref.float().item(), "bfloat16", "loss")
+    _assert_same_grads(model, ref)
+
+
+def _assert_same_grads(model, ref) -> None:
+    ref_params = dict(ref.named_parameters())
+    lora = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert lora and all("lora_" in n for n, _ in lora)
+    for name, p in lora:
+        g_ref = ref_params[name].grad
+        assert g_ref is not None and p.grad is not None, name
+        scale = float(g_ref.abs().max())
+        assert scale > 0, name  # a comparison that can fail
+        # relative to the gradient's scale, a sum over the tokens of products of bf16 activations
+        assert_close(p.grad.double().cpu().numpy() / scale, g_ref.double().cpu().numpy() / scale, "bfloat16", f"grad {name}",
+                     reduced_over=BATCH * SEQ)
+
+
+# (targets, hidden-sized tensors kept: unpatched, patched without the shared copy, patched with it).
+# Per layer with it: one fp32 copy for q/k/v (the input norm keeps that one too), o_proj's own
+# conversion, and the second norm's output (its fp32 copy where gate/up take it); plus the final norm's.
+KEPT = {"attn": (ATTN, 12, 12, 7), "all-linear": (ALL_LINEAR, 16, 16, 7)}
+
+
+@pytest.mark.parametrize("targets", sorted(KEPT))
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_one_copy_per_norm_is_kept_and_training_is_unchanged(kind, targets):
+    names, n_ref, n_apart, n_shared = KEPT[targets]
+    ref, model, report = _pair(kind, names, seed=1)
+    apart = copy.deepcopy(ref)
+    tf.patch_model(apart, share_adapter_copy=False)
+    counts, losses = [], []
+    for m in (ref, apart, model):
+        with _kept() as kept:
+            loss = m(input_ids=_ids(2), labels=_ids(2)).loss
+        counts.append(len(kept))
+        loss.backward()
+        losses.append(loss.float().item())
+    assert counts == [n_ref, n_apart, n_shared]
+    assert_close(losses[2], losses[0], "bfloat16", "loss")
+    takers = {"attn": [3], "all-linear": [3, 2]}[targets]
+    assert sorted({len(t) for _, t, _ in report.shares}) == sorted(takers)
+    assert len(report.shares) == LAYERS * len(takers)
+    assert all(d is torch.float32 for _, _, d in report.shares)
+    assert "float32 copy with 3 LoRA layer(s)" in str(report)
+    _assert_same_grads(model, ref)
+
+
+def test_the_norm_keeps_the_adapters_copy_itself():
+    """The input norm's saved tensor and q/k/v's lora_A inputs are one fp32 tensor."""
+    _, model, _ = _pair("llama", ATTN, seed=3)
+    layer = model.base_model.model.model.layers[1]
+    x = torch.randn(BATCH, SEQ, HIDDEN, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        y = layer.input_layernorm(x)
+        q, k, v = (getattr(layer.self_attn, n)(y) for n in ("q_proj", "k_proj", "v_proj"))
+    copy_ = F.copy_of(y, torch.float32)
+    assert copy_ is not None and torch.equal(copy_, y.float())
+    hidden = [t for t in packed if t.shape[-1] == HIDDEN and t.numel() == y.numel()]  # lora_A's: 2-d views
+    assert len(hidden) == 4 and all(t.untyped_storage().data_ptr() == copy_.untyped_storage().data_ptr()
+                                    for t in hidden)
+    (q.float().sum() + k.float().square().sum() + v.float().sum()).backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_dropout_draws_each_adapters_own_mask():
+    """With dropout each adapter keeps its own dropped input, so the norm keeps its own bf16 output, as
+    without the shared copy."""
+    ref, model, _ = _pair("llama", ATTN, dropout=0.3, seed=6)
+    apart = copy.deepcopy(ref)
+    tf.patch_model(apart, share_adapter_copy=False)
+    kept = []
+    for m in (apart, model):
+        with _kept() as k:
+            torch.manual_seed(8)
+            loss = m(input_ids=_ids(7), labels=_ids(7)).loss
+        kept.append(sorted(str(d) for d in k.values()))
+        del loss
+    assert kept[0] == kept[1] and "torch.bfloat16" in kept[1]
+    _assert_same_training(model, ref, seed=7, dropout_seed=8)
+
+
+def test_several_adapters():
+    ref, model, _ = _pair("llama", ATTN, seed=9)
+    second = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    for m in (ref, model):
+        torch.manual_seed(10)
+        m.add_adapter("second", second)
+        m.base_model.set_adapter(["default", "second"])
+        for name, p in m.named_parameters():  # set_adapter trains the active adapters only
+            p.requires_grad_("lora_" in name)
+    _assert_same_training(model, ref, seed=11)
+
+
+def test_disabled_merged_and_uncast_adapters_take_peft_own_conversion():
+    ref, model, _ = _pair("llama", ATTN, seed=12)
+    ids = _ids(13)
+    with torch.no_grad():
+        for ctx in (lambda m: m.disable_adapter(), lambda m: contextlib.nullcontext()):
+            with ctx(ref):
+                want = ref(input_ids=ids).logits
+            with ctx(model):
+                got = model(input_ids=ids).logits
+            assert_close(got.float().cpu().numpy(), want.float().cpu().numpy(), "bfloat16", "logits")
+        layer = model.base_model.model.model.layers[0]
+        norm, q = layer.input_layernorm, layer.self_attn.q_proj
+        x = torch.randn(BATCH, SEQ, HIDDEN, dtype=torch.bfloat16, device=DEVICE)
+        assert norm.output_copy(norm, x) == (torch.float32, True)
+        with model.disable_adapter():
+            assert norm.output_copy(norm, x) is None
+        with disable_input_dtype_casting(model):
+            assert norm.output_copy(norm, x) is None
+            y = norm(x)
+            assert q._cast_input_dtype(y, torch.float32) is y  # PEFT's own: no conversion
+        model.merge_adapter()
+        assert norm.output_copy(norm, x) is None
+        model.unmerge_adapter()
+        assert norm.output_copy(norm, x) == (torch.float32, True)
+
+
+def test_a_copy_written_in_place_since_is_not_taken():
+    _, model, _ = _pair("llama", ATTN, seed=14)
+    layer = model.base_model.model.model.layers[0]
+    norm, q = layer.input_layernorm, layer.self_attn.q_proj
+    x = torch.randn(BATCH, SEQ, HIDDEN, dtype=torch.bfloat16, device=DEVICE)
+    with torch.no_grad():
+        y = norm(x)
+        shared = F.copy_of(y, torch.float32)
+        assert q._cast_input_dtype(y, torch.float32) is shared
+        y.mul_(2)  # the output changed: the copy is stale
+        taken = q._cast_input_dtype(y, torch.float32)
+        assert taken is not shared and torch.equal(taken, y.float())
+        y2 = norm(x)
+        F.copy_of(y2, torch.float32).add_(1)  # the copy changed: PEFT's own conversion of y2
+        assert torch.equal(q._cast_input_dtype(y2, torch.float32), y2.float())
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_under_gradient_checkpointing(use_reentrant):
+    ref, model, _ = _pair("llama", ATTN, seed=15)
+    for m in (ref, model):
+        if hasattr(m, "activation_checkpointing_enable"):  # the name from transformers 5.2x on
+            m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        else:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        m.enable_input_require_grads()
+        m.train()
+    _assert_same_training(model, ref, seed=16)
+
+
+def test_patch_before_peft_and_unpatch_restore_peft():
+    base = _tiny("llama", seed=17)
+    ref = _lora(copy.deepcopy(base), ATTN)
+    tf.patch_model(base)
+    model = _lora(base, ATTN)  # PEFT wraps q/k/v after the norms were patched: found when called
+    model.load_state_dict(ref.state_dict())
+    with _kept() as kept:
+        loss = model(input_ids=_ids(18), labels=_ids(18)).loss
+    assert len(kept) == KEPT["attn"][3]
+    del loss
+    report = tf.unpatch_model(model)
+    assert report.casts == 3 * LAYERS and "restored PEFT's own input conversion in 6" in str(report)
+    assert not any("_cast_input_dtype" in m.__dict__ for m in model.modules())
+    with _kept() as kept:
+        loss = model(input_ids=_ids(18), labels=_ids(18)).loss
+    assert len(kept) == KEPT["attn"][1]
+    del loss
+    _assert_same_training(model, ref, seed=19)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's compile stack warns about its own internals
+def test_a_compiled_model_trains_as_the_unpatched_one():
+    """Under ``torch.compile`` each LoRA layer converts as PEFT does (Inductor fuses the conversions),
+    in one graph: the shared copy's checks trace away."""
+    ref, model, _ = _pair("llama", ATTN, seed=20)
+    _assert_same_training(model, ref, seed=21, run=torch.compile(model, backend="aot_eager", fullgraph=True))
