@@ -81,8 +81,8 @@ display(table(list(environment().items()), ["component", "version or device"]))
 # Each variant changes only the norms: Hugging Face's `LlamaRMSNorm` (`hf`), Liger's `LigerRMSNorm`
 # (`liger`), `torch_frontend.patch_model` (`normkit`, which keeps the norm's output for the backward
 # where every parameter is frozen), the same with `save="input"` (`normkit_input`, which keeps the
-# input as every other library does) and with the residual add fused into the norm (`normkit_fused`);
-# eager and under `torch.compile`. `hf#2`, where a run has it, is a second, independently built copy of
+# input as every other library does), with the residual add fused into the norm (`normkit_fused`) and
+# without the adapters' shared copy (`normkit_apart`, below); eager and under `torch.compile`. `hf#2`, where a run has it, is a second, independently built copy of
 # the HF model timed beside the others: its distance to `hf` is what that run cannot resolve. Step time
 # is the median of the timed steps. Nothing here is measured where the notebook runs.
 #
@@ -92,12 +92,14 @@ display(table(list(environment().items()), ["component", "version or device"]))
 # the output frees the norm's input only where something else keeps the output anyway: a LoRA adapter
 # whose input is the norm's output keeps it when the adapter computes in the model's dtype (`bf16
 # adapters`, PEFT's `autocast_adapter_dtype=False`). PEFT's default gives a bf16 model float32 adapters,
-# which keep a float32 copy of their input instead; then keeping y costs what keeping x did (`fp32
-# adapters`: the same memory as keeping the input).
+# each of which converts its input and keeps that float32 copy: q, k and v three copies of one norm
+# output. There `patch_model` has the norm write the float32 copy once, every adapter take it, and the
+# frozen norm keep that copy as its own saved output (`fp32 adapters`, `normkit`); `normkit_apart`
+# (`share_adapter_copy=False`) is the same patch without it, where keeping y costs what keeping x did.
 
 # %%
 VARIANT_COLORS = {"hf": "tab:orange", "hf#2": "navajowhite", "liger": "tab:blue", "normkit_input": "silver",
-                  "normkit": "black", "normkit_fused": "tab:gray"}
+                  "normkit_apart": "tab:olive", "normkit": "black", "normkit_fused": "tab:gray"}
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 

@@ -157,7 +157,7 @@ _OURS = "_normkit_takes_copy"  # marks a conversion set here
 def peft_casts_input(module) -> bool:
     """Whether ``module`` is a PEFT LoRA layer that converts its input to its adapters' dtype through
     ``BaseTunerLayer._cast_input_dtype`` (``x.to(lora_A.weight.dtype)`` unless casting is disabled)."""
-    return hasattr(module, "lora_A") and callable(getattr(type(module), _PEFT_CAST, None))
+    return "lora_A" in module._modules and callable(getattr(type(module), _PEFT_CAST, None))
 
 
 def peft_cast(layer, x, dtype):

@@ -544,13 +544,15 @@ def _adapter_use(layer) -> tuple:
     if layer.disable_adapters or layer.merged or not getattr(layer, "cast_input_dtype_enabled", True):
         return None, False
     dtype, keeps = None, False
+    lora_a, dropouts = layer.lora_A, layer.lora_dropout
     for name in layer.active_adapters:
-        if name not in layer.lora_A:
+        a = lora_a._modules.get(name)
+        if a is None:
             continue
-        drop = layer.lora_dropout[name]
-        if getattr(drop, "inplace", False):
+        drop = dropouts[name]
+        if isinstance(drop, nn.Dropout) and drop.inplace:
             return None, False
-        dtype = dtype or layer.lora_A[name].weight.dtype
+        dtype = dtype or a.weight.dtype
         keeps = keeps or isinstance(drop, nn.Identity)
     return dtype, keeps
 
@@ -564,8 +566,8 @@ class _Share:
         self.layer, self.parent, self.names = layer, parent, names
 
     def takers(self) -> list:
-        parent = getattr(self.layer, self.parent, None)
-        found = (getattr(parent, n, None) for n in self.names) if parent is not None else ()
+        parent = self.layer._modules.get(self.parent)
+        found = (parent._modules.get(n) for n in self.names) if parent is not None else ()
         return [m for m in found if m is not None and _compat.peft_casts_input(m)]
 
     def __call__(self, norm: nn.Module, x: torch.Tensor):
