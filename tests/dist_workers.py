@@ -368,6 +368,66 @@ def torch_data_parallel(mesh, device: str, shape=TINY) -> list[dict]:
     return out
 
 
+def torch_peft_fsdp2(mesh, device: str, shape=TINY) -> list[dict]:
+    """FSDP2 (``fully_shard`` per decoder layer) over a bf16 Llama with PEFT's default fp32 LoRA adapters
+    on q/k/v/o, patched by normkit: the LoRA gradients against one process's unpatched model, and the
+    fp32 copies the step keeps (q, k and v share their norm's: two per layer)."""
+    import copy
+
+    import peft
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    import torch_frontend as tf
+
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # pragma: no cover  (torch < 2.6)
+        from torch.distributed._composable.fsdp import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hidden, layers, seq, batch = 32, 2, 8, 2
+    torch.manual_seed(3)
+    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+    with torch.no_grad():
+        for name, p in base.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                           init_lora_weights=False)
+    ref = peft.get_peft_model(base.to(device, torch.bfloat16), lora)
+    model = copy.deepcopy(ref)
+    report = tf.patch_model(model)
+    ids = torch.randint(0, 64, (batch * world, seq), generator=torch.Generator().manual_seed(4)).to(device)
+    ref(input_ids=ids, labels=ids).loss.backward()
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    local = ids[rank * batch:(rank + 1) * batch]
+    kept: dict = {}
+
+    def pack(t):
+        if t.dtype == torch.float32 and t.dim() >= 2 and t.shape[-1] == hidden and t.numel() == batch * seq * hidden:
+            kept[t.untyped_storage().data_ptr()] = True
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=local, labels=local).loss
+    loss.backward()
+    errs = {}
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            g, rg = p.grad.full_tensor().float(), ref_params[name].grad.float()
+            scale = float(rg.abs().max())  # a bf16 model's gradients: relative to their scale
+            errs[name] = _err(g / scale, rg / scale, "bfloat16", name, reduced_over=batch * world * seq)
+    return [{"kind": "peft_fsdp2", "name": "peft_fsdp2", "errors": errs, "shares": len(report.shares),
+             "fp32_kept": len(kept), "layers": layers}]
+
+
 def _dp_record(name, grads: dict, ref_grads: dict, rows: int, log) -> dict:
     errs = {}
     for n, rg in ref_grads.items():
@@ -396,7 +456,7 @@ def torch_cases(device: str, shape=TINY, dtype_name: str = "float32") -> list[di
                                   dtype_name))
         except Exception:  # noqa: BLE001  (one broken case must not hide the others)
             out.append({"kind": "dtensor", "name": name, "crash": traceback.format_exc()[-3000:]})
-    for fn in (torch_error_cases, torch_sequence_parallel_module, torch_data_parallel):
+    for fn in (torch_error_cases, torch_sequence_parallel_module, torch_data_parallel, torch_peft_fsdp2):
         try:
             out.extend(fn(mesh, device, shape))
         except Exception:  # noqa: BLE001
@@ -467,6 +527,12 @@ def torch_failures(case: dict) -> list[str]:
         if sorted(f for _, f in case["backward_from_output"]) != [False, True]:
             bad.append(f"{name}: backward launches reading the output: {case['backward_from_output']}, expected "
                        "the RMSNorm's alone")
+    elif kind == "peft_fsdp2":
+        if not case["errors"]:
+            bad.append(f"{name}: no LoRA gradient compared")
+        if case["shares"] != case["layers"] or case["fp32_kept"] != 2 * case["layers"]:
+            bad.append(f"{name}: {case['shares']} norms share their copy and {case['fp32_kept']} fp32 inputs are kept; "
+                       f"expected {case['layers']} and {2 * case['layers']} (q/k/v's shared copy and o_proj's)")
     return bad
 
 

@@ -100,6 +100,12 @@ def test_data_parallel(cases, name):
         assert case["comms"]["_reduce_scatter_base_"]["count"] == 3, case["comms"]
 
 
+def test_fsdp2_over_peft_default_adapters(cases):
+    """FSDP2 over a bf16 Llama with PEFT's fp32 adapters, patched: q/k/v share their norm's fp32 copy
+    under the sharded step, and the LoRA gradients are one process's."""
+    _check(cases, "peft_fsdp2")
+
+
 def test_registration_is_lazy():
     """Plain tensors never import torch.distributed.tensor nor register anything."""
     proc = _run(["-c", "import sys, torch, torch_frontend as tf\n"
