@@ -192,6 +192,16 @@ def test_several_adapters():
     _assert_same_training(model, ref, seed=11)
 
 
+def test_dora_adapters():
+    """DoRA's adapters take the shared copy as their input too (PEFT's variant forward gets the converted x)."""
+    ref = peft.get_peft_model(_tiny("llama", seed=22), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=ATTN, use_dora=True, init_lora_weights=False))
+    model = copy.deepcopy(ref)
+    report = tf.patch_model(model)
+    assert len(report.shares) == LAYERS
+    _assert_same_training(model, ref, seed=23)
+
+
 def test_disabled_merged_and_uncast_adapters_take_peft_own_conversion():
     ref, model, _ = _pair("llama", ATTN, seed=12)
     ids = _ids(13)
