@@ -18,9 +18,12 @@ import peft
 import pytest
 import torch
 import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from peft.helpers import disable_input_dtype_casting
 
 import torch_frontend as tf
+from normkit.ops import OPS
 from normkit.testing import assert_close
 from tests.frontend_torch import DEVICE
 from torch_frontend import functional as F
@@ -113,6 +116,55 @@ def _assert_same_grads(model, ref) -> None:
         # relative to the gradient's scale, a sum over the tokens of products of bf16 activations
         assert_close(p.grad.double().cpu().numpy() / scale, g_ref.double().cpu().numpy() / scale, "bfloat16", f"grad {name}",
                      reduced_over=BATCH * SEQ)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None)
+@given(op=st.sampled_from(sorted(OPS)), dtype=st.sampled_from(["bfloat16", "float16", "float32"]),
+       keep=st.booleans(), trained=st.booleans(), rows=st.integers(1, 6), n=st.sampled_from([8, 33, 64]),
+       layout=st.sampled_from(["contiguous", "sliced", "transposed"]), seed=st.integers(0, 2**16))
+def test_the_copy_and_both_gradients_against_float64(op, dtype, keep, trained, rows, n, layout, seed):
+    """The norm's copy of y in fp32 is exactly ``y.float()``, on every op, dtype and row layout, frozen
+    (y or the copy kept) or trained (x kept); the backward of y's and the copy's gradients together is
+    the float64 reference's for their sum."""
+    spec, tdt = OPS[op], getattr(torch, dtype)
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale + 0.1).to(tdt)
+
+    def rows_of(t):  # the row layout a caller hands in, same values
+        if layout == "sliced":
+            return torch.cat([t, rand(rows, 3)], dim=1)[:, :n]
+        if layout == "transposed":
+            return t.t().contiguous().t()
+        return t
+
+    inputs = {name: rows_of(rand(rows, n)).to(DEVICE) for name in spec.row_inputs}
+    params = {}
+    if "weight" in spec.params:  # |w| in [1, 2): x_hat recoverable from y
+        params["weight"] = (torch.rand(n, generator=g, dtype=torch.float64) + 1.0).to(tdt).to(DEVICE)
+    if "bias" in spec.params:
+        params["bias"] = rand(n, scale=0.3).to(DEVICE)
+    leaves = {k: v.detach().requires_grad_(k in spec.row_inputs or trained) for k, v in {**inputs, **params}.items()}
+    opts = spec.options(eps=spec.default_eps)
+    outs = F._apply(spec, *(leaves.get(k) for k in ("x", "residual", "weight", "bias")), opts.eps, 0.0, "llama",
+                    "auto", None, (torch.float32, keep))
+    y = outs[0] if spec.has_residual else outs
+    y2 = F.copy_of(y, torch.float32)
+    assert y2 is not None and y2.dtype == torch.float32 and torch.equal(y2, y.float())
+    dy, dy2 = rand(rows, n).to(DEVICE), rand(rows, n).to(torch.float32).to(DEVICE)
+    wrt = [leaves[k] for k in leaves if leaves[k].requires_grad]
+    loss = (y.float() * dy.float()).sum() + (y2 * dy2).sum()
+    cot = {"y": dy.double().cpu().numpy() + dy2.double().cpu().numpy()}
+    if spec.has_residual:
+        ds = rand(rows, n).to(DEVICE)
+        loss = loss + (outs[1].float() * ds.float()).sum()
+        cot["residual_out"] = ds.double().cpu().numpy()
+    grads = torch.autograd.grad(loss, wrt)
+    _, ref = spec.run_reference({k: v.detach().double().cpu().numpy() for k, v in leaves.items()}, opts, cot)
+    for name, got in zip([k for k in leaves if leaves[k].requires_grad], grads):
+        assert_close(got.double().cpu().numpy(), ref[name], dtype, f"{op} {dtype} keep={keep} trained={trained}: "
+                     f"d{name}", reduced_over=rows if name in spec.params else 1)
 
 
 # (targets, hidden-sized tensors kept: unpatched, patched without the shared copy, patched with it).
