@@ -149,8 +149,8 @@ class WithCopyFunction(torch.autograd.Function):
     def backward(ctx, *grads):
         needs = ctx.needs_input_grad  # (route, copy, x, residual, weight, bias)
         dy, ds, dy2 = grads if len(grads) == 3 else (grads[0], None, grads[1])
-        if dy2 is not None:  # y's gradient and its copy's, summed in the copy's (wider) dtype
-            dy = (dy2 if dy is None else dy.to(dy2.dtype) + dy2).to(ctx.y_dtype)
+        if dy2 is not None:  # y's gradient and its copy's, summed in the copy's (wider) dtype (promotion)
+            dy = (dy2 if dy is None else dy2 + dy).to(ctx.y_dtype)
         dx, dw, db = _backward(ctx, (needs[2] or needs[3], needs[4], needs[5]), dy, ds)
         return None, None, dx if needs[2] else None, dx if needs[3] else None, dw, db
 
