@@ -570,22 +570,26 @@ class _Share:
         found = (parent._modules.get(n) for n in self.names) if parent is not None else ()
         return [m for m in found if m is not None and _compat.peft_casts_input(m)]
 
+    def uses(self, out_dtype) -> list:
+        """``(LoRA layer, dtype, keeps)`` (``_adapter_use``) of each taker that converts an output of
+        ``out_dtype`` to another dtype, the first such taker's."""
+        found = []
+        for m in self.takers():
+            d, k = _adapter_use(m)
+            if d is not None and d != out_dtype and (not found or d == found[0][1]):
+                found.append((m, d, k))
+        return found
+
     def __call__(self, norm: nn.Module, x: torch.Tensor):
         if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
             return None
-        out_dtype = x.dtype
-        if isinstance(norm, HFRMSNorm) and norm.weight is not None:
-            out_dtype = torch.promote_types(norm.weight.dtype, x.dtype)
-        if out_dtype != x.dtype:  # the output is cast after the kernel: no copy can ride on it
-            return None
-        dtype, keep = None, False
-        for m in self.takers():
-            d, k = _adapter_use(m)
-            if d is None or d == out_dtype or (dtype is not None and d != dtype):
-                continue
+        if (isinstance(norm, HFRMSNorm) and norm.weight is not None
+                and torch.promote_types(norm.weight.dtype, x.dtype) != x.dtype):
+            return None  # the output is cast after the kernel: no copy can ride on it
+        uses = self.uses(x.dtype)
+        for m, _, _ in uses:
             _compat.set_peft_cast(m, _take_copy)
-            dtype, keep = d, keep or k
-        return None if dtype is None else (dtype, keep)
+        return (uses[0][1], any(k for _, _, k in uses)) if uses else None
 
 
 def _share_outputs(model: nn.Module, report: PatchReport) -> None:
@@ -599,11 +603,9 @@ def _share_outputs(model: nn.Module, report: PatchReport) -> None:
             if attr == "post_attention_layernorm" and "pre_feedforward_layernorm" in layer._modules:
                 continue  # Gemma 2/3: it normalizes the attention's output, which no linear layer takes
             share = norm.output_copy = _Share(layer, parent, names)
-            uses = [(m, _adapter_use(m)[0]) for m in share.takers()]
-            w_dtype = None if norm.weight is None else norm.weight.dtype
-            uses = [(m, d) for m, d in uses if d is not None and d != w_dtype]
+            uses = share.uses(None if norm.weight is None else norm.weight.dtype)
             if uses:
-                report.shares.append((f"{name}.{attr}" if name else attr, [m for m, _ in uses], uses[0][1]))
+                report.shares.append((f"{name}.{attr}" if name else attr, [m for m, _, _ in uses], uses[0][1]))
 
 
 # ---------------------------------------------------------------------------------------------
