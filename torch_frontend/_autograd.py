@@ -157,8 +157,8 @@ class WithCopyFunction(torch.autograd.Function):
 
 # "direct": an eager call with no torch.func transform active enters each Function's C apply
 # (``_compat.direct_apply``); "python": always torch's ``Function.apply``. "direct" is the default by
-# the same-process host A/B in docs/PERFORMANCE_RECORD.md ("Host time against 6816bf2, with and
-# without the Functions' C apply").
+# the same-process host A/B of the two recorded in docs/PERFORMANCE_RECORD.md (its section on the
+# Functions' C apply).
 APPLY = "direct"
 _DIRECT_RMS, _DIRECT_LN, _DIRECT_ADD = (_compat.direct_apply(fn) for fn in
                                         (RMSNormFunction, LayerNormFunction, FusedAddRMSNormFunction))
