@@ -472,7 +472,7 @@ def pallas_blocks(op: Op, M: int, N: int, *, elem_bytes: int, num_sms: int, back
 # three row indices, each array with its own three row strides (normkit.rope.row_layout).
 
 ROPE_STRIDES = ("0", "1", "2")
-ROPE_FWD_INPUTS = ("X", "W", "COS", "SIN")
+ROPE_FWD_INPUTS = ("X", "W", "COS", "SIN", "TRIP")
 ROPE_FWD_SCALARS = ("eps", "offset", "M", "n1", "n2") + tuple(
     f"s{a}{i}" for a in ("x", "c", "s", "y") for i in ROPE_STRIDES)
 ROPE_FWD_OUTPUTS = ("Y", "RSTD", "REC")
@@ -505,18 +505,20 @@ def _rope_strides_aligned(D: int, interleaved: bool, strides: tuple, dtypes: tup
 @functools.lru_cache(maxsize=4096)
 def plan_rope_forward(D: int, rows: tuple, x_dtype: str, w_dtype: str | None, opts: Options, interleaved: bool,
                       store_stats: bool, store_rec: bool, strides: tuple, w_stride: int,
-                      out_shape: tuple, *, table_dtypes: tuple) -> KernelCall:
+                      out_shape: tuple, *, table_dtypes: tuple, has_trip: bool = False) -> KernelCall:
     """The forward of ``rms_norm_rope`` over ``rows = (n0, n1, n2)`` rows of D columns (``M = n0 n1
     n2 >= 1``). ``strides``: the row strides ``(s0, s1, s2)`` of x, cos, sin and the output, in that
     order (``normkit.rope.row_layout``); ``w_stride`` the weight's element stride; ``out_shape``
     the output's shape (the caller's x shape), in which a backend that allocates it does so;
     ``table_dtypes``: cos's and sin's dtypes (with the strides, they decide STRIDES_ALIGNED).
-    ``store_rec``: the backward will read the output, so program 0 writes the weight's recovery REC.
-    Tiles as RMSNorm's (``tile_config``: N alone fixes a row's reduction order), one per program."""
+    ``store_rec``: the backward will read the output, so program 0 writes the weight's recovery REC,
+    and, ``has_trip``, sets the flag TRIP where the weight breaks the safety rule. Tiles as RMSNorm's
+    (``tile_config``: N alone fixes a row's reduction order), one per program."""
     assert store_stats or not store_rec
     n0, n1, n2 = rows
     M = n0 * n1 * n2
     has_w = w_dtype is not None
+    trip = has_trip and store_rec and has_w
     block_m, block_d, num_warps = tile_config(M, D)
     out_specs = {"Y": (tuple(out_shape), x_dtype)}
     if store_stats:
@@ -529,7 +531,7 @@ def plan_rope_forward(D: int, rows: tuple, x_dtype: str, w_dtype: str | None, op
         num_warps=num_warps,
         num_stages=1,
         inputs=ROPE_FWD_INPUTS,
-        present_inputs=frozenset({"X", "COS", "SIN"} | ({"W"} if has_w else set())),
+        present_inputs=frozenset({"X", "COS", "SIN"} | ({"W"} if has_w else set()) | ({"TRIP"} if trip else set())),
         scalar_names=ROPE_FWD_SCALARS,
         scalars=(_f32(opts.eps), _f32(opts.offset), M, n1, n2, *(s for triple in strides for s in triple)),
         outputs=ROPE_FWD_OUTPUTS,
@@ -541,6 +543,7 @@ def plan_rope_forward(D: int, rows: tuple, x_dtype: str, w_dtype: str | None, op
             INTERLEAVED=interleaved,
             STORE_STATS=store_stats,
             STORE_REC=store_rec,
+            HAS_TRIP=trip,
             W_MIN=OUTPUT_W_MIN[x_dtype] if store_rec else 0.0,
             BOUND_SCALE=_f32(norm_math.bound_scale(D, x_dtype)) if store_rec else 0.0,
             Y_MAX=FINITE_MAX[x_dtype] if store_rec else 0.0,

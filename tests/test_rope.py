@@ -535,6 +535,65 @@ def test_torch_strided_slice_and_empty_rows():
     assert out.shape == x0.shape and x0.grad.shape == x0.shape and not w0.grad.any()
 
 
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+def test_torch_decides_once_per_weight_version(monkeypatch):
+    """The frozen weight's values are read (``norm_math.rope_unsafe_reason``, a host synchronization)
+    once per version of it, not per call; an in-place write to the weight makes the next call read it
+    again."""
+    import torch
+
+    import torch_frontend as tf
+    from normkit import norm_math
+
+    reads = []
+    real = norm_math.rope_unsafe_reason
+    monkeypatch.setattr(norm_math, "rope_unsafe_reason", lambda *a, **k: reads.append(1) or real(*a, **k))
+    case = Case(D=8, trained=False)
+    a = inputs(case)
+    w = torch.tensor(a["weight"], dtype=torch.float32)
+    cos, sin = (torch.tensor(a[k], dtype=torch.float32) for k in ("cos", "sin"))
+
+    def dx():
+        x = torch.tensor(a["x"], dtype=torch.float32, requires_grad=True)
+        return torch.autograd.grad(tf.rms_norm_rope(x, w, cos, sin), x, torch.tensor(a["dout"], dtype=torch.float32))[0]
+
+    first = dx()
+    for _ in range(3):
+        assert torch.equal(dx(), first)
+    assert len(reads) == 1
+    with torch.no_grad():
+        w.mul_(1.0)  # the same values, a new version
+    assert torch.equal(dx(), first) and len(reads) == 2
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+def test_torch_weight_written_behind_the_version_counter():
+    """A frozen weight zeroed in one column through ``.data`` (the version counter does not see it)
+    after a call decided to keep the output: the next call's forward finds the weight unsafe in its
+    recovery, so that call's dx is NaN everywhere, never wrong, and flags it; the call after it reads
+    the weight again, keeps x, and gives save="input"'s dx exactly."""
+    import torch
+
+    import torch_frontend as tf
+
+    case = Case(D=8, trained=False)
+    a = inputs(case)
+    w = torch.tensor(a["weight"], dtype=torch.float32)
+    cos, sin = (torch.tensor(a[k], dtype=torch.float32) for k in ("cos", "sin"))
+
+    def dx(save="auto"):
+        x = torch.tensor(a["x"], dtype=torch.float32, requires_grad=True)
+        out = tf.rms_norm_rope(x, w, cos, sin, save=save)
+        return torch.autograd.grad(out, x, torch.tensor(a["dout"], dtype=torch.float32))[0]
+
+    dx()  # decides: the output
+    version = w._version
+    w.data[3] = 0.0
+    assert w._version == version
+    assert dx().isnan().all()
+    assert torch.equal(dx(), dx(save="input"))
+
+
 # ---------------------------------------------------------------------------------------------
 # torch.compile: traced as torch operations (no graph break), against the reference and eager.
 

@@ -10,7 +10,8 @@ A signature holds one ``Bound`` per choice of what the backward keeps (the input
 remembers that choice per frozen weight: its identity, data pointer, version and grad flag
 (``Signature.route``), so a repeated call decides with one small lookup, and reads the weight's
 values (one host synchronization) only when it first meets a weight version. The choice then rides
-with the saved state: an autograd node's backward reads what its own forward kept.
+with the saved state: an autograd node's backward reads what its own forward kept. ``rms_norm_rope``,
+which launches its own plans, keeps only those choices here (``decisions``).
 
 A weight written where torch's version counter does not see it (``w.data[i] = 0``, a write through
 ``w.numpy()`` or DLPack) keeps its cached choice. The forward that keeps the output checks the
@@ -68,8 +69,8 @@ def _tripped() -> bool:
     for _, flag in _TRIPS.values():
         if flag.value:
             flag.value = 0
-            for sig in BOUND.values():
-                sig.forget()
+            for entry in BOUND.values():
+                entry.forget()
             return True
     return False
 
@@ -99,6 +100,45 @@ def _version_key(t):
         return False
 
 
+class Decisions:
+    """The choices of what the backward keeps (True: the output) made for the weights seen with one
+    call signature, per weight and bias identity, data pointer, version and grad flag. A call
+    signature's entry of ``BOUND``: a ``Signature``'s own, or alone for an op that launches without
+    a ``driver.Bound`` (``rms_norm_rope``)."""
+
+    __slots__ = ("_memo",)
+
+    def __init__(self):
+        self._memo: dict = {}
+
+    def forget(self) -> None:
+        self._memo.clear()
+
+    def saves_output(self, weight, bias, decide) -> bool:
+        """The remembered choice for this weight and bias version, else ``decide()``'s (remembered,
+        unless a parameter is an inference tensor); a remembered choice to keep the output is made
+        again after a forward has found a weight breaking the safety rule (``_tripped``)."""
+        k = (_version_key(weight), _version_key(bias))
+        from_output = self._memo.get(k)
+        if from_output is None or (from_output and _tripped()):
+            from_output = decide()
+            if False not in k:
+                if len(self._memo) >= DECISIONS_LIMIT:
+                    self._memo.clear()
+                self._memo[k] = from_output
+        return from_output
+
+
+def decisions(k: tuple) -> Decisions:
+    """The ``Decisions`` of call signature ``k`` (made on first sight)."""
+    entry = BOUND.get(k)
+    if entry is None:
+        if len(BOUND) >= BOUND_LIMIT:
+            BOUND.clear()
+        entry = BOUND[k] = Decisions()
+    return entry
+
+
 class Signature:
     """A validated call signature: its ``Bound`` for each choice of what the backward keeps, and the
     choices made for the weights seen with it."""
@@ -108,7 +148,7 @@ class Signature:
     def __init__(self, op: Op, opts: Options, store_stats: bool, b_dtype: str, save: str):
         self.op, self.opts, self.store_stats, self.b_dtype, self.save = op, opts, store_stats, b_dtype, save
         self._bounds = [None, None]  # keeping the input, keeping the output
-        self._decisions: dict = {}
+        self._decisions = Decisions()
         # where there is nothing to decide (no backward, or save="input"), every call's Bound: the
         # input-keeping one; else None, and ``route`` decides per call
         self.fixed = self.bound(False) if not store_stats or save == "input" else None
@@ -132,7 +172,7 @@ class Signature:
         return [b for b in self._bounds if b is not None]
 
     def forget(self) -> None:
-        self._decisions.clear()
+        self._decisions.forget()
 
     def route(self, x, weight, bias) -> driver.Bound:
         """The ``Bound`` of this call: the output-keeping one where ``_save.saves_output`` says so, else
@@ -145,15 +185,8 @@ class Signature:
         hooked = _compat.checkpointing()
         if hooked and self.save == "auto":
             return self._bounds[0] or self.bound(False)
-        k = (_version_key(weight), _version_key(bias))
-        from_output = self._decisions.get(k)
-        if from_output is None or (from_output and _tripped()):
-            from_output = _save.saves_output(self.op, self.save, x, weight, bias, self.opts.offset, self.opts.casting,
-                                             hooked)
-            if False not in k:
-                if len(self._decisions) >= DECISIONS_LIMIT:
-                    self._decisions.clear()
-                self._decisions[k] = from_output
+        from_output = self._decisions.saves_output(weight, bias, lambda: _save.saves_output(
+            self.op, self.save, x, weight, bias, self.opts.offset, self.opts.casting, hooked))
         return self._bounds[from_output] or self.bound(from_output, x.device)
 
 

@@ -11,9 +11,9 @@ on [B, H, S, D], or flash-attention's [B, S, H, D] after the transpose back) tak
 Only a last dimension that is not contiguous is copied (with a ``NormkitCopyWarning``); an output
 gradient that does not fit x's row grouping is copied into x's layout.
 
-What the backward keeps (``save``) is decided by ``normkit.saving.decide`` through ``_save``, as for
-``rms_norm`` (``_saves_output``): with the weight frozen and safe, the output, its per-row rstd and the
-weight's recovery 1 / w (no x); otherwise x and rstd.
+What the backward keeps (``save``) is decided by ``normkit.saving.decide``, as for ``rms_norm``
+(``_saves_output``, once per weight version: ``_bound.Decisions``): with the weight frozen and safe, the
+output, its per-row rstd and the weight's recovery 1 / w (no x); otherwise x and rstd.
 
 Under ``torch.compile`` the call is traced (no graph break) as torch operations of ``normkit.norm_math``
 (``_compiled``), with a frozen or a trained weight, for the compiler to generate and fuse with its
@@ -38,7 +38,7 @@ from normkit import _compat as _triton_compat
 from normkit import checks, driver, norm_math, rope, saving
 from normkit.launch import INTERPRETER_NUM_SMS, plan_rope_backward, plan_rope_forward
 from normkit.ops import GRADS, Options
-from torch_frontend import _compat
+from torch_frontend import _bound, _compat
 from torch_frontend._backend import DTYPE_NAMES, NormkitCopyWarning, dtype_name, num_sms, resolve_neg
 
 __all__ = ["rms_norm_rope"]
@@ -121,7 +121,8 @@ def _table_strides(t, x) -> tuple:
 
 
 def _forward(cfg: _Config, x, weight, cos, sin, store_stats: bool, store_rec: bool) -> tuple:
-    """``(out, rstd, rec, layout)``; rstd and rec None where not stored."""
+    """``(out, rstd, rec, layout)``; rstd and rec None where not stored. Where rec is stored for a
+    weight, the kernel also sets ``_bound.trip`` if the weight breaks the safety rule."""
     out = _empty_like(x)
     D = x.shape[-1]
     layout = rope.row_layout(tuple(x.shape[:-1]), x.stride()[:-1], _table_strides(cos, x), _table_strides(sin, x),
@@ -141,26 +142,38 @@ def _forward(cfg: _Config, x, weight, cos, sin, store_stats: bool, store_rec: bo
     call = plan_rope_forward(D, layout.rows, _name(x), None if weight is None else _name(weight), cfg.opts,
                              cfg.interleaved, store_stats, store_rec, strides,
                              1 if weight is None else weight.stride(0), tuple(x.shape),
-                             table_dtypes=(_name(cos), _name(sin)))
-    _launch(call, {"X": x, "W": weight, "COS": cos, "SIN": sin}, {"Y": out, "RSTD": rstd, "REC": rec})
+                             table_dtypes=(_name(cos), _name(sin)), has_trip=True)
+    trip = _bound.trip(x.device) if "TRIP" in call.present_inputs else None
+    _launch(call, {"X": x, "W": weight, "COS": cos, "SIN": sin, "TRIP": trip}, {"Y": out, "RSTD": rstd, "REC": rec})
     return out, rstd, rec, layout
 
 
 def _saves_output(cfg: _Config, x, weight) -> bool:
-    """``normkit.saving.decide`` for this call, the weight's values read (a host synchronization):
-    RMSNorm's safety rule plus the rotation's pair ratio (``norm_math.rope_unsafe_reason``). A trained
-    weight keeps x (and save="output" raises)."""
+    """``normkit.saving.decide`` for this call: RMSNorm's safety rule plus the rotation's pair ratio
+    (``norm_math.rope_unsafe_reason``), the weight's values read (a host synchronization) once per
+    weight version, as for ``rms_norm`` (``_bound.Decisions``: a write torch does not version is
+    caught by the forward's flag). A trained weight keeps x (and save="output" raises); inside a
+    non-reentrant checkpoint, ``"auto"`` keeps x."""
     o = cfg.opts
+    hooked = _compat.checkpointing()
+    if cfg.save == "input" or (hooked and cfg.save == "auto"):
+        return False
 
     def unsafe():
         with torch.no_grad():
             return norm_math.rope_unsafe_reason(weight.detach(), x_dtype=x.dtype, offset=o.offset, casting=o.casting,
                                                 interleaved=cfg.interleaved)
 
-    return saving.decide(rope.RMS_NORM_ROPE, cfg.save, trained=["weight"] if weight is not None and
-                         weight.requires_grad else [], needs_dx=True, row_length=x.shape[-1],
-                         has_params=weight is not None, has_bias=False, offset=o.offset, x_dtype=_name(x),
-                         unsafe=unsafe, hooked=_compat.checkpointing())
+    def decide():
+        return saving.decide(rope.RMS_NORM_ROPE, cfg.save, trained=["weight"] if weight is not None and
+                             weight.requires_grad else [], needs_dx=True, row_length=x.shape[-1],
+                             has_params=weight is not None, has_bias=False, offset=o.offset, x_dtype=_name(x),
+                             unsafe=unsafe, hooked=hooked)
+
+    if weight is None:
+        return decide()
+    return _bound.decisions(("rms_norm_rope", cfg, x.dtype, x.shape[-1], weight.dtype)).saves_output(weight, None,
+                                                                                                      decide)
 
 
 class RMSNormRoPEFunction(torch.autograd.Function):

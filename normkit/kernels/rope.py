@@ -131,14 +131,14 @@ def _max_all(t):
 
 
 @triton.jit
-def _store_pair_recovery(REC, w1, w2, D: tl.constexpr, INTERLEAVED: tl.constexpr, W_MIN: tl.constexpr,
-                         BOUND_SCALE: tl.constexpr, Y_MAX: tl.constexpr, PAIR_RATIO: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _store_pair_recovery(REC, TRIP, w1, w2, D: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_TRIP: tl.constexpr,
+                         W_MIN: tl.constexpr, BOUND_SCALE: tl.constexpr, Y_MAX: tl.constexpr,
+                         PAIR_RATIO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """norm's ``_store_recovery`` (no bias) from the weight tiles ``_load_columns`` gave, w_y in fp32,
     plus the pair ratio: REC[j] = 1 / w_y[j] (1 where column j is unsafe) from the tiles' first row;
     REC[D] = 0, or NaN where a column is unsafe, y could overflow x's dtype, or some pair's
     |w_y[p] / w_y[j]| exceeds PAIR_RATIO (its recovery would carry the partner's rounding error times
-    that ratio: norm_math.rope_recovery_array)."""
+    that ratio: norm_math.rope_recovery_array); then TRIP is set too (HAS_TRIP)."""
     # the tiles' first row alone: a mask that differs by row keeps the reductions on the tiles' layout
     # (over a broadcast the compiler would reduce a [1, D / 2] vector, spread one column per thread)
     lead = tl.arange(0, BLOCK_M) == 0
@@ -157,6 +157,8 @@ def _store_pair_recovery(REC, w1, w2, D: tl.constexpr, INTERLEAVED: tl.constexpr
     _store_rows(REC, tl.zeros((BLOCK_M,), dtype=tl.int64), 1.0 / tl.where(unsafe1, 1.0, w1),
                 1.0 / tl.where(unsafe2, 1.0, w2), lead, D, INTERLEAVED, BLOCK_M, BLOCK_D)
     tl.store(REC + D, tl.where(poisoned, float("nan"), 0.0))
+    if HAS_TRIP:
+        tl.store(TRIP, 1, mask=poisoned)
 
 
 @triton.jit
@@ -183,6 +185,7 @@ def rms_norm_rope_fwd_kernel(
     W,  # weight [D] (HAS_W), any float dtype, element stride W_STRIDE
     COS,  # cos table, broadcast against x: row strides sc0, sc1, sc2 (0 where broadcast), column stride 1
     SIN,  # sin table: row strides ss0, ss1, ss2
+    TRIP,  # int32 [1] (HAS_TRIP): set to 1 when REC's poison is NaN (a flag the host reads)
     eps,  # fp32 scalar added to the mean square
     offset,  # fp32 scalar added to the weight (Gemma: 1.0)
     M,  # number of rows
@@ -201,6 +204,7 @@ def rms_norm_rope_fwd_kernel(
     INTERLEAVED: tl.constexpr,  # GPT-J pairs (2i, 2i + 1) instead of rotate_half's (i, i + D/2)
     STORE_STATS: tl.constexpr,  # a backward will run: write RSTD
     STORE_REC: tl.constexpr,  # the backward reads the output: program 0 writes the weight's recovery REC
+    HAS_TRIP: tl.constexpr,  # TRIP is present (with a weight)
     W_MIN: tl.constexpr,  # STORE_REC: a column whose |w_y| is below this (x.dtype's bound) is unsafe
     BOUND_SCALE: tl.constexpr,  # STORE_REC: sqrt(D) (1 + 4u), the largest |x_hat|
     Y_MAX: tl.constexpr,  # STORE_REC: x.dtype's largest finite value
@@ -253,8 +257,8 @@ def rms_norm_rope_fwd_kernel(
     if STORE_REC:
         if tl.program_id(0) == 0:
             if HAS_W:
-                _store_pair_recovery(REC, w1, w2, D, INTERLEAVED, W_MIN, BOUND_SCALE, Y_MAX, PAIR_RATIO, BLOCK_M,
-                                     BLOCK_D)
+                _store_pair_recovery(REC, TRIP, w1, w2, D, INTERLEAVED, HAS_TRIP, W_MIN, BOUND_SCALE, Y_MAX,
+                                     PAIR_RATIO, BLOCK_M, BLOCK_D)
             else:  # REC[D] alone
                 _store_recovery(W, None, REC, None, offset, X, D, HAS_W, False, False, CASTING, W_STRIDE, 1, W_MIN,
                                 0.0, BOUND_SCALE, Y_MAX, REC_CHUNK)
