@@ -93,18 +93,19 @@ SCHEMA = "normkit-lora-step/1"
 # run order within a mode; hf first: it is the reference. normkit_input: normkit keeping each norm's input
 # (save="input"), the control of what keeping the output saves; normkit_apart: normkit without the
 # adapters' shared copy (share_adapter_copy=False), the control of what sharing it saves.
-VARIANTS = ("hf", "normkit", "normkit_fused", "normkit_input", "normkit_apart", "liger")
+VARIANTS = ("hf", "normkit", "normkit_fused", "normkit_input", "normkit_apart", "normkit_rope", "liger")
 TARGETS = {"attn": LORA_TARGETS, "all-linear": ALL_LINEAR_TARGETS}
 MODES = ("eager", "compile", "reduce-overhead")  # reduce-overhead: torch.compile with CUDA graphs
 FWD_SCOPE = "lora_step::norm_forward"
 STEP_SCOPE = "lora_step::step"
 EVALUATE = "autograd::engine::evaluate_function"
-_NORMKIT_KERNELS = re.compile(r"norm_fwd_kernel|norm_bwd_kernel|partial_sum_kernel")
+_NORMKIT_KERNELS = re.compile(r"norm_fwd_kernel|norm_bwd_kernel|partial_sum_kernel|rms_norm_rope_(fwd|bwd)_kernel")
 NORM_KERNELS = {
     "normkit": _NORMKIT_KERNELS,
     "normkit_fused": _NORMKIT_KERNELS,
     "normkit_input": _NORMKIT_KERNELS,
     "normkit_apart": _NORMKIT_KERNELS,
+    "normkit_rope": _NORMKIT_KERNELS,
     "liger": re.compile(r"_(block_)?rms_norm_(forward|backward)_kernel"),
 }
 ESTIMATE_S = {"eager": 20.0, "compile": 90.0, "reduce-overhead": 90.0}  # a row's cost before one of its kind has run
@@ -115,7 +116,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GPU_DEFAULTS = dict(layers=4, hidden=4096, intermediate=None, heads=32, vocab=32000, seq=4096, batch=2,
                     dtype="bf16", steps=20, warmup=3)
 DRY_DEFAULTS = dict(layers=2, hidden=64, intermediate=128, heads=4, vocab=256, seq=16, batch=1,
-                    dtype="fp32", steps=2, warmup=1)
+                    dtype="fp32", steps=2, warmup=1, head_dim=16)
 
 
 def log(msg: str) -> None:
@@ -233,7 +234,7 @@ def _stats(ms: list) -> dict:
 class Row:
     """One variant in one mode: its model, optimizer and training step, alive while the mode's rounds run."""
 
-    def __init__(self, variant: str, mode: str, base, ids, device):
+    def __init__(self, variant: str, mode: str, base, ids, device, mask=None):
         self.row: dict = {"variant": variant, "mode": mode}
         self.variant, self.mode, self.device = variant, mode, device
         self.t0 = time.perf_counter()
@@ -249,7 +250,7 @@ class Row:
         self.opt = torch.optim.AdamW(self.params, lr=1e-4)
         self.fwd = self.model if mode == "eager" else torch.compile(
             self.model, mode="reduce-overhead" if mode == "reduce-overhead" else None)
-        self.ids = ids
+        self.ids, self.mask = ids, mask
         self.times_ms: list = []
         self.rounds_ms: list = []
         self.step_peak_gb = None  # GiB above the allocation at a round's start, the largest of the rounds (CUDA)
@@ -258,7 +259,7 @@ class Row:
     def step(self, check: bool = False):
         if self.mode == "reduce-overhead":  # each step's CUDA-graph outputs may be overwritten by the next
             torch.compiler.cudagraph_mark_step_begin()
-        loss = self.fwd(input_ids=self.ids, labels=self.ids, use_cache=False).loss
+        loss = self.fwd(input_ids=self.ids, labels=self.ids, attention_mask=self.mask, use_cache=False).loss
         loss.backward()
         out = None
         if check:
@@ -327,7 +328,7 @@ def _failed(row: dict, e: Exception) -> None:
     row["status"] = f"{status}: {type(e).__name__ + ': ' if status == 'failed' else ''}{str(e).splitlines()[0] if str(e) else ''}"[:400]
 
 
-def run_mode(mode: str, variants: list, base, ids, device, args, ref) -> list:
+def run_mode(mode: str, variants: list, base, ids, device, args, ref, mask=None) -> list:
     """Every variant of one mode: each prepared (compiled, checked, warmed up), then ``args.rounds``
     rounds of timed steps interleaved across the variants (a drift of the machine's speed then
     lands on every variant alike), then each profiled. Returns the rows, hf first."""
@@ -336,7 +337,7 @@ def run_mode(mode: str, variants: list, base, ids, device, args, ref) -> list:
         log(f"{variant} {mode}: preparing")
         r = None
         try:
-            r = Row(variant, mode, base, ids, device)
+            r = Row(variant, mode, base, ids, device, mask)
             r.first_steps(args.warmup)
             live.append(r)
         except Exception as e:  # noqa: BLE001  (one row's failure is recorded; the others still run)
@@ -518,11 +519,15 @@ def table(rows: list) -> str:
 
 def markdown(result: dict) -> str:
     c, env = result["config"], result["env"]
+    kv = c.get("kv_heads")
     out = [
         "# LoRA training step: HF vs Liger vs normkit RMSNorm",
         "",
-        f"Llama (random init): {c['layers']} layers, hidden {c['hidden']}, intermediate {c['intermediate']}, "
-        f"{c['heads']} heads, vocab {c['vocab']}; batch {c['batch']} x seq {c['seq']}, {c['dtype']} on "
+        f"{'Qwen3' if c.get('arch') == 'qwen3' else 'Llama'} (random init): {c['layers']} layers, hidden "
+        f"{c['hidden']}, intermediate {c['intermediate']}, {c['heads']} heads"
+        f"{f' ({kv} key/value)' if kv else ''}"
+        f", vocab {c['vocab']}; batch {c['batch']} x seq {c['seq']}"
+        f"{', an attention mask (the first sequence left-padded)' if c.get('mask') else ''}, {c['dtype']} on "
         f"{env.get('device_name', c['device'])}. PEFT LoRA r=16 alpha 32 on {', '.join(c['lora']['targets'])} "
         f"(norm weights frozen; adapters in "
         f"{'the model dtype' if c['lora'].get('adapter_dtype') == 'model' else 'float32, PEFT default'}); AdamW over the LoRA parameters. {c['steps']} timed steps after {c['warmup']} "
@@ -601,6 +606,14 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int)
     p.add_argument("--intermediate", type=int, help="default: hidden * 11008 / 4096 (64-aligned)")
     p.add_argument("--heads", type=int)
+    p.add_argument("--kv-heads", type=int, help="key/value heads (GQA); default: --heads")
+    p.add_argument("--head-dim", type=int, help="default: hidden / heads (qwen3: 128)")
+    p.add_argument("--arch", choices=("llama", "qwen3"), default="llama",
+                   help="qwen3: QK-norm before the rotary embedding (the normkit_rope variant fuses the two)")
+    p.add_argument("--mask", action="store_true",
+                   help="pass an attention mask with the first 1/16 of the first sequence padded: transformers' "
+                        "SDPA attention then gets a mask and copies k and v for GQA (repeat_kv) instead of "
+                        "passing them as they are")
     p.add_argument("--vocab", type=int)
     p.add_argument("--seq", type=int)
     p.add_argument("--batch", type=int)
@@ -658,8 +671,8 @@ def main(argv=None) -> int:
 
     env = {"versions": versions(),
            "device_name": torch.cuda.get_device_name(device) if cuda else (platform.processor() or "cpu")}
-    cfg = {k: getattr(args, k) for k in ("layers", "hidden", "intermediate", "heads", "vocab", "seq", "batch",
-                                         "dtype", "steps", "warmup", "seed")}
+    cfg = {k: getattr(args, k) for k in ("arch", "layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim",
+                                         "vocab", "seq", "batch", "dtype", "steps", "warmup", "seed", "mask")}
     cfg.update(device=device.type, dry_run=dry, modes=modes, variants=variants, lora={
         "r": 16, "alpha": 32, "dropout": 0.0, "targets": list(TARGETS[args.targets]), "adapter_dtype": args.adapter_dtype},
         optimizer="AdamW(lr=1e-4), LoRA params",
@@ -668,6 +681,7 @@ def main(argv=None) -> int:
     log(f"versions {json.dumps(env['versions'])}")
 
     base, _ = llama_lora(layers=args.layers, hidden=args.hidden, intermediate=args.intermediate, heads=args.heads,
+                         kv_heads=args.kv_heads, head_dim=args.head_dim, arch=args.arch,
                          vocab=args.vocab, max_positions=max(args.seq, 128), dtype=dtype, device=device, seed=args.seed,
                          targets=TARGETS[args.targets], adapter_dtype=args.adapter_dtype)
     cfg["intermediate"] = base.config.intermediate_size
@@ -675,6 +689,10 @@ def main(argv=None) -> int:
     cfg["total_params"] = sum(p.numel() for p in base.parameters())
     gen = torch.Generator(device=device).manual_seed(args.seed + 1)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen, device=device)
+    mask = None
+    if args.mask:
+        mask = torch.ones_like(ids)
+        mask[0, : max(1, args.seq // 16)] = 0  # left padding of the first sequence
     log(f"built the base model: {cfg['total_params'] / 1e6:.1f} M parameters, attention {cfg['attn_implementation']}")
 
     rows, ref, took = [], None, {}
@@ -692,7 +710,7 @@ def main(argv=None) -> int:
             log(f"{mode}: {rows[-1]['status']}")
             write_outputs(out_dir, result)
             continue
-        for row in run_mode(mode, ordered, base, ids, device, args, ref):
+        for row in run_mode(mode, ordered, base, ids, device, args, ref, mask):
             rows.append(row)
             if row["status"] == "ok" or row["status"].startswith("failed"):
                 took[mode] = max(took.get(mode, 0.0), row.get("wall_s", 0.0))
