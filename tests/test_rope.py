@@ -536,6 +536,41 @@ def test_torch_strided_slice_and_empty_rows():
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+@pytest.mark.parametrize("trained", [False, True])
+def test_torch_attention_gradient_read_in_place(trained, monkeypatch):
+    """HF's layout: x the [B, H, S, D] transpose of a [B, S, H, D] projection, cos/sin [B, 1, S, D], and
+    the output's gradient [B, H, S, D] contiguous, as attention's backward hands it. The forward merges
+    B and S into one row index, which dy does not fit; the backward then groups the rows its own way
+    and reads dy in place (no copy), with dx and dW as the float64 reference's."""
+    import torch
+
+    import torch_frontend as tf
+
+    B, S, H, D = 2, 5, 3, 8
+    rng = np.random.default_rng(11)
+    leaf = torch.tensor(rng.standard_normal((B, S, H, D)), dtype=torch.float32, requires_grad=True)
+    w = torch.tensor(rng.uniform(0.5, 1.5, D), dtype=torch.float32, requires_grad=trained)
+    theta = torch.tensor(rng.uniform(-4, 4, (B, 1, S, D // 2)))
+    cos, sin = (f(torch.cat([theta, theta], -1)).float() for f in (torch.cos, torch.sin))
+    d = torch.tensor(rng.standard_normal((B, H, S, D)), dtype=torch.float32)
+    x = leaf.transpose(1, 2)
+    copies = []
+    with poisoned_outputs():
+        out = tf.rms_norm_rope(x, w, cos, sin)
+        with monkeypatch.context() as m:
+            for name in ("copy_", "contiguous", "clone"):
+                m.setattr(torch.Tensor, name, lambda self, *a, _f=getattr(torch.Tensor, name), **k:
+                          copies.append(tuple(self.shape)) or _f(self, *a, **k))
+            out.backward(d)
+    assert copies == []
+    a = {k: v.detach().double().numpy() for k, v in (("x", x), ("weight", w), ("cos", cos), ("sin", sin))}
+    dx, dw = reference.rms_norm_rope_bwd(a["x"], a["weight"], a["cos"], a["sin"], d.double().numpy())
+    assert_close(leaf.grad.transpose(1, 2).numpy(), dx, "float32", "dx")
+    if trained:
+        assert_close(w.grad.numpy(), dw, "float32", "dw", reduced_over=B * S * H)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
 def test_torch_decides_once_per_weight_version(monkeypatch):
     """The frozen weight's values are read (``norm_math.rope_unsafe_reason``, a host synchronization)
     once per version of it, not per call; an in-place write to the weight makes the next call read it

@@ -198,11 +198,20 @@ class RMSNormRoPEFunction(torch.autograd.Function):
             return None, None, None, None, None
         D = saved.shape[-1]
         dout = _columns_contiguous(dout, "the output gradient", warn=False).to(saved.dtype)
-        dy_strides = layout.strides(dout.stride()[:-1]) if dout.stride(-1) == 1 or D == 1 else None
-        if dy_strides is None:  # a layout the forward's row grouping does not cover: x's own
+        dx = _empty_like(saved) if grads.dx else None
+        if layout.strides(dout.stride()[:-1]) is None:
+            # dy does not merge into the forward's row grouping (attention's [B, H, S, D] gradient of an
+            # output laid out [B, S, H, D]): a grouping of its own that every array of the backward
+            # merges into. Groups merge adjacent dimensions in x's memory order, so a row's flat index,
+            # and rstd's order, is the same under any of them.
+            rows = tuple(saved.shape[:-1])
+            layout = rope.row_layout(rows, saved.stride()[:-1], _table_strides(cos, saved),
+                                     _table_strides(sin, saved), dout.stride()[:-1],
+                                     *(() if dx is None else (dx.stride()[:-1],))) or layout
+        dy_strides = layout.strides(dout.stride()[:-1])
+        if dy_strides is None:  # no three row indices cover dy as well (x of more than four dimensions)
             dout = torch.empty_like(saved).copy_(dout)
             dy_strides = layout.strides(dout.stride()[:-1])
-        dx = _empty_like(saved) if grads.dx else None
         M = saved.numel() // D if D else 0
         dw = None
         if M == 0:
