@@ -119,17 +119,20 @@ class TorchBackend:
     keys = staticmethod(keys)
 
     @staticmethod
-    def launch(call: KernelCall, arrays: dict, rows_shape: tuple | None = None) -> dict:
+    def launch(call: KernelCall, arrays: dict, rows_shape: tuple | None = None, outs: dict | None = None) -> dict:
         """``rows_shape``: the caller's ``(..., N)`` shape, in which the row outputs are allocated
-        (the same memory layout as the planned ``[M, N]``); see ``normkit.driver.Backend``. The
-        bound launch is kept on the plan (``KernelCall.cache``) per device and shape."""
+        (the same memory layout as the planned ``[M, N]``); see ``normkit.driver.Backend``. ``outs``:
+        the outputs, allocated by the caller as the plan's strides say (``rms_norm_rope``'s, laid out
+        like x), instead. The bound launch is kept on the plan (``KernelCall.cache``) per device and
+        shape."""
         like = arrays[next(name for name in call.inputs if name in call.present_inputs)]
         key = ("torch", like.device, rows_shape)
         launch = call.cache.get(key)
         if launch is None:
             launch = call.cache[key] = _BoundLaunch(call, like.device, rows_shape)
-        outs = launch(*[arrays.get(name) for name in call.inputs])
-        return {name: t for name, t in zip(call.outputs, outs) if t is not None}
+        given = None if outs is None else [outs.get(name) for name in call.outputs]
+        result = launch(*[arrays.get(name) for name in call.inputs], outs=given)
+        return {name: t for name, t in zip(call.outputs, result) if t is not None}
 
     @staticmethod
     def bind(call: KernelCall, like: torch.Tensor, rows_shape: tuple | None = None) -> "_BoundLaunch":
@@ -209,12 +212,14 @@ class _BoundLaunch:
         self.direct = None  # LAUNCH == "direct": normkit._compat.direct_launch of it
         self.scalars = tuple(call.scalars)
 
-    def __call__(self, *inputs) -> list:
-        outs = [alloc() if alloc is not None else None for alloc in self.allocs]
-        if driver.POISON_OUTPUTS:
-            for t in outs:
-                if t is not None:
-                    t.fill_(float("nan"))
+    def __call__(self, *inputs, outs: list | None = None) -> list:
+        """``outs``: the outputs in ``call.outputs`` order, allocated by the caller (None: allocated here)."""
+        if outs is None:
+            outs = [alloc() if alloc is not None else None for alloc in self.allocs]
+            if driver.POISON_OUTPUTS:
+                for t in outs:
+                    if t is not None:
+                        t.fill_(float("nan"))
         if self.runner is not None and self.index == _compat.current_device():
             args = [a if present else None for a, present in zip(inputs, self.present)]
             if not functools.reduce(operator.or_, [a.data_ptr() for a in args if a is not None], 0) & 15:

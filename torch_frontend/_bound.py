@@ -10,8 +10,8 @@ A signature holds one ``Bound`` per choice of what the backward keeps (the input
 remembers that choice per frozen weight: its identity, data pointer, version and grad flag
 (``Signature.route``), so a repeated call decides with one small lookup, and reads the weight's
 values (one host synchronization) only when it first meets a weight version. The choice then rides
-with the saved state: an autograd node's backward reads what its own forward kept. ``rms_norm_rope``,
-which launches its own plans, keeps only those choices here (``decisions``).
+with the saved state: an autograd node's backward reads what its own forward kept. ``rms_norm_rope``'s
+signatures (``torch_frontend._rope._Signature``: its own plans, the same ``Decisions``) are kept here too.
 
 A weight written where torch's version counter does not see it (``w.data[i] = 0``, a write through
 ``w.numpy()`` or DLPack) keeps its cached choice. The forward that keeps the output checks the
@@ -102,9 +102,8 @@ def _version_key(t):
 
 class Decisions:
     """The choices of what the backward keeps (True: the output) made for the weights seen with one
-    call signature, per weight and bias identity, data pointer, version and grad flag. A call
-    signature's entry of ``BOUND``: a ``Signature``'s own, or alone for an op that launches without
-    a ``driver.Bound`` (``rms_norm_rope``)."""
+    call signature, per weight and bias identity, data pointer, version and grad flag: a
+    ``Signature``'s, or ``rms_norm_rope``'s signature's (``torch_frontend._rope``)."""
 
     __slots__ = ("_memo",)
 
@@ -129,14 +128,11 @@ class Decisions:
         return from_output
 
 
-def decisions(k: tuple) -> Decisions:
-    """The ``Decisions`` of call signature ``k`` (made on first sight)."""
-    entry = BOUND.get(k)
-    if entry is None:
-        if len(BOUND) >= BOUND_LIMIT:
-            BOUND.clear()
-        entry = BOUND[k] = Decisions()
-    return entry
+def remember(k: tuple, entry) -> None:
+    """Keep ``entry`` (whose ``forget()`` drops its save choices) for call signature ``k``."""
+    if len(BOUND) >= BOUND_LIMIT:
+        BOUND.clear()
+    BOUND[k] = entry
 
 
 class Signature:
@@ -196,7 +192,5 @@ def bind(k: tuple | None, op: Op, opts: Options, store_stats: bool, b_dtype: str
     ``k`` (None: not remembered)."""
     sig = Signature(op, opts, store_stats, b_dtype, save)
     if k is not None:
-        if len(BOUND) >= BOUND_LIMIT:
-            BOUND.clear()
-        BOUND[k] = sig
+        remember(k, sig)
     return sig
