@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import Optional
 
 import array_api_compat.torch as _xp  # the namespace, named here: dynamo warns on array_namespace's lru_cache
 import torch
@@ -216,6 +217,30 @@ class _Signature:
         return entry
 
 
+    def backward(self, saved, weight, cos, sin, dout, rstd, rec, grads, from_output: bool) -> tuple:
+        """``(dx, dw)`` (None where not asked for) from what the forward kept: ``saved`` (x, or the
+        output ``from_output``), rstd and the weight's recovery ``rec``."""
+        if dout.dtype != saved.dtype or (self.D > 1 and dout.stride(-1) != 1) or dout.is_neg():
+            dout = _columns_contiguous(dout, "the output gradient", warn=False).to(saved.dtype)
+        dx = _empty_like(saved) if grads.dx else None
+        dw = None
+        if self.M == 0:
+            if grads.dw:
+                dw = torch.zeros((self.D,), dtype=weight.dtype, device=weight.device)
+            return dx, dw
+        dy_strides, call, reduce = self.backward_plan(saved, cos, sin, dout, dx, grads, from_output)
+        if call is None:  # no three row indices cover dy as well (x of more than four dimensions): x's layout
+            dout = torch.empty_like(saved).copy_(dout)
+            dy_strides, call, reduce = self.backward_plan(saved, cos, sin, dout, dx, grads, from_output)
+        part = _empty(call.out_specs["DW_PART"][0], torch.float32, saved.device) if grads.dw else None
+        _launch(call, {"X": saved, "W": weight, "COS": cos, "SIN": sin, "DY": dout, "RSTD": rstd, "REC": rec},
+                {"DX": dx, "DW_PART": part})
+        if reduce is not None:
+            dw = _empty((self.D,), weight.dtype, weight.device)
+            _launch(reduce, {"DW_PART": part}, {"DW": dw})
+        return dx, dw
+
+
 class RMSNormRoPEFunction(torch.autograd.Function):
     """``forward(sig, x, weight, cos, sin)``; cos and sin are constants (no gradient)."""
 
@@ -236,24 +261,7 @@ class RMSNormRoPEFunction(torch.autograd.Function):
         grads = GRADS[(bool(needs[1]), bool(needs[2] and weight is not None), False)]
         if not grads.any:
             return None, None, None, None, None
-        if dout.dtype != saved.dtype or (sig.D > 1 and dout.stride(-1) != 1) or dout.is_neg():
-            dout = _columns_contiguous(dout, "the output gradient", warn=False).to(saved.dtype)
-        dx = _empty_like(saved) if grads.dx else None
-        dw = None
-        if sig.M == 0:
-            if grads.dw:
-                dw = torch.zeros((sig.D,), dtype=weight.dtype, device=weight.device)
-            return None, dx, dw, None, None
-        dy_strides, call, reduce = sig.backward_plan(saved, cos, sin, dout, dx, grads, ctx.from_output)
-        if call is None:  # no three row indices cover dy as well (x of more than four dimensions): x's layout
-            dout = torch.empty_like(saved).copy_(dout)
-            dy_strides, call, reduce = sig.backward_plan(saved, cos, sin, dout, dx, grads, ctx.from_output)
-        part = _empty(call.out_specs["DW_PART"][0], torch.float32, saved.device) if grads.dw else None
-        _launch(call, {"X": saved, "W": weight, "COS": cos, "SIN": sin, "DY": dout, "RSTD": rstd, "REC": rec},
-                {"DX": dx, "DW_PART": part})
-        if reduce is not None:
-            dw = _empty((sig.D,), weight.dtype, weight.device)
-            _launch(reduce, {"DW_PART": part}, {"DW": dw})
+        dx, dw = sig.backward(saved, weight, cos, sin, dout, rstd, rec, grads, ctx.from_output)
         return None, dx, dw, None, None
 
 
@@ -316,10 +324,9 @@ def _key(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save) -> t
             interleaved.__class__, interleaved, save.__class__, save) + _backend_keys(x, weight, cos, sin)
 
 
-@torch.compiler.disable  # never traced: rms_norm_rope sends a compiled call to _compiled
-def _eager(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save) -> torch.Tensor:
-    """The kernels (``normkit.kernels.rope``): the call outside ``torch.compile``. A call signature
-    seen before (``_bound.BOUND``) is launched without validation or planning."""
+def _signature(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save) -> tuple:
+    """``(sig, x, weight, cos, sin)``: the call's ``_Signature`` (validated and planned on first sight,
+    then found in ``_bound.BOUND``), and the tensors it reads (copied where one cannot be read in place)."""
     try:
         k = _key(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save)
         sig = _bound.BOUND.get(k)
@@ -337,6 +344,14 @@ def _eager(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save) ->
         sig = _Signature(_Config(opts, interleaved, save), x, weight, cos, sin)
         if k is not None and all(a is b for a, b in zip(given, (x, cos, sin, weight))):  # nothing copied
             _bound.remember(k, sig)
+    return sig, x, weight, cos, sin
+
+
+@torch.compiler.disable  # never traced: rms_norm_rope sends a compiled call to _compiled
+def _eager(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save) -> torch.Tensor:
+    """The kernels (``normkit.kernels.rope``): the call outside ``torch.compile``. A call signature
+    seen before (``_bound.BOUND``) is launched without validation or planning."""
+    sig, x, weight, cos, sin = _signature(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save)
     if not (torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad))):
         return sig.forward(x, weight, cos, sin, False, False)[0]
     return RMSNormRoPEFunction.apply(sig, x, weight, cos, sin)
@@ -357,18 +372,89 @@ def _traced_saves_output(cfg: _Config, x, weight) -> bool:
                          has_params=weight is not None, has_bias=False, offset=o.offset, x_dtype=_name(x), unsafe=None)
 
 
+# What a compiled call runs: "kernels", the eager kernels as the opaque custom ops
+# ``normkit::rms_norm_rope_fwd`` / ``normkit::rms_norm_rope_bwd`` (Inductor calls them from its code), or
+# "inductor", ``norm_math``'s torch operations for Inductor to generate (``_Traced``).
+COMPILED_ROUTE = "kernels"
+
+
 def _compiled(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save) -> torch.Tensor:
-    """Inside a ``torch.compile`` trace: ``norm_math.rms_norm_rope_forward`` as torch operations, and
-    where a gradient is needed the ``_Traced`` Function, whose backward is ``norm_math``'s too (the
-    kernels' backward formulas: from the output, or from x and rstd, dW included)."""
+    """Inside a ``torch.compile`` trace (``COMPILED_ROUTE``): the kernels through the custom ops, with
+    ``_Kernels``' backward, or ``norm_math.rms_norm_rope_forward`` as torch operations with ``_Traced``'s.
+    Either keeps what the eager Function keeps, decided without the weight's values."""
     opts = _check(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save)
     cfg = _Config(opts, interleaved, save)
     trained = weight is not None and weight.requires_grad
-    if not (torch.is_grad_enabled() and (x.requires_grad or trained)):
+    grad = torch.is_grad_enabled() and (x.requires_grad or trained)
+    if COMPILED_ROUTE == "kernels":
+        args = (float(eps), float(offset), casting_mode, interleaved, save)
+        if not grad:
+            return torch.ops.normkit.rms_norm_rope_fwd(x, weight, cos, sin, *args, False, False)[0]
+        return _Kernels.apply(args, _traced_saves_output(cfg, x, weight), trained, x, weight, cos, sin)
+    if not grad:
         return norm_math.rms_norm_rope_forward(x, weight, cos, sin, eps=opts.eps, offset=opts.offset,
                                                casting=opts.casting, interleaved=interleaved, xp=_xp)[0]
     from_output = _traced_saves_output(cfg, x, weight)
     return _Traced.apply(cfg, from_output, trained, x, weight, cos, sin)
+
+
+def _op_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, eps: float,
+            offset: float, casting_mode: str, interleaved: bool, save: str, store_stats: bool,
+            store_rec: bool) -> list[torch.Tensor]:
+    """``[out, rstd, rec]`` of real tensors (an absent one: an empty ``(0,)`` tensor): the eager forward."""
+    sig, x, weight, cos, sin = _signature(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save)
+    out, rstd, rec = sig.forward(x, weight, cos, sin, store_stats, store_rec)
+    return [out] + [x.new_empty((0,), dtype=torch.float32) if t is None else t for t in (rstd, rec)]
+
+
+def _op_bwd(saved: torch.Tensor, weight: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+            dout: torch.Tensor, rstd: torch.Tensor, rec: Optional[torch.Tensor], eps: float, offset: float,
+            casting_mode: str, interleaved: bool, save: str, from_output: bool, dx: bool,
+            dw: bool) -> list[torch.Tensor]:
+    """``[dx, dw]`` of real tensors (one not asked for: an empty ``(0,)`` tensor): the eager backward,
+    with the signature of the saved tensor (x, or the output, laid out as x is)."""
+    sig, saved, weight, cos, sin = _signature(saved, weight, cos, sin, eps, offset, casting_mode, interleaved, save)
+    grads = GRADS[(dx, dw and weight is not None, False)]
+    outs = sig.backward(saved, weight, cos, sin, dout, rstd, rec if from_output else None, grads, from_output)
+    return [saved.new_empty((0,)) if t is None else t for t in outs]
+
+
+_rope_fwd_op = torch.library.custom_op("normkit::rms_norm_rope_fwd", _op_fwd, mutates_args=())
+_rope_bwd_op = torch.library.custom_op("normkit::rms_norm_rope_bwd", _op_bwd, mutates_args=())
+
+
+@_rope_fwd_op.register_fake
+def _(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save, store_stats, store_rec):
+    M, D = x.numel() // x.shape[-1], x.shape[-1]
+    return [torch.empty_like(x), x.new_empty((M,) if store_stats else (0,), dtype=torch.float32),
+            x.new_empty((D + 1,) if store_rec else (0,), dtype=torch.float32)]
+
+
+@_rope_bwd_op.register_fake
+def _(saved, weight, cos, sin, dout, rstd, rec, eps, offset, casting_mode, interleaved, save, from_output, dx, dw):
+    return [torch.empty_like(saved) if dx else saved.new_empty((0,)),
+            weight.new_empty((saved.shape[-1],)) if dw and weight is not None else saved.new_empty((0,))]
+
+
+class _Kernels(torch.autograd.Function):
+    """``forward(args, from_output, trained, x, weight, cos, sin)`` through the custom ops (``args``: eps,
+    offset, casting_mode, interleaved, save). It keeps what the eager Function keeps: the output, rstd
+    and the weight's recovery (``from_output``), or x and rstd. ``trained``: dW is computed."""
+
+    @staticmethod
+    def forward(ctx, args: tuple, from_output: bool, trained: bool, x, weight, cos, sin):
+        out, rstd, rec = torch.ops.normkit.rms_norm_rope_fwd(x, weight, cos, sin, *args, True, from_output)
+        ctx.args, ctx.from_output, ctx.trained = args, from_output, trained
+        ctx.save_for_backward(out if from_output else x, weight, cos, sin, rstd, rec if from_output else None)
+        return out.view_as(out)  # a view: see _Traced.forward
+
+    @staticmethod
+    def backward(ctx, dout):
+        saved, weight, cos, sin, rstd, rec = ctx.saved_tensors
+        dx, dw = torch.ops.normkit.rms_norm_rope_bwd(saved, weight, cos, sin, dout, rstd, rec, *ctx.args,
+                                                     ctx.from_output, True, ctx.trained)
+        # dx whether or not x needs it (autograd drops what is not needed): see _Traced.backward
+        return None, None, None, dx, dw if ctx.trained else None, None, None
 
 
 class _Traced(torch.autograd.Function):
