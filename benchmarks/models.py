@@ -7,10 +7,10 @@ q_proj/k_proj/v_proj/o_proj: every base weight and every norm weight frozen), an
 asked for (``swap_norms``):
 
 - ``hf``: transformers' ``LlamaRMSNorm``, unchanged;
-- ``normkit``: ``torch_frontend.patch_model(model)``;
+- ``normkit``: ``torch_frontend.patch_model(model, qk_norm_rope=False)``: normkit's norms, HF's rotation;
 - ``normkit_fused``: ``patch_model(model, fuse_residual_add=True)``: also each decoder layer's residual
   add before ``post_attention_layernorm`` fused into that norm;
-- ``normkit_rope``: ``patch_model(model, qk_norm_rope=True)``: also each Qwen3 attention's q_norm/k_norm
+- ``normkit_rope``: ``patch_model(model)`` (``qk_norm_rope=True``, the default): also each Qwen3 attention's q_norm/k_norm
   and rotary embedding run as one ``rms_norm_rope`` for q and one for k;
 - ``liger``: every ``LlamaRMSNorm`` (``Qwen3RMSNorm``) replaced by ``liger_kernel.transformers.LigerRMSNorm`` carrying the
   HF module's eps and weight ``Parameter``, configured as Liger's own Llama patch configures it (offset
@@ -135,7 +135,7 @@ def _patch_normkit(model, fuse_residual_add: bool, save: str = "auto", share: bo
                            f"{len(report.fused)} of {layers} decoder layers and {len(report.qk_fused)} of "
                            f"{attentions} QK-norm attentions:\n{report}")
     how = ("torch_frontend.patch_model(model" + (", fuse_residual_add=True" if fuse_residual_add else "")
-           + (", qk_norm_rope=True" if qk_norm_rope else "")
+           + ("" if qk_norm_rope else ", qk_norm_rope=False")
            + (f", save={save!r}" if save != "auto" else "") + ("" if share else ", share_adapter_copy=False") + ")")
     return {"how": how, "patch_report": str(report), "patched": len(report.patched),
             "skipped": len(report.skipped), "fused": len(report.fused), "qk_fused": len(report.qk_fused),

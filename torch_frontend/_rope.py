@@ -12,18 +12,18 @@ Only a last dimension that is not contiguous is copied (with a ``NormkitCopyWarn
 gradient that does not fit x's row grouping is copied into x's layout.
 
 What the backward keeps (``save``) is decided by ``normkit.saving.decide``, as for ``rms_norm``
-(``_saves_output``, once per weight version: ``_bound.Decisions``): with the weight frozen and safe, the
-output, its per-row rstd and the weight's recovery 1 / w (no x); otherwise x and rstd.
+(``_Signature.saves_output``, once per weight version: ``_bound.Decisions``): with the weight frozen and
+safe, the output, its per-row rstd and the weight's recovery 1 / w (no x); otherwise x and rstd. A
+call signature seen before (``_Signature``, kept in ``_bound.BOUND``) launches without validation or
+planning.
 
-Under ``torch.compile`` the call is traced (no graph break) as torch operations of ``normkit.norm_math``
-(``_compiled``), with a frozen or a trained weight, for the compiler to generate and fuse with its
-neighbours, as frozen plain norms are (``_composite``; ``compile_frozen_with`` does not apply here:
-there is no custom op for this one). Its backward is ``_Traced``'s, the kernels' formulas in torch
-operations, and keeps what the eager Function keeps: the output, rstd and the weight's recovery
-(output-saving), or x and rstd. The weight's values are unseen while tracing, so ``save="auto"``
-follows ``saving.traced_rule``: the output where the weight is frozen, the offset 0 and x not float16
-(Qwen3's q/k norms, not Gemma's ``1 + w``); a weight that turns out unsafe (RMSNorm's rule or the pair
-ratio) gives a NaN dx, never a quietly imprecise one. The output's strides are the compiler's choice.
+Under ``torch.compile`` (``_compiled``) the call is no graph break: the kernels run as the opaque
+custom ops ``normkit::rms_norm_rope_fwd`` / ``normkit::rms_norm_rope_bwd`` (fake implementations for the
+trace, dynamic shapes included), which Inductor calls from its generated code, with a frozen or a
+trained weight. ``_Kernels`` keeps what the eager Function keeps. The weight's
+values are unseen while tracing, so ``save="auto"`` follows ``saving.traced_rule``: the output where the
+weight is frozen, the offset 0 and x not float16 (Qwen3's q/k norms, not Gemma's ``1 + w``); a weight
+that turns out unsafe (RMSNorm's rule or the pair ratio) gives a NaN dx, never a quietly imprecise one.
 """
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ import dataclasses
 import warnings
 from typing import Optional
 
-import array_api_compat.torch as _xp  # the namespace, named here: dynamo warns on array_namespace's lru_cache
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -305,9 +304,9 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tenso
         ``out`` of x's shape and dtype, laid out like x (``torch.empty_like(x)``): a [B, H, S, D] view
         of a [B, S, H, D] buffer for the transposed x, as HF's own rotary embedding returns.
 
-    Under ``torch.compile`` the call is traced, not a graph break: it runs as torch operations of
-    ``normkit.norm_math`` for the compiler to generate and fuse (``_Traced``), frozen or trained weight
-    alike; ``save`` keeps its meaning there, decided without the weight's values (``_traced_saves_output``).
+    Under ``torch.compile`` the call is not a graph break: the kernels run as custom ops that
+    Inductor calls, frozen or trained weight alike; ``save`` keeps its meaning there, decided without
+    the weight's values (``_traced_saves_output``).
 
     Not supported: double backward.
     """
@@ -358,7 +357,7 @@ def _eager(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save) ->
 
 
 # ---------------------------------------------------------------------------------------------
-# Under torch.compile: the op as torch operations (``normkit.norm_math``), traced into the graph.
+# Under torch.compile: the kernels as custom ops, called from the compiled graph.
 
 
 def _traced_saves_output(cfg: _Config, x, weight) -> bool:
@@ -372,30 +371,18 @@ def _traced_saves_output(cfg: _Config, x, weight) -> bool:
                          has_params=weight is not None, has_bias=False, offset=o.offset, x_dtype=_name(x), unsafe=None)
 
 
-# What a compiled call runs: "kernels", the eager kernels as the opaque custom ops
-# ``normkit::rms_norm_rope_fwd`` / ``normkit::rms_norm_rope_bwd`` (Inductor calls them from its code), or
-# "inductor", ``norm_math``'s torch operations for Inductor to generate (``_Traced``).
-COMPILED_ROUTE = "kernels"
-
-
 def _compiled(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save) -> torch.Tensor:
-    """Inside a ``torch.compile`` trace (``COMPILED_ROUTE``): the kernels through the custom ops, with
-    ``_Kernels``' backward, or ``norm_math.rms_norm_rope_forward`` as torch operations with ``_Traced``'s.
-    Either keeps what the eager Function keeps, decided without the weight's values."""
+    """Inside a ``torch.compile`` trace: the kernels through the opaque custom ops
+    ``normkit::rms_norm_rope_fwd`` / ``normkit::rms_norm_rope_bwd`` (``_Kernels``' backward), which
+    Inductor calls from its generated code. It keeps what the eager Function keeps, decided without
+    the weight's values (``_traced_saves_output``)."""
     opts = _check(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save)
-    cfg = _Config(opts, interleaved, save)
     trained = weight is not None and weight.requires_grad
-    grad = torch.is_grad_enabled() and (x.requires_grad or trained)
-    if COMPILED_ROUTE == "kernels":
-        args = (float(eps), float(offset), casting_mode, interleaved, save)
-        if not grad:
-            return torch.ops.normkit.rms_norm_rope_fwd(x, weight, cos, sin, *args, False, False)[0]
-        return _Kernels.apply(args, _traced_saves_output(cfg, x, weight), trained, x, weight, cos, sin)
-    if not grad:
-        return norm_math.rms_norm_rope_forward(x, weight, cos, sin, eps=opts.eps, offset=opts.offset,
-                                               casting=opts.casting, interleaved=interleaved, xp=_xp)[0]
-    from_output = _traced_saves_output(cfg, x, weight)
-    return _Traced.apply(cfg, from_output, trained, x, weight, cos, sin)
+    args = (float(eps), float(offset), casting_mode, interleaved, save)
+    if not (torch.is_grad_enabled() and (x.requires_grad or trained)):
+        return torch.ops.normkit.rms_norm_rope_fwd(x, weight, cos, sin, *args, False, False)[0]
+    from_output = _traced_saves_output(_Config(opts, interleaved, save), x, weight)
+    return _Kernels.apply(args, from_output, trained, x, weight, cos, sin)
 
 
 def _op_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, eps: float,
@@ -446,33 +433,6 @@ class _Kernels(torch.autograd.Function):
         out, rstd, rec = torch.ops.normkit.rms_norm_rope_fwd(x, weight, cos, sin, *args, True, from_output)
         ctx.args, ctx.from_output, ctx.trained = args, from_output, trained
         ctx.save_for_backward(out if from_output else x, weight, cos, sin, rstd, rec if from_output else None)
-        return out.view_as(out)  # a view: see _Traced.forward
-
-    @staticmethod
-    def backward(ctx, dout):
-        saved, weight, cos, sin, rstd, rec = ctx.saved_tensors
-        dx, dw = torch.ops.normkit.rms_norm_rope_bwd(saved, weight, cos, sin, dout, rstd, rec, *ctx.args,
-                                                     ctx.from_output, True, ctx.trained)
-        # dx whether or not x needs it (autograd drops what is not needed): see _Traced.backward
-        return None, None, None, dx, dw if ctx.trained else None, None, None
-
-
-class _Traced(torch.autograd.Function):
-    """``forward(cfg, from_output, trained, x, weight, cos, sin)`` in torch operations. It keeps what the
-    eager Function keeps: the output, rstd and the weight's recovery (``from_output``), or x and rstd;
-    so AOTAutograd keeps no x for an output-saving call. ``trained``: dW is computed."""
-
-    @staticmethod
-    def forward(ctx, cfg: _Config, from_output: bool, trained: bool, x, weight, cos, sin):
-        o = cfg.opts
-        out, rstd = norm_math.rms_norm_rope_forward(x, weight, cos, sin, eps=o.eps, offset=o.offset,
-                                                    casting=o.casting, interleaved=cfg.interleaved, xp=_xp)
-        rec = None
-        if from_output:
-            rec = norm_math.rope_recovery_array(weight, N=x.shape[-1], x_dtype=x.dtype, offset=o.offset,
-                                                casting=o.casting, interleaved=cfg.interleaved, xp=_xp)
-        ctx.cfg, ctx.from_output, ctx.trained = cfg, from_output, trained
-        ctx.save_for_backward(out if from_output else x, weight, cos, sin, rstd, rec)
         # A view, not the tensor itself: traced by dynamo, an autograd.Function output that is also
         # saved receives a zero gradient (as in ``_composite._FromOutput``).
         return out.view_as(out)
@@ -480,10 +440,8 @@ class _Traced(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         saved, weight, cos, sin, rstd, rec = ctx.saved_tensors
-        cfg, o = ctx.cfg, ctx.cfg.opts
-        dx, dw = norm_math.rms_norm_rope_backward(
-            saved, weight, cos, sin, dout, rstd, rec, from_output=ctx.from_output, offset=o.offset,
-            casting=o.casting, interleaved=cfg.interleaved, compute_dx=True, compute_dw=ctx.trained, xp=_xp)
+        dx, dw = torch.ops.normkit.rms_norm_rope_bwd(saved, weight, cos, sin, dout, rstd, rec, *ctx.args,
+                                                     ctx.from_output, True, ctx.trained)
         # dx whether or not x needs it (autograd drops what is not needed): under dynamo,
         # needs_input_grad need not count the non-tensor arguments
-        return (None, None, None, dx.to(saved.dtype), None if dw is None else dw.to(weight.dtype), None, None)
+        return None, None, None, dx, dw if ctx.trained else None, None, None

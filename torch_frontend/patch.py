@@ -640,7 +640,7 @@ def patch_model(
     layer_norm: bool = True,
     include: Optional[Callable[[str, nn.Module], bool]] = None,
     fuse_residual_add: bool = False,
-    qk_norm_rope: bool = False,
+    qk_norm_rope: bool = True,
     save: str = "auto",
     share_adapter_copy: bool = True,
 ) -> PatchReport:
@@ -665,9 +665,10 @@ def patch_model(
             ``query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)``
             (transformers' Qwen3 and Gemma 3 attention), each norm and the rotation into one
             ``rms_norm_rope``: the forward's source is rewritten there and nowhere else (the attention
-            interface, GQA, masks and caches are the original code). Off by default: the fused kernels
-            have not yet been compiled and measured on a GPU. Attention modules whose forward does not
-            match are listed in the report with the reason; ``report.qk_fused`` lists the fused ones.
+            interface, GQA, masks and caches are the original code). Attention modules that have
+            ``q_norm`` and ``k_norm`` but whose forward does not match are listed in the report with
+            the reason; ``report.qk_fused`` lists the fused ones. ``False`` keeps HF's rotation after
+            normkit's norms.
         save: what the new modules' backward keeps (``torch_frontend.rms_norm``'s ``save``): with
             ``"auto"``, a norm whose parameters are frozen keeps its output rather than its input
             where its weight allows (one activation per norm less in a LoRA model whose adapters
