@@ -61,6 +61,22 @@ def _load(ref, mask):
     return pltriton.load(ref, mask=mask, other=0.0)
 
 
+def _effective_weight(w, offset: float, dt, CASTING: int):
+    """weight + offset in fp32 as the forward multiplies by it (rounded to x.dtype under CASTING 0)."""
+    w = w.astype(F32) + offset
+    return _round(w, dt) if CASTING == 0 else w
+
+
+def _normalize(xc, rstd, dt, CASTING: int):
+    """x_hat = xc * rstd with CASTING's rounding points: rstd and the product rounded to x.dtype under
+    0 (each product in x.dtype), the product under 1, nothing under 2."""
+    if CASTING == 0:
+        return _round(xc * _round(rstd, dt)[:, None], dt)
+    if CASTING == 1:
+        return _round(xc * rstd[:, None], dt)
+    return xc * rstd[:, None]
+
+
 def norm_fwd_kernel(
     x_ref,  # [M, N] whole: the input rows (its tiles are indexed here)
     r_ref,  # [M, N] whole: residual rows (HAS_RESIDUAL), else None
@@ -90,9 +106,7 @@ def norm_fwd_kernel(
     pid = pl.program_id(0)
     _, col_mask, _ = _masks(0, M, N, BLOCK_M, BLOCK_N)
     if HAS_W:
-        w = _load(w_ref, col_mask).astype(F32) + offset
-        if CASTING == 0:
-            w = _round(w, dt)
+        w = _effective_weight(_load(w_ref, col_mask), offset, dt, CASTING)
     if HAS_B:
         b = _load(b_ref, col_mask).astype(F32)
     cols = pl.ds(_i32(0), BLOCK_N)
@@ -129,13 +143,7 @@ def norm_fwd_kernel(
             if not IS_RMS:
                 pltriton.store(mean_ref.at[rows], mean, mask=row_mask)
 
-        if CASTING == 0:  # x.dtype throughout: each product is rounded to x.dtype
-            xn = _round(xc * _round(rstd, dt)[:, None], dt)
-        elif CASTING == 1:
-            xn = _round(xc * rstd[:, None], dt)
-        else:
-            xn = xc * rstd[:, None]
-        y = xn
+        y = _normalize(xc, rstd, dt, CASTING)
         if HAS_W:
             y = y * w[None, :]
         if HAS_B:
