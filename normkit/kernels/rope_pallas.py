@@ -38,7 +38,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from normkit.kernels.norm_pallas import F32, _effective_weight, _i32, _load, _normalize, _round, pltriton
+from normkit.kernels.norm_pallas import (F32, _effective_weight, _i32, _load, _normalize, _round, _walk_tiles,
+                                        pltriton)
 
 
 def _iota(n: int):
@@ -251,8 +252,9 @@ def rms_norm_rope_bwd_kernel(
     # backward: g = dy * w_eff, m = mean(g * x_hat), dx = (g - x_hat * m) * rstd, dW += dy * x_hat.
     # FROM_Y: y = (cos_p * out - sigma * sin * out_p) / det, det = cos * cos_p + sin * sin_p, and
     # x_hat = y / w_y (REC), plus REC's poison. Tile t of program p is tile p + t * NUM_PROGRAMS (past
-    # the last one: fully masked); with dW each program owns one partial row, so the reduction order is
-    # fixed and the result bitwise reproducible (no atomics).
+    # the last one: fully masked), the next one prefetched (norm_pallas's _walk_tiles); with dW each
+    # program owns one partial row, so the reduction order is fixed and the result bitwise
+    # reproducible (no atomics).
     assert not (FROM_Y and COMPUTE_DW)
     dt = x_ref.dtype
     pid = pl.program_id(0)
@@ -307,18 +309,7 @@ def rms_norm_rope_bwd_kernel(
         return acc
 
     zeros = jnp.zeros((BLOCK_M, BLOCK_D // 2), F32)
-    acc = (zeros, zeros) if COMPUTE_DW else None
-    if TILES_PER_PROGRAM == 1:
-        acc = compute_tile(0, load_tile(0), acc)
-    else:
-        # Software prefetch, as norm_pallas's backward: tile t + 1's loads are issued before tile t is
-        # reduced (the loop is not pipelined by the lowering). The last prefetch is fully masked.
-        def step(t, carry):
-            acc, tile = carry
-            nxt = load_tile(t + 1)
-            return compute_tile(t, tile, acc), nxt
-
-        acc, _ = lax.fori_loop(0, TILES_PER_PROGRAM, step, (acc, load_tile(0)))
+    acc = _walk_tiles(TILES_PER_PROGRAM, load_tile, compute_tile, (zeros, zeros) if COMPUTE_DW else None)
     if COMPUTE_DW:
         _store_pairs(dw_part_ref, _at_vector(), jnp.sum(acc[0], axis=0), jnp.sum(acc[1], axis=0), D, INTERLEAVED,
                      BLOCK_D)
