@@ -1,9 +1,11 @@
-"""The Pallas implementation: ``pallas_call`` glue around ``normkit.kernels.norm_pallas``.
+"""The Pallas implementation: ``pallas_call`` glue around ``normkit.kernels.norm_pallas`` (and, in the
+last section, around ``normkit.kernels.rope_pallas`` for ``jax_frontend._rope``).
 
 The two entry points of ``jax_frontend._implementation.Implementation``: ``forward`` and
-``backward`` over 2-D rows, returning dicts keyed like ``Op.fwd_buffers`` and ``Op.bwd_buffers``.
-Launch shapes (rows per tile, warps, grid) come from ``normkit.launch.pallas_blocks`` and
-``reduce_blocks``, the one place they are chosen. Launches:
+``backward`` over 2-D rows, returning dicts keyed like ``Op.fwd_buffers`` and ``Op.bwd_buffers``;
+``rms_norm_rope``'s ``rope_forward`` and ``rope_backward`` launch the same way, RMSNorm's launch
+shapes for its rows of D. Launch shapes (rows per tile, warps, grid) come from
+``normkit.launch.pallas_blocks`` and ``reduce_blocks``, the one place they are chosen. Launches:
 
 - forward: one ``[BLOCK_M, BLOCK_N]`` row block per program, except LayerNorm on rows of >= 8192
   elements (>= 4096 in fp32): a persistent grid (``normkit.launch.pallas_persistent``);
@@ -64,9 +66,10 @@ from jax.experimental import pallas as pl
 from jax_frontend import _compat, _launch
 from jax_frontend._implementation import FORWARD_MODE_ERROR
 from normkit import norm_math, record
-from normkit.kernels import norm_pallas
+from normkit.kernels import norm_pallas, rope_pallas
 from normkit.launch import pallas_blocks, reduce_blocks
-from normkit.ops import MAX_N, Grads, Op, Options
+from normkit.ops import FINITE_MAX, MAX_N, OUTPUT_W_MIN, Grads, Op, Options
+from normkit.rope import RMS_NORM_ROPE
 
 LOWERINGS = ("triton", "mosaic_gpu")
 GPU_LOWERING = os.environ.get("NORMKIT_PALLAS_LOWERING", "triton")  # read when a call is traced
@@ -296,3 +299,112 @@ def _reduce_call(G: int, N: int, buffers: dict):
         return dict(zip(out_names, res))
 
     return red
+
+
+# ---------------------------------------------------------------------------------------------
+# rms_norm_rope (normkit.kernels.rope_pallas, called by jax_frontend._rope): rows [M, D] of x, the
+# tables' rows [T, D] as stored, read through each x row's table row (the kernels' ``_table_rows``).
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeRows:
+    """How the flat rows of x reach the tables' rows (``normkit.rope.row_layout``): x's rows are
+    ``r = (i0 * n1 + i1) * n2 + i2``, and row r reads table row ``i0 * t0 + i1 * t1 + i2 * t2``."""
+
+    n1: int  # the sizes of the second and third row index
+    n2: int
+    table: tuple  # (t0, t1, t2): the tables' row strides over the three indices, in rows (0: broadcast)
+
+
+def _rope_flags(rows: RopeRows, D: int, opts: Options, interleaved: bool, block_m: int, block_d: int,
+                weight) -> dict:
+    return dict(D=D, offset=opts.offset, ROWS=(rows.n1, rows.n2), TABLE_ROWS=rows.table, HAS_W=weight is not None,
+                CASTING=int(opts.casting), INTERLEAVED=interleaved, BLOCK_M=block_m, BLOCK_D=block_d)
+
+
+def rope_forward(x, weight, cos, sin, rows: RopeRows, *, opts: Options, interleaved: bool, store_stats: bool,
+                 store_rec: bool) -> dict:
+    """Y [M, D] (and RSTD [M], REC [D + 1]) of ``rms_norm_rope`` over rows x [M, D], the tables
+    cos/sin [T, D]: the keys of ``normkit.launch.plan_rope_forward``'s outputs."""
+    assert store_stats or not store_rec
+    M, D = x.shape
+    cfg = blocks(RMS_NORM_ROPE, M, D, x.dtype)
+    assert cfg.tiles_per_program == 1, cfg  # the forward: one tile per program
+    name = jnp.dtype(x.dtype).name
+    kernel = functools.partial(
+        rope_pallas.rms_norm_rope_fwd_kernel, M=M, eps=opts.eps, STORE_STATS=store_stats, STORE_REC=store_rec,
+        W_MIN=OUTPUT_W_MIN[name], BOUND_SCALE=norm_math.bound_scale(D, name), Y_MAX=FINITE_MAX[name],
+        PAIR_RATIO=norm_math.ROPE_PAIR_RATIO, **_rope_flags(rows, D, opts, interleaved, cfg.block_m, cfg.block_n,
+                                                            weight))
+    _record(kernel, cfg.num_programs, cfg.num_warps)
+    inputs = {k: v for k, v in {"x_ref": x, "w_ref": weight, "cos_ref": cos, "sin_ref": sin}.items() if v is not None}
+    outs = {"Y": ("y_ref", (M, D), x.dtype)}
+    if store_stats:
+        outs["RSTD"] = ("rstd_ref", (M,), jnp.float32)
+    if store_rec:
+        outs["REC"] = ("rec_ref", (D + 1,), jnp.float32)
+    in_names = list(inputs)
+    body = _with_names(kernel, in_names, [ref for ref, _, _ in outs.values()],
+                       ("x_ref", "w_ref", "cos_ref", "sin_ref", "y_ref", "rstd_ref", "rec_ref"))
+
+    def launch(interpret, *args):
+        return pl.pallas_call(
+            body,
+            out_shape=tuple(_struct(shape, dtype, x) for _, shape, dtype in outs.values()),
+            grid=(cfg.num_programs,),
+            in_specs=[_WHOLE] * len(in_names),
+            out_specs=tuple(_WHOLE for _ in outs),
+            interpret=interpret,
+            compiler_params=None if interpret else _compiler_params(cfg.num_warps, cfg.num_stages),
+            name="normkit_rms_norm_rope_fwd",
+        )(*args)
+
+    return dict(zip(outs, _run(launch, list(inputs.values()))))
+
+
+def rope_backward(saved, weight, cos, sin, dy, rstd, rec, rows: RopeRows, *, opts: Options, interleaved: bool,
+                  grads: Grads, from_output: bool) -> dict:
+    """DX [M, D] and DW [D] of ``rms_norm_rope`` as ``grads`` asks, from rows ``saved`` [M, D]: the
+    forward's input x, or (``from_output``, the weight frozen) its output, with its REC ``rec``. dW:
+    a persistent grid whose programs each write one fp32 partial row, then ``partial_sum_kernel``."""
+    assert not (from_output and grads.dw), "the output-saving backward computes dx alone"
+    M, D = saved.shape
+    cfg = blocks(RMS_NORM_ROPE, M, D, saved.dtype, backward=True, reduces=grads.dw)
+    G = cfg.num_programs
+    kernel = functools.partial(
+        rope_pallas.rms_norm_rope_bwd_kernel, M=M, COMPUTE_DX=grads.dx, COMPUTE_DW=grads.dw, FROM_Y=from_output,
+        NUM_PROGRAMS=G, TILES_PER_PROGRAM=cfg.tiles_per_program,
+        **_rope_flags(rows, D, opts, interleaved, cfg.block_m, cfg.block_n, weight))
+    _record(kernel, G, cfg.num_warps, (("DW_PART", (G, D), "float32"),) if grads.dw else ())
+    inputs = {"x_ref": saved, "w_ref": weight, "cos_ref": cos, "sin_ref": sin, "dy_ref": dy, "rstd_ref": rstd,
+              "rec_ref": rec if from_output else None}
+    inputs = {k: v for k, v in inputs.items() if v is not None}
+    outs = {}  # kernel ref name -> (ShapeDtypeStruct, BlockSpec)
+    if grads.dx:
+        outs["dx_ref"] = (_struct((M, D), saved.dtype, saved), _WHOLE)
+    if grads.dw:  # this program's row of the [G, D] partials
+        outs["dw_part_ref"] = (_struct((G, D), jnp.float32, saved), pl.BlockSpec((None, cfg.block_n), lambda i: (i, 0)))
+    in_names, out_names = list(inputs), list(outs)
+    body = _with_names(kernel, in_names, out_names,
+                       ("x_ref", "w_ref", "cos_ref", "sin_ref", "dy_ref", "rstd_ref", "rec_ref", "dx_ref",
+                        "dw_part_ref"))
+    names = ["DX"] * grads.dx + ["DW"] * grads.dw
+    red = _reduce_call(G, D, {"DW": ((D,), weight.dtype)}) if grads.dw else None
+
+    def launch(interpret, *args):
+        res = dict(zip(out_names, pl.pallas_call(
+            body,
+            out_shape=tuple(outs[n][0] for n in out_names),
+            grid=(G,),
+            in_specs=[_WHOLE] * len(in_names),
+            out_specs=tuple(outs[n][1] for n in out_names),
+            interpret=interpret,
+            compiler_params=None if interpret else _compiler_params(cfg.num_warps, cfg.num_stages),
+            name="normkit_rms_norm_rope_bwd",
+        )(*args)))
+        out = {"DX": res["dx_ref"]} if grads.dx else {}
+        if red is not None:
+            out.update(red(interpret, res["dw_part_ref"], None))
+        return tuple(out[name] for name in names)
+
+    return dict(zip(names, _run(launch, list(inputs.values()))))

@@ -1,9 +1,11 @@
 """``rms_norm_rope`` for JAX: RMSNorm over each head's D columns, then rotary position embedding, as one
-``jax.custom_vjp`` over two implementations:
+``jax.custom_vjp`` over three implementations:
 
 - ``"triton"``: ``normkit.kernels.rope`` through the JAX backends of ``jax_frontend._launch``
   (jax-triton on GPU, Triton's interpreter behind a host callback on CPU), the same plans as the
   Torch frontend's (``normkit.launch.plan_rope_forward`` / ``plan_rope_backward``);
+- ``"pallas"``: ``normkit.kernels.rope_pallas`` through ``pallas_call`` (``jax_frontend._pallas``'s
+  ``rope_forward`` / ``rope_backward``; interpret mode on CPU): neither torch nor Triton needed;
 - ``"xla"``: plain ``jax.numpy`` over ``normkit.norm_math``'s array-API math (the same rounding points).
 
 As for ``rms_norm`` (``jax_frontend.functional``): which gradients the backward computes comes from
@@ -13,8 +15,10 @@ x. cos and sin are constants: their cotangents are zero (symbolic).
 
 JAX arrays are row-major in their logical shape: the Triton kernels address x, the output and the
 gradients through contiguous strides, and cos/sin with stride 0 over the dimensions they broadcast
-over (never expanded). A [B, H, S, D] x is whatever XLA materialized for it. Not supported here:
-``vmap`` of the Triton implementation, sharded inputs, forward-mode differentiation.
+over (never expanded); the Pallas kernels read x as [M, D] rows and the tables as their stored
+[T, D] rows, each x row's table row computed from the same row layout (``_pallas_rows``). A
+[B, H, S, D] x is whatever XLA materialized for it. Not supported here: ``vmap`` of the Triton
+implementation, sharded inputs, forward-mode differentiation.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ from normkit.ops import GRADS, Options
 
 __all__ = ["rms_norm_rope"]
 
-IMPLEMENTATIONS = ("triton", "xla")
+IMPLEMENTATIONS = ("triton", "pallas", "xla")  # auto: the first that runs (functional._unavailable)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +46,7 @@ class _Config:
     opts: Options
     interleaved: bool
     save: str
-    implementation: str  # "triton" or "xla"
+    implementation: str  # one of IMPLEMENTATIONS
 
 
 @jax.tree_util.register_static
@@ -80,16 +84,29 @@ def _dtype(a):
     return None if a is None else _launch.dtype_name(a.dtype)
 
 
+def _empty_forward(x, *, store_stats: bool, store_rec: bool) -> dict:
+    """The forward's buffers for an x without rows: nothing to launch."""
+    out = {"Y": jnp.zeros(x.shape, x.dtype)}
+    if store_stats:
+        out["RSTD"] = jnp.zeros((0,), jnp.float32)
+    if store_rec:
+        out["REC"] = jnp.zeros((x.shape[-1] + 1,), jnp.float32)
+    return out
+
+
+def _empty_backward(saved, weight, grads) -> dict:
+    """The backward's gradients for an x without rows: nothing to launch."""
+    out = {"DX": jnp.zeros(saved.shape, saved.dtype)} if grads.dx else {}
+    if grads.dw:
+        out["DW"] = jnp.zeros((saved.shape[-1],), weight.dtype)
+    return out
+
+
 def _triton_forward(cfg: _Config, x, weight, cos, sin, *, store_stats: bool, store_rec: bool) -> dict:
     D = x.shape[-1]
     M = x.size // D
     if M == 0:
-        out = {"Y": jnp.zeros(x.shape, x.dtype)}
-        if store_stats:
-            out["RSTD"] = jnp.zeros((0,), jnp.float32)
-        if store_rec:
-            out["REC"] = jnp.zeros((D + 1,), jnp.float32)
-        return out
+        return _empty_forward(x, store_stats=store_stats, store_rec=store_rec)
     layout, (xs, cs, ss) = _layout(x, cos, sin)
     call = plan_rope_forward(D, layout.rows, _dtype(x), _dtype(weight), cfg.opts, cfg.interleaved, store_stats,
                              store_rec, (xs, cs, ss, xs), 1, tuple(x.shape),
@@ -101,10 +118,7 @@ def _triton_backward(cfg: _Config, saved, weight, cos, sin, dout, rstd, rec, *, 
     D = saved.shape[-1]
     grads = GRADS[(needs.x, needs.weight and weight is not None, False)]
     if saved.size == 0:
-        out = {"DX": jnp.zeros(saved.shape, saved.dtype)} if grads.dx else {}
-        if grads.dw:
-            out["DW"] = jnp.zeros((D,), weight.dtype)
-        return out
+        return _empty_backward(saved, weight, grads)
     layout, (xs, cs, ss) = _layout(saved, cos, sin)
     call, reduce = plan_rope_backward(D, layout.rows, _dtype(saved), _dtype(weight), cfg.opts, cfg.interleaved,
                                       grads, needs.from_output, (xs, cs, ss, xs, xs), 1,
@@ -115,6 +129,56 @@ def _triton_backward(cfg: _Config, saved, weight, cos, sin, dout, rstd, rec, *, 
                                 "REC": rec})
     if reduce is not None:
         out.update(backend.launch(reduce, {"DW_PART": out.pop("DW_PART")}))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The Pallas implementation.
+
+
+def _pallas():
+    """``jax_frontend._pallas``, imported on first use (as ``functional`` imports it): Pallas is not
+    imported with ``jax_frontend``."""
+    from jax_frontend import _pallas
+
+    return _pallas
+
+
+def _pallas_rows(x, cos, sin):
+    """x's row layout as the Pallas kernels read it (``_pallas.RopeRows``): x as [M, D] rows (contiguous,
+    so its flat row is ``(i0 n1 + i1) n2 + i2``) and the tables' row strides over the three row
+    indices, in rows."""
+    layout, (xs, cs, ss) = _layout(x, cos, sin)
+    _, n1, n2 = layout.rows
+    D = x.shape[-1]
+    assert all(s in (0, D * n) for s, n in zip(xs, (n1 * n2, n2, 1))), (xs, layout)  # x's rows are its flat rows
+    assert cs == ss, (cs, ss)  # one shape (rope.check), both contiguous
+    return _pallas().RopeRows(n1, n2, tuple(s // D for s in cs))
+
+
+def _pallas_forward(cfg: _Config, x, weight, cos, sin, *, store_stats: bool, store_rec: bool) -> dict:
+    D = x.shape[-1]
+    M = x.size // D
+    if M == 0:
+        return _empty_forward(x, store_stats=store_stats, store_rec=store_rec)
+    out = _pallas().rope_forward(x.reshape(M, D), weight, cos.reshape(-1, D), sin.reshape(-1, D),
+                                 _pallas_rows(x, cos, sin), opts=cfg.opts, interleaved=cfg.interleaved,
+                                 store_stats=store_stats, store_rec=store_rec)
+    out["Y"] = out["Y"].reshape(x.shape)
+    return out
+
+
+def _pallas_backward(cfg: _Config, saved, weight, cos, sin, dout, rstd, rec, *, needs: _Needs) -> dict:
+    D = saved.shape[-1]
+    M = saved.size // D
+    grads = GRADS[(needs.x, needs.weight and weight is not None, False)]
+    if M == 0:
+        return _empty_backward(saved, weight, grads)
+    out = _pallas().rope_backward(saved.reshape(M, D), weight, cos.reshape(-1, D), sin.reshape(-1, D),
+                                  dout.reshape(M, D), rstd, rec, _pallas_rows(saved, cos, sin), opts=cfg.opts,
+                                  interleaved=cfg.interleaved, grads=grads, from_output=needs.from_output)
+    if "DX" in out:
+        out["DX"] = out["DX"].reshape(saved.shape)
     return out
 
 
@@ -160,12 +224,19 @@ def _xla_backward(cfg: _Config, saved, weight, cos, sin, dout, rstd, rec, *, nee
     return out
 
 
+_PASSES = {  # implementation -> (forward, backward)
+    "triton": (_triton_forward, _triton_backward),
+    "pallas": (_pallas_forward, _pallas_backward),
+    "xla": (_xla_forward, _xla_backward),
+}
+
+
 def _forward(cfg: _Config, *args, **kw) -> dict:
-    return (_triton_forward if cfg.implementation == "triton" else _xla_forward)(cfg, *args, **kw)
+    return _PASSES[cfg.implementation][0](cfg, *args, **kw)
 
 
 def _backward(cfg: _Config, *args, **kw) -> dict:
-    return (_triton_backward if cfg.implementation == "triton" else _xla_backward)(cfg, *args, **kw)
+    return _PASSES[cfg.implementation][1](cfg, *args, **kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,7 +329,9 @@ def rms_norm_rope(x: jax.Array, weight: jax.Array | None, cos: jax.Array, sin: j
             constants (zero cotangent).
         eps, offset, casting_mode, save: as in ``rms_norm``; static.
         interleaved: GPT-J pairing; static.
-        implementation: ``None`` (auto: ``"triton"`` where it runs, else ``"xla"``), ``"triton"`` or ``"xla"``.
+        implementation: ``None`` (auto: ``"triton"`` where it runs, else ``"pallas"``, else ``"xla"``, as
+            ``jax_frontend.resolve_implementation`` picks for ``rms_norm``), ``"triton"``, ``"pallas"``
+            (``normkit.kernels.rope_pallas``: needs neither torch nor Triton) or ``"xla"``.
 
     Returns:
         ``(..., D)`` in x's dtype.

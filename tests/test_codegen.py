@@ -292,3 +292,51 @@ def test_pallas_fused_backward_reads_one_more_row_stream():
     loads = {op: global_accesses(pallas_training_step(op)[f"normkit_{op}_bwd"])["ld.global.v4.b32"]
              for op in ("rms_norm", "fused_add_rms_norm")}
     assert 2 * loads["fused_add_rms_norm"] == 3 * loads["rms_norm"], loads
+
+
+@functools.cache
+def pallas_rope_step(interleaved: bool, weight: str) -> dict:
+    """The PTX of ``rms_norm_rope``'s Pallas kernels in a training step through the JAX frontend, bf16
+    at head_dim 128: x [B, S, H, D] with [B, S, 1, D] tables (their rows gathered by each x row's table
+    row), the vjp with respect to x and the weight. ``weight``: "trained" (dW: the partials and their
+    sum), "frozen" (the output kept: the forward writes REC, the backward reads the output) or
+    "frozen, x kept" (``save="input"``)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_frontend as jf
+
+    B, S, H, D = 2, 16, 8, 128
+    x = jax.ShapeDtypeStruct((B, S, H, D), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((D,), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((B, S, 1, D), jnp.bfloat16)
+
+    def step(x, w, cos, sin, dy):
+        def f(x, w):
+            w = w if weight == "trained" else jf.freeze(w, False)
+            return jf.rms_norm_rope(x, w, cos, sin, interleaved=interleaved,
+                                    save="input" if weight == "frozen, x kept" else "auto", implementation="pallas")
+
+        _, vjp = jax.vjp(f, x, w)
+        return vjp(dy)
+
+    return pallas_ptx(step, x, w, table, table, x)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
+def test_pallas_rms_norm_rope_compiles_with_rows_128_bits_wide(interleaved):
+    """The Pallas rms_norm_rope kernels lower for CUDA and compile for an H200 (sm_90), trained, frozen
+    (from the output) and frozen with x kept; every row access 128 bits wide, the tables' gathered rows
+    and the weight's tiles included (interleaved: whole rows split into pairs in registers). The one
+    exception is the forward's recovery of the weight: program 0 reads the D-vector once more."""
+    steps = {weight: pallas_rope_step(interleaved, weight) for weight in ("trained", "frozen", "frozen, x kept")}
+    assert sorted(steps["trained"]) == ["normkit_partial_sum", "normkit_rms_norm_rope_bwd",
+                                        "normkit_rms_norm_rope_fwd"], sorted(steps["trained"])
+    for weight, kernels in steps.items():
+        if weight != "trained":
+            assert sorted(kernels) == ["normkit_rms_norm_rope_bwd", "normkit_rms_norm_rope_fwd"], (weight, kernels)
+        assert_rows_128_bits_wide(global_accesses(kernels["normkit_rms_norm_rope_bwd"]), f"{weight} backward")
+        if weight != "frozen":
+            assert_rows_128_bits_wide(global_accesses(kernels["normkit_rms_norm_rope_fwd"]), f"{weight} forward")
+    plain, with_rec = (global_accesses(steps[w]["normkit_rms_norm_rope_fwd"]) for w in ("trained", "frozen"))
+    assert with_rec["ld.global.v4.b32"] == plain["ld.global.v4.b32"], (plain, with_rec)

@@ -1,6 +1,7 @@
-"""The JAX frontend's ``implementation=`` choice: which one auto picks, that a requested one that cannot
-run raises (never a silent fallback), that the launch record names it, and that every implementation
-keeps the frozen semantics under jit, grad, vjp, vmap, scan and checkpoint.
+"""The JAX frontend's ``implementation=`` choice: which one auto picks (for the norms and for
+``rms_norm_rope`` alike), that a requested one that cannot run raises (never a silent fallback), that
+the launch record names it, and that every implementation keeps the frozen semantics under jit,
+grad, vjp, vmap, scan and checkpoint.
 
 Parity with the float64 reference for every implementation is in tests/test_parity.py; the Pallas
 and XLA bodies' own tests are in tests/test_pallas_impl.py.
@@ -16,13 +17,16 @@ import pytest
 
 import jax_frontend as jf
 import normkit
-from jax_frontend import functional
+from jax_frontend import _rope, functional
 from normkit.ops import OPS
 from normkit.testing import assert_close, random_inputs
 
 IMPLS = list(jf.IMPLEMENTATIONS)
 KERNEL_NAMES = {"triton": ("norm_fwd_kernel", "norm_bwd_kernel"), "pallas": ("norm_fwd_kernel", "norm_bwd_kernel"),
                 "xla": ("xla_norm_fwd", "xla_norm_bwd")}
+ROPE_KERNEL_NAMES = {"triton": ("rms_norm_rope_fwd_kernel", "rms_norm_rope_bwd_kernel"),
+                     "pallas": ("rms_norm_rope_fwd_kernel", "rms_norm_rope_bwd_kernel"),
+                     "xla": ("xla_rms_norm_rope_fwd", "xla_rms_norm_rope_bwd")}
 
 
 @pytest.fixture(autouse=True)
@@ -54,14 +58,18 @@ def test_auto_picks_triton_where_it_runs_else_pallas(monkeypatch):
     platform = jax.default_backend()
     want = "triton" if _available("triton") else "pallas"
     assert jf.resolve_implementation(None) == want
+    assert _rope.IMPLEMENTATIONS == jf.IMPLEMENTATIONS and _rope._implementation(None) == want
     if platform == "cpu":  # without torch the Triton interpreter path cannot run: auto takes Pallas
         real = importlib.util.find_spec
         monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
         functional._unavailable.cache_clear()
         try:
-            assert jf.resolve_implementation(None) == "pallas"
+            assert jf.resolve_implementation(None) == "pallas" and _rope._implementation(None) == "pallas"
             with pytest.raises(RuntimeError, match=r"implementation='triton' cannot run on the cpu backend: .*torch"):
                 jf.rms_norm(jnp.ones((2, 8), jnp.float32), implementation="triton")
+            table = jnp.ones((3, 8), jnp.float32)
+            with pytest.raises(RuntimeError, match=r"implementation='triton' cannot run on the cpu backend: .*torch"):
+                jf.rms_norm_rope(jnp.ones((2, 3, 8), jnp.float32), None, table, table, implementation="triton")
         finally:
             functional._unavailable.cache_clear()
 
@@ -79,6 +87,20 @@ def test_records_name_the_implementation(impl):
         jax.grad(lambda x: jnp.sum(jf.rms_norm(x, d["weight"], implementation=impl) * d["dy"]))(d["x"])
     assert {launch.implementation for launch in log} == {impl}
     fwd, bwd = KERNEL_NAMES[impl]
+    assert log.of(fwd) and log.of(bwd)
+
+
+@pytest.mark.parametrize("impl", IMPLS_HERE)
+def test_rms_norm_rope_records_name_the_implementation(impl):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 3, 2, 8)), jnp.float32)
+    w = jnp.asarray(rng.uniform(0.5, 1.5, 8), jnp.float32)
+    theta = rng.uniform(-4, 4, (3, 1, 4))
+    cos, sin = (jnp.asarray(f(np.concatenate([theta, theta], -1)), jnp.float32) for f in (np.cos, np.sin))
+    with normkit.record_launches() as log:
+        jax.grad(lambda x, w: jnp.sum(jf.rms_norm_rope(x, w, cos, sin, implementation=impl)), argnums=(0, 1))(x, w)
+    assert {launch.implementation for launch in log} == {impl}
+    fwd, bwd = ROPE_KERNEL_NAMES[impl]
     assert log.of(fwd) and log.of(bwd)
 
 

@@ -1,8 +1,9 @@
 """rms_norm_rope (RMSNorm, then rotary embedding) through both frontends against the float64 reference.
 
 Each body is written once and runs through every adapter: Torch, JAX's Triton implementation (the
-interpreter behind a host callback on CPU) and JAX's XLA implementation. Outputs are poisoned (NaN
-before every launch), so an element a kernel fails to write fails the comparison.
+interpreter behind a host callback on CPU), JAX's Pallas implementation (interpret mode on CPU) and
+JAX's XLA implementation. Outputs are poisoned (NaN before every launch; Pallas's interpret mode
+starts every float output as NaN itself), so an element a kernel fails to write fails the comparison.
 
 Tolerances are the table's (``normkit.testing.TOLERANCES``). The rotation's roundings are relative to
 the magnitude of the pair it mixes, not to the element it produces (``y_j cos - y_p sin`` can cancel),
@@ -186,6 +187,7 @@ if HAS_TORCH:
     if HAS_JAX:
         ADAPTERS["jax-triton"] = JaxAdapter("triton")  # the interpreter on CPU runs on torch tensors
 if HAS_JAX:
+    ADAPTERS["jax-pallas"] = JaxAdapter("pallas")
     ADAPTERS["jax-xla"] = JaxAdapter("xla")
 
 
@@ -346,8 +348,9 @@ def _call(adapter, arrays: dict, dtypes: dict):
     return jf.rms_norm_rope(a["x"], a["weight"], a["cos"], a["sin"], implementation=adapter.implementation)
 
 
-# Property: random shapes, layouts, tables, pairings, dtypes and modes (Torch and JAX's XLA
-# implementation; the JAX Triton path shares the Torch frontend's plans).
+# Property: random shapes, layouts, tables, pairings, dtypes and modes (Torch, and JAX's Pallas and XLA
+# implementations; the JAX Triton path shares the Torch frontend's plans, while the Pallas launch maps
+# x's rows to the tables' rows itself).
 
 @st.composite
 def cases(draw):
@@ -359,9 +362,9 @@ def cases(draw):
                 seed=draw(st.integers(0, 2**16)))
 
 
-@pytest.mark.parametrize("name", [n for n in ("torch", "jax-xla") if n in ADAPTERS])
+@pytest.mark.parametrize("name", [n for n in ("torch", "jax-pallas", "jax-xla") if n in ADAPTERS])
 def test_property(name):
-    @settings(max_examples=12 if name == "torch" else 4, derandomize=True, deadline=None, database=None,
+    @settings(max_examples={"torch": 12, "jax-pallas": 8}.get(name, 4), derandomize=True, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow])
     @given(case=cases())
     def prop(case):
@@ -498,6 +501,75 @@ def test_traced_unsafe_weight_poisons_dx(implementation):
         else:
             ref, _ = reference.rms_norm_rope_bwd(a["x"], a["weight"], a["cos"], a["sin"], a["dout"])
             assert_close(np.asarray(dx, np.float64), ref, "float32", "dx")
+
+
+@pytest.mark.skipif(not HAS_JAX, reason="needs jax")
+@pytest.mark.parametrize("case", [Case(B=2, S=5, H=4, D=16, dtype="bfloat16", transposed=True),
+                                  Case(B=2, S=5, H=4, D=24, interleaved=True, casting="none", table="shared")],
+                         ids=str)
+def test_pallas_dw_programs_walk_several_tiles(case, monkeypatch):
+    """dW through a grid of fewer programs than tiles, each walking several tiles with the next one
+    prefetched (the last prefetch past the rows, masked), as on a GPU with many more rows than SMs:
+    the reference's values, bitwise reproducible."""
+    from jax_frontend import _pallas
+
+    monkeypatch.setattr(_pallas, "NUM_SMS", 1)  # 40 rows, tiles of 16: 2 programs, 2 tiles each
+    adapter = ADAPTERS["jax-pallas"]
+    check(adapter, case)
+    a = inputs(case)
+    first, second = adapter.run(case, a), adapter.run(case, a)
+    (bwd,) = first.log.of("rms_norm_rope_bwd_kernel")
+    assert bwd.flags["TILES_PER_PROGRAM"] > 1 and bwd.grid[0] > 1 and bwd.flags["COMPUTE_DW"], bwd
+    for name in ("out", "dx", "dw"):
+        assert np.array_equal(getattr(first, name), getattr(second, name)), name
+
+
+@pytest.mark.skipif(not HAS_JAX, reason="needs jax")
+@pytest.mark.parametrize("implementation", ["pallas", "xla"])
+def test_jax_vmap(implementation):
+    """vmap over a batch of x, the weight and the tables shared (the Triton implementation has no
+    batching rule): each element's output and dx as one call per element gives them, dW their sum."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_frontend as jf
+
+    case = Case(B=1, D=8, table="shared")
+    batch = [inputs(dataclasses.replace(case, seed=i)) for i in range(2)]
+    x, ct = (jnp.asarray(np.stack([a[k] for a in batch]), jnp.float32) for k in ("x", "dout"))
+    w, cos, sin = (jnp.asarray(batch[0][k], jnp.float32) for k in ("weight", "cos", "sin"))
+
+    def f(x, w):
+        return jf.rms_norm_rope(x, w, cos, sin, implementation=implementation)
+
+    out, vjp = jax.vjp(jax.vmap(f, in_axes=(0, None)), x, w)
+    dx, dw = vjp(ct)
+    dw_sum = 0.0
+    for i in range(len(batch)):
+        out_i, vjp_i = jax.vjp(f, x[i], w)
+        dx_i, dw_i = vjp_i(ct[i])
+        dw_sum = dw_sum + np.asarray(dw_i, np.float64)
+        for name, a, b in (("out", out[i], out_i), ("dx", dx[i], dx_i)):
+            assert_close(np.asarray(a, np.float64), np.asarray(b, np.float64), "float32", f"{name}[{i}]")
+    assert_close(np.asarray(dw, np.float64), dw_sum, "float32", "dw", reduced_over=int(np.prod(x.shape[:-1])))
+
+
+@pytest.mark.skipif(not HAS_JAX, reason="needs jax")
+@pytest.mark.parametrize("implementation", [n.removeprefix("jax-") for n in ADAPTERS if n.startswith("jax-")])
+def test_jax_empty_rows(implementation):
+    """No rows: empty results of x's shape, zero dW, nothing launched by the kernel implementations."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_frontend as jf
+
+    D = 8
+    x, w, table = jnp.zeros((2, 0, 3, D), jnp.float32), jnp.ones((D,), jnp.float32), jnp.ones((1, 1, 3, D))
+    with normkit.record_launches() as log:
+        out, vjp = jax.vjp(lambda x, w: jf.rms_norm_rope(x, w, table, table, implementation=implementation), x, w)
+        dx, dw = vjp(out)
+    assert out.shape == dx.shape == x.shape and dw.shape == (D,) and not np.any(np.asarray(dw))
+    assert implementation == "xla" or not log, log.kernels()
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="needs torch")

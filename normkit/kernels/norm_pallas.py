@@ -61,6 +61,39 @@ def _load(ref, mask):
     return pltriton.load(ref, mask=mask, other=0.0)
 
 
+def _effective_weight(w, offset: float, dt, CASTING: int):
+    """weight + offset in fp32 as the forward multiplies by it (rounded to x.dtype under CASTING 0)."""
+    w = w.astype(F32) + offset
+    return _round(w, dt) if CASTING == 0 else w
+
+
+def _normalize(xc, rstd, dt, CASTING: int):
+    """x_hat = xc * rstd with CASTING's rounding points: rstd and the product rounded to x.dtype under
+    0 (each product in x.dtype), the product under 1, nothing under 2."""
+    if CASTING == 0:
+        return _round(xc * _round(rstd, dt)[:, None], dt)
+    if CASTING == 1:
+        return _round(xc * rstd[:, None], dt)
+    return xc * rstd[:, None]
+
+
+def _walk_tiles(TILES_PER_PROGRAM: int, load_tile, compute_tile, acc):
+    """``acc = compute_tile(t, load_tile(t), acc)`` over this program's tiles t = 0, 1, ...; the final acc.
+    One tile: straight through. Several (a persistent program): a loop with a software prefetch, tile
+    t + 1's loads issued before tile t is reduced, so that one program keeps two tiles in flight (the
+    Pallas-Triton lowering does not pipeline the loop); the last prefetch, past the tiles, is masked."""
+    if TILES_PER_PROGRAM == 1:
+        return compute_tile(0, load_tile(0), acc)
+
+    def step(t, carry):
+        acc, tile = carry
+        nxt = load_tile(t + 1)
+        return compute_tile(t, tile, acc), nxt
+
+    acc, _ = lax.fori_loop(0, TILES_PER_PROGRAM, step, (acc, load_tile(0)))
+    return acc
+
+
 def norm_fwd_kernel(
     x_ref,  # [M, N] whole: the input rows (its tiles are indexed here)
     r_ref,  # [M, N] whole: residual rows (HAS_RESIDUAL), else None
@@ -90,9 +123,7 @@ def norm_fwd_kernel(
     pid = pl.program_id(0)
     _, col_mask, _ = _masks(0, M, N, BLOCK_M, BLOCK_N)
     if HAS_W:
-        w = _load(w_ref, col_mask).astype(F32) + offset
-        if CASTING == 0:
-            w = _round(w, dt)
+        w = _effective_weight(_load(w_ref, col_mask), offset, dt, CASTING)
     if HAS_B:
         b = _load(b_ref, col_mask).astype(F32)
     cols = pl.ds(_i32(0), BLOCK_N)
@@ -107,7 +138,7 @@ def norm_fwd_kernel(
             tile["r"] = _load(r_ref.at[rows, cols], mask)
         return tile
 
-    def compute_tile(t, tile):
+    def compute_tile(t, tile, acc):  # acc None: the forward sums nothing across tiles
         rows, row_mask, mask = tile_rows(t)
         x_raw = tile["x"]
         if HAS_RESIDUAL:
@@ -129,29 +160,15 @@ def norm_fwd_kernel(
             if not IS_RMS:
                 pltriton.store(mean_ref.at[rows], mean, mask=row_mask)
 
-        if CASTING == 0:  # x.dtype throughout: each product is rounded to x.dtype
-            xn = _round(xc * _round(rstd, dt)[:, None], dt)
-        elif CASTING == 1:
-            xn = _round(xc * rstd[:, None], dt)
-        else:
-            xn = xc * rstd[:, None]
-        y = xn
+        y = _normalize(xc, rstd, dt, CASTING)
         if HAS_W:
             y = y * w[None, :]
         if HAS_B:
             y = y + b[None, :]
         pltriton.store(y_ref.at[rows, cols], y.astype(y_ref.dtype), mask=mask)
+        return acc
 
-    if TILES_PER_PROGRAM == 1:
-        compute_tile(0, load_tile(0))
-    else:
-        # A persistent program: tile t + 1's loads are issued before tile t is reduced.
-        def step(t, tile):
-            nxt = load_tile(t + 1)
-            compute_tile(t, tile)
-            return nxt
-
-        lax.fori_loop(0, TILES_PER_PROGRAM, step, load_tile(0))
+    _walk_tiles(TILES_PER_PROGRAM, load_tile, compute_tile, None)
 
 
 def norm_bwd_kernel(
@@ -255,19 +272,8 @@ def norm_bwd_kernel(
         return dw_acc, db_acc
 
     zeros = jnp.zeros((BLOCK_M, BLOCK_N), F32)
-    acc = (zeros if COMPUTE_DW else None, zeros if COMPUTE_DB else None)
-    if TILES_PER_PROGRAM == 1:
-        acc = compute_tile(0, load_tile(0), acc)
-    else:
-        # Software prefetch: tile t + 1's loads are issued before tile t is reduced, so one program
-        # keeps two tiles in flight (the loop is not pipelined for us). The last prefetch is masked.
-        def step(t, carry):
-            acc, tile = carry
-            nxt = load_tile(t + 1)
-            return compute_tile(t, tile, acc), nxt
-
-        acc, _ = lax.fori_loop(0, TILES_PER_PROGRAM, step, (acc, load_tile(0)))
-    dw_acc, db_acc = acc
+    dw_acc, db_acc = _walk_tiles(TILES_PER_PROGRAM, load_tile, compute_tile,
+                                 (zeros if COMPUTE_DW else None, zeros if COMPUTE_DB else None))
     if COMPUTE_DW:
         pltriton.store(dw_part_ref, jnp.sum(dw_acc, axis=0), mask=col_mask)
     if COMPUTE_DB:
