@@ -755,3 +755,109 @@ def test_torch_compiled_unsafe_weight_poisons_dx():
     run = TorchCompiledAdapter("aot_eager").run(dataclasses.replace(case, save="input"), a)
     assert_close(run.dx, dx_ref, "float32", "dx")
     torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------------------------
+# The Pallas kernels' memory accesses: on GPU an access past an array is an illegal address (the
+# process aborts), while interpret mode clamps a gather's indices and drops a scatter's, so a missing
+# mask would pass every value test on CPU. Here every masked load and store of the rope kernels (and
+# of the dW partial sum) is checked, in interpret mode, against the extent of the array it addresses
+# (a block past the array's end counts only its part inside the array): each index the mask keeps
+# must lie inside.
+
+
+def _access_checker(monkeypatch):
+    """Instrument Pallas-Triton's masked load/store and ``pallas_call``; returns the list that collects
+    ``(load/store, kernel#ref, number of out-of-bounds kept lanes)``."""
+    import jax
+    import jax.numpy as jnp
+    from jax._src.state import indexing
+    from jax._src.state.types import TransformedRef
+    from jax.experimental import pallas as pl
+
+    from normkit.kernels import norm_pallas
+
+    pt = norm_pallas.pltriton
+    extents, bad = {}, []
+    load, store, pallas_call = pt.load, pt.store, pl.pallas_call
+
+    def check(ref, mask, what):
+        base, (idx,) = (ref.ref, ref.transforms) if isinstance(ref, TransformedRef) else (ref, (None,))
+        name, extent = extents[id(base)]
+        if idx is None:
+            idx = indexing.NDIndexer.from_indices_shape(tuple(slice(None) for _ in base.shape), base.shape)
+        shape = idx.get_indexer_shape()
+        ok, pos = jnp.ones(shape, bool), len(idx.int_indexer_shape)
+        for i, ext in zip(idx.indices, extent):
+            if isinstance(i, indexing.Slice):
+                v = i.start + i.stride * jax.lax.broadcasted_iota(jnp.int32, (i.size,), 0)
+                v = v.reshape([i.size if d == pos else 1 for d in range(len(shape))])
+                pos += 1
+            else:
+                v = jnp.asarray(i)
+                v = v.reshape(v.shape + (1,) * (len(shape) - v.ndim))
+            ok = ok & (v >= 0) & (v < ext)
+        kept = jnp.ones(shape, bool) if mask is None else jnp.broadcast_to(mask, shape)
+        n = jnp.sum((kept & ~ok).astype(jnp.int32))
+        jax.debug.callback(lambda n: bad.append((what, name, int(n))) if n else None, n)
+
+    def checked_load(ref, *args, mask=None, **kw):
+        check(ref, mask, "load")
+        return load(ref, *args, mask=mask, **kw)
+
+    def checked_store(ref, value, *args, mask=None, **kw):
+        check(ref, mask, "store")
+        return store(ref, value, *args, mask=mask, **kw)
+
+    def checked_call(body, *, out_shape, in_specs, out_specs, **kw):
+        outs = out_shape if isinstance(out_shape, (tuple, list)) else (out_shape,)
+        specs = list(in_specs) + list(out_specs if isinstance(out_specs, (tuple, list)) else (out_specs,))
+
+        def call(*args):
+            shapes = [a.shape for a in args] + [o.shape for o in outs]
+
+            def instrumented(*refs):
+                pid = pl.program_id(0)
+                for i, (ref, shape, spec) in enumerate(zip(refs, shapes, specs)):
+                    if spec.block_shape is None:
+                        extent = tuple(shape)
+                    else:  # the block's part inside the array
+                        extent = tuple(jnp.minimum(b, s - start * b) for b, s, start in
+                                       zip(spec.block_shape, shape, spec.index_map(pid)) if b is not None)
+                    extents[id(ref)] = (f"{kw.get('name')}#{i}", extent)
+                body(*refs)
+
+            return pallas_call(instrumented, out_shape=out_shape, in_specs=in_specs, out_specs=out_specs, **kw)(*args)
+
+        return call
+
+    monkeypatch.setattr(pt, "load", checked_load)
+    monkeypatch.setattr(pt, "store", checked_store)
+    monkeypatch.setattr(pl, "pallas_call", checked_call)
+    return bad
+
+
+PALLAS_ACCESS_CASES = [
+    Case(B=3, S=4, H=3, D=D, interleaved=interleaved, trained=trained, save=save, transposed=transposed,
+         table=table, seed=D)
+    for D in (2, 6, 22)  # a one-column half, odd halves
+    for interleaved, transposed, table in ((False, False, "batch"), (True, True, "shared"))
+    for trained, save in ((True, "auto"), (False, "auto"), (False, "input"))
+]
+
+
+@pytest.mark.skipif(not HAS_JAX, reason="needs jax")
+@pytest.mark.parametrize("case", PALLAS_ACCESS_CASES, ids=str)
+def test_pallas_accesses_stay_inside_the_arrays(case, monkeypatch):
+    """36 rows (three programs, the last one partly past M) of the property's head dimensions: every
+    access of the forward, the backward (from x, from the output, with dW) and the dW sum in bounds."""
+    import jax
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("instruments interpret mode")
+    bad = _access_checker(monkeypatch)
+    a = inputs(case)
+    run = ADAPTERS["jax-pallas"].run(case, a)
+    jax.effects_barrier()
+    assert not bad, f"{case}: out-of-bounds accesses kept by their masks: {bad}"
+    check_values("jax-pallas", case, a, run)
