@@ -402,6 +402,45 @@ def test_lora_step_runs_an_independent_copy_of_a_variant_as_its_control(tmp_path
 
 
 @pytest.mark.slow  # a tool's end-to-end dry run: the slow tier
+def test_lora_step_qwen3_with_the_fused_qk_norm_rope(tmp_path):
+    """--arch qwen3 --mask: the fused QK-norm + RoPE variant patches every norm, fuses every attention,
+    and matches HF's first loss and LoRA gradients (tiny fp32 model, Triton's interpreter)."""
+    import json
+
+    run_script("benchmarks/lora_step.py", "--dry-run", "--arch", "qwen3", "--kv-heads", "2", "--mask",
+               "--variants", "hf,normkit,normkit_rope", "--no-profile", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "lora_step.json").read_text())
+    assert result["config"]["arch"] == "qwen3" and result["config"]["mask"]
+    rows = {r["variant"]: r for r in result["rows"]}
+    for name in ("hf", "normkit", "normkit_rope"):
+        assert rows[name]["status"] == "ok" and rows[name]["checks_ok"], rows[name].get("check_notes")
+    assert rows["normkit"]["prepare"]["qk_fused"] == 0 and rows["normkit_rope"]["prepare"]["qk_fused"] == 2
+    assert rows["normkit_rope"]["prepare"]["patched"] == 2 * 4 + 1  # q, k, input, post-attention; the final norm
+    assert "Qwen3 (random init)" in (tmp_path / "lora_step.md").read_text()
+
+
+@pytest.mark.slow  # a tool's end-to-end dry run: the slow tier
+def test_rope_bench_dry_run(tmp_path):
+    """benchmarks/rope_bench.py --dry-run: every implementation that runs on a CPU is checked against HF's
+    out and dx and timed; Liger (GPU only) is recorded with its reason; the byte model is the op's."""
+    import json
+
+    run_script("benchmarks/rope_bench.py", "--dry-run", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "rope_bench.json").read_text())
+    rows = {r["impl"]: r for r in result["rows"]}
+    assert set(rows) == {"hf_eager", "torch_compile", "liger", "normkit_norm", "normkit", "copy"}
+    assert rows["liger"]["status"].startswith("unavailable: ")
+    for name in ("normkit_norm", "normkit"):
+        assert rows[name]["status"] == "ok"
+        for k, diff in rows[name]["max_abs_diff_vs_hf"].items():  # bf16: a couple of roundings of the largest value
+            assert diff <= 0.02 * rows[name]["ref_max_abs"][k], (name, k, diff)
+    c, bm = result["config"], result["byte_model"]
+    assert bm["x_bytes"] == c["batch"] * c["seq"] * (c["heads"] + c["kv_heads"]) * c["head_dim"] * 2
+    assert bm["bytes"] == 5 * bm["x_bytes"] + 4 * bm["table_bytes"]
+    assert "| normkit " in (tmp_path / "rope_bench.md").read_text()
+
+
+@pytest.mark.slow  # a tool's end-to-end dry run: the slow tier
 def test_lora_step_dry_run(tmp_path):
     import json
 
