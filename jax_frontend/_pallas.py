@@ -318,8 +318,11 @@ class RopeRows:
 
 def _rope_flags(rows: RopeRows, D: int, opts: Options, interleaved: bool, block_m: int, block_d: int,
                 weight) -> dict:
+    # At D = 2 the two pairings are one pair, (0, 1), with the same tables: rotate_half's. Interleaved,
+    # the 2-column rows would be split into 1-column halves, a shape at which a frozen weight's forward
+    # crashes (SIGSEGV) in the Triton compile of jax 0.11's Pallas GPU lowering (H200).
     return dict(D=D, offset=opts.offset, ROWS=(rows.n1, rows.n2), TABLE_ROWS=rows.table, HAS_W=weight is not None,
-                CASTING=int(opts.casting), INTERLEAVED=interleaved, BLOCK_M=block_m, BLOCK_D=block_d)
+                CASTING=int(opts.casting), INTERLEAVED=interleaved and D > 2, BLOCK_M=block_m, BLOCK_D=block_d)
 
 
 def rope_forward(x, weight, cos, sin, rows: RopeRows, *, opts: Options, interleaved: bool, store_stats: bool,

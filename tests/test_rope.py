@@ -277,6 +277,9 @@ def test_matches_reference(adapter, case):
     Case(casting="gemma", offset=1.0, trained=False, scale=1.25, D=8),  # tables carrying attention_scaling
     Case(trained=False, save="input", D=8),
     Case(dtype="float16", D=24, S=2, H=3, trained=False),  # D not a power of two
+    # one pair per row, interleaved (the pairings coincide), frozen and trained
+    Case(dtype="float16", casting="none", offset=1.0, interleaved=True, B=1, S=3, H=1, D=2, trained=False, seed=89),
+    Case(casting="gemma", interleaved=True, B=3, S=3, H=2, D=2, table="shared", seed=51841),
 ], ids=str)
 def test_variants(adapter, case):
     check(adapter, case)
