@@ -74,7 +74,7 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, route, x, weight):
-        y, _, _, rstd, rec = route.forward(x, None, weight, None)
+        y, _, _, rstd, rec, _ = route.forward(x, None, weight, None)
         ctx.route = route
         ctx.save_for_backward(y if route.from_output else x, weight, None, rec, rstd)
         return y
@@ -91,7 +91,7 @@ class LayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, route, x, weight, bias):
-        y, _, mean, rstd, rec = route.forward(x, None, weight, bias)
+        y, _, mean, rstd, rec, _ = route.forward(x, None, weight, bias)
         ctx.route = route
         if route.from_output:
             ctx.save_for_backward(y, weight, bias, rec, rstd)
@@ -111,7 +111,7 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, route, x, residual, weight):
-        y, s, _, rstd, rec = route.forward(x, residual, weight, None)
+        y, s, _, rstd, rec, _ = route.forward(x, residual, weight, None)
         ctx.route = route
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(y if route.from_output else s, weight, None, rec, rstd)
@@ -135,7 +135,7 @@ class WithCopyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, route, copy, x, residual, weight, bias):
-        y, s, mean, rstd, rec = route.forward(x, residual, weight, bias)
+        y, s, mean, rstd, rec, _ = route.forward(x, residual, weight, bias)
         y2 = y.to(copy[0])
         ctx.route, ctx.y_dtype = route, y.dtype
         ctx.set_materialize_grads(False)

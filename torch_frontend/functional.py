@@ -105,7 +105,7 @@ def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode, save, k
         sig = _bound.bind(k, op, opts, store_stats, b_dtype, save)  # k None (not keyable): not remembered
     bound = sig.fixed or sig.route(x, weight, bias)
     if not store_stats and not _compat.transforms_active():  # no-grad
-        y, s, _, _, _ = bound.forward(x, residual, weight, bias)
+        y, s, _, _, _, _ = bound.forward(x, residual, weight, bias)
         if copy is not None:
             _attach_copy(y, y.to(copy[0]))
         return (y, s) if op.has_residual else y
