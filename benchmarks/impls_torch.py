@@ -256,7 +256,7 @@ def time_kernel(inp: TorchInputs, mode: str, timer, device) -> dict:
         return driver.forward(backend, op, inp.x[i % k], r, w, b, opts, stats)
 
     def bwd(i, saved, full):
-        _, s, mean, rstd, _ = saved
+        _, s, mean, rstd, _, _ = saved
         dres = inp.ds[i % k] if inp.ds is not None else None
         return driver.backward(backend, op, s if op.has_residual else inp.x[i % k], w, inp.dy[i % k], dres, mean,
                                rstd, opts, Grads(dx=True, dw=full and w is not None, db=full and b is not None),

@@ -87,7 +87,7 @@ def torch_cell(op_name: str, dtype: str, M: int, N: int, timer: Timer, rounds: i
     saved = {rec: [fwd(i, rec) for i in range(k)] for rec in (False, True)}
 
     def bwd(i, from_output):
-        y, s_, mean, rstd, _ = saved[from_output][i % k]
+        y, s_, mean, rstd, _, _ = saved[from_output][i % k]
         rows = y if from_output else (s_ if op.has_residual else inp.x[i % k])
         dres = inp.ds[i % k] if inp.ds is not None else None
         return driver.backward(backend, op, rows, w, inp.dy[i % k], dres, mean, rstd, opts, Grads(True, False, False),
@@ -195,7 +195,7 @@ def sweep_cell(op_name: str, dtype: str, M: int, N: int, timer: Timer) -> dict:
 
         def call():
             i = next(counter) % k
-            y, s_, mean, rstd, _ = saved[from_output][i]
+            y, s_, mean, rstd, _, _ = saved[from_output][i]
             rows = y if from_output else (s_ if op.has_residual else inp.x[i])
             dres = inp.ds[i] if inp.ds is not None else None
             return driver.backward(backend, op, rows, inp.weight, inp.dy[i], dres, mean, rstd, opts,

@@ -14,7 +14,7 @@ import math
 from typing import Any, Protocol
 
 from normkit.launch import plan_backward, plan_forward
-from normkit.ops import GRADS, Grads, Op, Options, rec_offset
+from normkit.ops import GRADS, Grads, Op, Options, copies_exactly, rec_offset
 
 
 class Backend(Protocol):
@@ -94,13 +94,19 @@ def _name(described) -> str | None:
 
 
 def forward_plan(backend: Backend, op: Op, x, residual, weight, bias, opts: Options, store_stats: bool,
-                 store_rec: bool = False, rec_in_rstd: bool = False, has_trip: bool = False):
+                 store_rec: bool = False, rec_in_rstd: bool = False, has_trip: bool = False,
+                 y2_dtype: str | None = None):
     """The forward's ``KernelCall`` over rows ``x [M, N]`` (None for no rows). A frontend may keep
     it and launch it again for arrays of the same shapes, strides, dtypes and device. ``store_rec``:
     the backward will read y, so the forward also writes the weight's recovery (REC; in RSTD after its
     rows with ``rec_in_rstd``), and sets the flag TRIP (``has_trip``) where the weight breaks the
-    safety rule (``normkit.norm_math``)."""
+    safety rule (``normkit.norm_math``). ``y2_dtype``: the forward also stores y in that dtype (Y2,
+    exactly ``Y.to(y2_dtype)``); raises where that dtype cannot hold y exactly
+    (``normkit.ops.copies_exactly``)."""
     M, N = x.shape
+    if y2_dtype is not None and not copies_exactly(backend.dtype(x), y2_dtype):
+        raise TypeError(f"normkit: the forward cannot write a {y2_dtype} copy of a {backend.dtype(x)} output: "
+                        f"{y2_dtype} does not hold every {backend.dtype(x)} value exactly")
     if M == 0:
         return None
     residual = residual if op.has_residual else None
@@ -108,36 +114,39 @@ def forward_plan(backend: Backend, op: Op, x, residual, weight, bias, opts: Opti
     d_x, d_res, d_w, d_b = backend.describe(x, residual, weight, bias)
     layout = (*_rows_layout(x, d_x), *_rows_layout(residual, d_res), _param_stride(d_w), _param_stride(d_b))
     return plan_forward(op, M, N, d_x[0], _name(d_w), _name(d_b), opts, store_stats, layout, num_sms, store_rec,
-                        rec_in_rstd, has_trip)
+                        rec_in_rstd, has_trip, y2_dtype)
 
 
-FWD_RESULTS = ("Y", "S", "MEAN", "RSTD", "REC")
+FWD_RESULTS = ("Y", "S", "MEAN", "RSTD", "REC", "Y2")
 
 
-def _no_rows(backend: Backend, op: Op, x, store_stats: bool, store_rec: bool, rec_in_rstd: bool) -> tuple:
+def _no_rows(backend: Backend, op: Op, x, store_stats: bool, store_rec: bool, rec_in_rstd: bool,
+             y2_dtype: str | None = None) -> tuple:
     """The forward's buffers over no rows (``x`` of shape ``(..., N)``, no elements): zeros in ``x``'s
     shape (``caller_shape``; a recovery of no rows is still the weight's, but no backward reads it)."""
     shape = tuple(x.shape)
-    buffers = op.fwd_buffers(0, shape[-1], backend.dtype(x), store_stats, store_rec, rec_in_rstd)
+    buffers = op.fwd_buffers(0, shape[-1], backend.dtype(x), store_stats, store_rec, rec_in_rstd, y2_dtype)
     return tuple(None if name not in buffers else
                  backend.zeros(caller_shape(name, buffers[name][0], shape), buffers[name][1], x)
                  for name in FWD_RESULTS)
 
 
 def forward(backend: Backend, op: Op, x, residual, weight, bias, opts: Options, store_stats: bool,
-            store_rec: bool = False, rec_in_rstd: bool = False) -> tuple:
-    """``(Y, S, MEAN, RSTD, REC)`` over rows ``x [M, N]``; an entry the op or the flags do not produce is
-    None. S = x + residual (fused add); MEAN, RSTD: fp32 statistics for a backward; REC: the weight's
-    recovery for a backward that reads y (``forward_plan``)."""
-    call = forward_plan(backend, op, x, residual, weight, bias, opts, store_stats, store_rec, rec_in_rstd)
+            store_rec: bool = False, rec_in_rstd: bool = False, y2_dtype: str | None = None) -> tuple:
+    """``(Y, S, MEAN, RSTD, REC, Y2)`` over rows ``x [M, N]``; an entry the op or the flags do not produce
+    is None. S = x + residual (fused add); MEAN, RSTD: fp32 statistics for a backward; REC: the weight's
+    recovery for a backward that reads y; Y2: y in ``y2_dtype``, stored by the same pass
+    (``forward_plan``)."""
+    call = forward_plan(backend, op, x, residual, weight, bias, opts, store_stats, store_rec, rec_in_rstd,
+                        y2_dtype=y2_dtype)
     if call is None:
-        return _no_rows(backend, op, x, store_stats, store_rec, rec_in_rstd)
+        return _no_rows(backend, op, x, store_stats, store_rec, rec_in_rstd, y2_dtype)
     return launch_forward(backend, call, x, residual, weight, bias)
 
 
 def launch_forward(backend: Backend, call, x, residual, weight, bias, rows_shape: tuple | None = None,
                    trip=None) -> tuple:
-    """``(Y, S, MEAN, RSTD, REC)`` of a forward plan (``forward_plan``) on arrays of the shapes, strides,
+    """``(Y, S, MEAN, RSTD, REC, Y2)`` of a forward plan (``forward_plan``) on arrays of the shapes, strides,
     dtypes and device it was made for."""
     out = backend.launch(call, {"X": x, "R": residual, "W": weight, "B": bias, "TRIP": trip}, rows_shape)
     return tuple(out.get(name) for name in FWD_RESULTS)
@@ -227,7 +236,7 @@ def caller_shape(name: str, buffer_shape: tuple, rows_shape: tuple) -> tuple:
     """A buffer's shape over the caller's ``(..., N)`` rows: row buffers ``(M, N)`` -> ``rows_shape``,
     per-row statistics ``(M,)`` -> ``rows_shape[:-1]`` (the same memory layout); the rest (the weight's
     recovery, statistics followed by it, per-column results, partials) as planned."""
-    if name in ("Y", "S", "DX"):
+    if name in ("Y", "S", "DX", "Y2"):
         return tuple(rows_shape)
     if name in ("MEAN", "RSTD") and len(buffer_shape) == 1 and len(rows_shape) >= 1 and \
             buffer_shape[0] == math.prod(rows_shape[:-1]):
@@ -236,7 +245,7 @@ def caller_shape(name: str, buffer_shape: tuple, rows_shape: tuple) -> tuple:
 
 
 def bind_forward(backend: Backend, call, like, rows_shape: tuple | None = None):
-    """``launch(x, residual, weight, bias, trip) -> (Y, S, MEAN, RSTD, REC)``: ``launch_forward`` of a
+    """``launch(x, residual, weight, bias, trip) -> (Y, S, MEAN, RSTD, REC, Y2)``: ``launch_forward`` of a
     forward plan bound once (``Backend.bind``) for arrays on ``like``'s device, for a frontend that
     launches the plan again and again (an absent result is None)."""
     return backend.bind(call, like, rows_shape)  # the kernel's outputs are FWD_RESULTS
@@ -271,22 +280,25 @@ class Bound:
     every call (``Backend.copy_rows``, which says so). ``from_output``: the backward reads the
     forward's output y rather than its input (see ``backward``), which the frontend saves instead;
     the forward then writes the weight's recovery after the statistics in RSTD. ``b_dtype``: dB's
-    dtype (the bias's).
+    dtype (the bias's). ``y2_dtype``: the forward also writes y in that dtype (Y2), for consumers that
+    take y in it; a signature with it and one without are different ``Bound``s.
 
-    ``forward(x, residual, weight, bias) -> (Y, S, MEAN, RSTD, REC)`` (REC None: it follows the rows in
-    RSTD; ``trip``, given, is a flag the forward sets where the weight breaks the safety rule);
+    ``forward(x, residual, weight, bias) -> (Y, S, MEAN, RSTD, REC, Y2)`` (REC None: it follows the rows
+    in RSTD; Y2 None without ``y2_dtype``; ``trip``, given, is a flag the forward sets where the weight
+    breaks the safety rule);
     ``backward(saved, weight, bias, dy, dres, mean, rstd, grads, rec=None) -> (DX, DW,
     DB)``, where ``saved`` is what the frontend kept: x (the fused add's sum s), or y when
     ``from_output``, whose recovery ``rec`` is a buffer of its own or (None) follows the rows in rstd.
     """
 
-    __slots__ = ("backend", "op", "opts", "store_stats", "from_output", "b_dtype", "trip", "fwd", "forward", "_bwd")
+    __slots__ = ("backend", "op", "opts", "store_stats", "from_output", "b_dtype", "trip", "y2_dtype", "fwd",
+                 "forward", "_bwd")
 
     def __init__(self, backend: Backend, op: Op, opts: Options, store_stats: bool, from_output: bool = False,
-                 b_dtype: str = "float32", trip=None):
+                 b_dtype: str = "float32", trip=None, y2_dtype: str | None = None):
         assert store_stats or not from_output
         self.backend, self.op, self.opts, self.store_stats = backend, op, opts, store_stats
-        self.from_output, self.b_dtype, self.trip = from_output, b_dtype, trip
+        self.from_output, self.b_dtype, self.trip, self.y2_dtype = from_output, b_dtype, trip, y2_dtype
         self.fwd = None  # the forward plan, once bound (None also where there are no rows)
         # ``forward`` is the bound launch itself once the first call has bound it: a repeated call
         # goes straight to the launch
@@ -301,11 +313,11 @@ class Bound:
         """``launch(x, residual, weight, bias)`` for arrays of these layouts."""
         backend, op, trip = self.backend, self.op, self.trip
         (x_rows, r_rows), copies = _row_views(backend, (("x", x), ("residual", residual)))
-        rec = self.from_output
+        rec, y2_dtype = self.from_output, self.y2_dtype
         self.fwd = forward_plan(backend, op, x_rows, r_rows, weight, bias, self.opts, self.store_stats, rec, rec,
-                                rec and trip is not None)
+                                rec and trip is not None, y2_dtype)
         if self.fwd is None:  # no rows: zeros of each buffer, in the caller's shape, fresh at every call
-            return lambda x, *_: _no_rows(backend, op, x, self.store_stats, rec, rec)
+            return lambda x, *_: _no_rows(backend, op, x, self.store_stats, rec, rec, y2_dtype)
         launch = backend.bind(self.fwd, x, tuple(x.shape))
         if any(copies):
             launch = _copying(backend, launch, {0: "x", 1: "residual"}, copies)

@@ -24,7 +24,7 @@ from normkit.ops import ELEM_BYTES, FINITE_MAX, OUTPUT_BIAS_RATIO, OUTPUT_W_MIN,
 
 FWD_INPUTS = ("X", "R", "W", "B", "TRIP")
 FWD_SCALARS = ("eps", "offset", "M", "stride_xm", "stride_rm")
-FWD_OUTPUTS = ("Y", "S", "MEAN", "RSTD", "REC")
+FWD_OUTPUTS = ("Y", "S", "MEAN", "RSTD", "REC", "Y2")
 BWD_INPUTS = ("X", "W", "B", "DY", "DRES", "MEAN", "RSTD", "REC")
 BWD_SCALARS = ("offset", "M", "stride_xm", "stride_dym", "stride_dresm")
 BWD_OUTPUTS = ("DX", "DW_PART", "DB_PART")
@@ -201,7 +201,7 @@ REC_CHUNK = 1024  # columns per step of the forward's recovery of the weight (pr
 @functools.lru_cache(maxsize=8192)
 def plan_forward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_dtype: str | None, opts: Options,
                  store_stats: bool, layout: tuple, num_sms: int, store_rec: bool = False, rec_in_rstd: bool = False,
-                 has_trip: bool = False) -> KernelCall:
+                 has_trip: bool = False, y2_dtype: str | None = None) -> KernelCall:
     """The forward launch over M >= 1 rows; ``w_dtype``/``b_dtype`` None for an absent weight/bias.
 
     ``layout`` is ``(stride_xm, x_col, stride_rm, r_col, w_stride, b_stride)`` in elements, column
@@ -209,6 +209,7 @@ def plan_forward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_dt
     count, sizes the persistent LayerNorm grid (``forward_tile``). ``store_rec``: the backward will
     read y, so program 0 also writes the weight's recovery (``Op.fwd_buffers``; in RSTD with
     ``rec_in_rstd``), and sets the flag TRIP (``has_trip``) where the weight breaks the safety rule.
+    ``y2_dtype``: y is also stored in this dtype (Y2, ``Op.fwd_buffers``), with the same tile and grid.
     """
     assert store_stats or not store_rec
     stride_xm, x_col, stride_rm, r_col, w_stride, b_stride = layout
@@ -233,7 +234,7 @@ def plan_forward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_dt
         scalar_names=FWD_SCALARS,
         scalars=(_f32(opts.eps), _f32(opts.offset), M, stride_xm, stride_rm),
         outputs=FWD_OUTPUTS,
-        out_specs=op.fwd_buffers(M, N, x_dtype, store_stats, store_rec, rec_in_rstd),
+        out_specs=op.fwd_buffers(M, N, x_dtype, store_stats, store_rec, rec_in_rstd, y2_dtype),
         constexprs=dict(
             N=N,
             **op.fwd_flags,
@@ -244,6 +245,7 @@ def plan_forward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_dt
             STORE_REC=store_rec,
             REC_IN_RSTD=store_rec and rec_in_rstd,
             HAS_TRIP=has_trip,
+            HAS_Y2=y2_dtype is not None,
             W_MIN=OUTPUT_W_MIN[x_dtype] if store_rec else 0.0,
             BIAS_RATIO=OUTPUT_BIAS_RATIO if store_rec else 0.0,
             BOUND_SCALE=_f32(norm_math.bound_scale(N, x_dtype)) if store_rec else 0.0,

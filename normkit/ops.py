@@ -69,6 +69,13 @@ class Grads:
         object.__setattr__(self, "reduces", bool(self.dw or self.db))
 
 
+def copies_exactly(x_dtype: str, dtype: str) -> bool:
+    """Whether y, in ``x_dtype``, has a copy in ``dtype`` that the forward can write beside it (Y2): a
+    dtype that holds every ``x_dtype`` value exactly (x's own, or a wider float), so that the copy is
+    ``y.to(dtype)`` bit for bit whatever the rounding of the conversion."""
+    return dtype == x_dtype or (dtype in ("float32", "float64") and ELEM_BYTES[dtype] > ELEM_BYTES[x_dtype])
+
+
 def rec_offset(M: int) -> int:
     """Where the weight's recovery begins in an RSTD buffer that holds it after M rows' statistics: M
     rounded up to a multiple of 4 floats, so that it is as 16-byte aligned as the buffer (the kernels
@@ -137,11 +144,12 @@ class Op:
     # (meta) functions and the JAX abstract rules all read these, so they cannot drift apart.
 
     def fwd_buffers(self, M: int, N: int, x_dtype: str, store_stats: bool, store_rec: bool = False,
-                    rec_in_rstd: bool = False) -> dict:
+                    rec_in_rstd: bool = False, y2_dtype: str | None = None) -> dict:
         """``store_rec``: the backward will read y, so the forward also writes the weight's recovery
         (``norm_math.recovery``: 1 / w_y per column, then the poison; N + 1 fp32 values), as a buffer
         REC of its own or, ``rec_in_rstd``, in RSTD after its M rows, from ``rec_offset(M)`` (one
-        allocation for both)."""
+        allocation for both). ``y2_dtype``: the forward also writes y in that dtype, Y2 (a dtype that
+        holds y exactly: ``copies_exactly``), for consumers that take y in it."""
         out = {"Y": ((M, N), x_dtype)}
         if self.has_residual:
             out["S"] = ((M, N), x_dtype)
@@ -151,6 +159,8 @@ class Op:
             out["RSTD"] = ((rec_offset(M) + N + 1 if store_rec and rec_in_rstd else M,), "float32")
         if store_rec and not rec_in_rstd:
             out["REC"] = ((N + 1,), "float32")
+        if y2_dtype is not None:
+            out["Y2"] = ((M, N), y2_dtype)
         return out
 
     def bwd_buffers(self, M: int, N: int, x_dtype: str, grads: Grads, w_dtype: str | None,

@@ -254,7 +254,7 @@ def plans(op: Op, arrays: dict, opts) -> dict:
     cap = _Capture()
     driver.forward(cap, op, x, r, w, b, opts, False)
     out["fwd"] = cap.plan()
-    _, s, mean, rstd, _ = driver.forward(backend, op, x, r, w, b, opts, True)
+    _, s, mean, rstd, _, _ = driver.forward(backend, op, x, r, w, b, opts, True)
     b_dtype = backend.dtype(b) if b is not None else None
     for mode, grads in (("bwd_frozen", Grads(dx=True, dw=False)),
                         ("bwd_full", Grads(dx=True, dw=w is not None, db=b is not None))):

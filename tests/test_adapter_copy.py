@@ -17,11 +17,13 @@ import numpy as np
 import peft
 import pytest
 import torch
+import torch.utils._python_dispatch
 import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from peft.helpers import disable_input_dtype_casting
 
+import normkit
 import torch_frontend as tf
 from normkit.ops import OPS
 from normkit.testing import assert_close
@@ -213,6 +215,90 @@ def test_the_norm_keeps_the_adapters_copy_itself():
                                     for t in hidden)
     (q.float().sum() + k.float().square().sum() + v.float().sum()).backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+class _Conversions(torch.utils._python_dispatch.TorchDispatchMode):
+    """The dtype conversions of hidden-state-shaped tensors that run inside the block: ``(from, to)``
+    each (what ``y.to(dtype)`` would run; the interpreter's own copies move raw bytes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+            src = args[0] if func is torch.ops.aten._to_copy.default else args[1]
+            if tuple(src.shape) == (BATCH, SEQ, HIDDEN) and src.dtype != out.dtype:
+                self.found.append((src.dtype, out.dtype))
+        return out
+
+
+@pytest.mark.parametrize("trained", [False, True])
+def test_the_norm_writes_the_copy_in_its_forward_kernel(trained):
+    """An eager PEFT step: the input norm's forward is one launch of ``norm_fwd_kernel`` with HAS_Y2, which
+    writes y and its fp32 copy; no conversion of y runs beside it. The copy is ``y.float()`` bit for bit,
+    and the gradients still reach x (and the trained weight)."""
+    _, model, _ = _pair("llama", ATTN, seed=24)
+    norm = model.base_model.model.model.layers[0].input_layernorm
+    norm.weight.requires_grad_(trained)
+    g = torch.Generator().manual_seed(25)
+    x = (torch.randn(BATCH, SEQ, HIDDEN, generator=g) * 2 + 0.1).to(torch.bfloat16).to(DEVICE).requires_grad_()
+    with normkit.record_launches() as log, _Conversions() as conversions:
+        y = norm(x)
+    (fwd,) = log.of("norm_fwd_kernel")
+    assert fwd.flags["HAS_Y2"] and fwd.flags["STORE_STATS"]
+    assert log.kernels() == ["norm_fwd_kernel"] and conversions.found == [], (log, conversions.found)
+    copy_ = F.copy_of(y, torch.float32)
+    assert copy_ is not None and copy_.dtype == torch.float32
+    assert torch.equal(copy_.view(torch.int32), y.float().view(torch.int32))
+    ref = OPS["rms_norm"].reference(x.detach().double().cpu().numpy(), norm.weight.detach().double().cpu().numpy(),
+                                    eps=norm.eps)
+    assert_close(y.double().detach().cpu().numpy(), ref, "bfloat16", "y")
+    (copy_ * torch.linspace(-1, 1, HIDDEN, device=DEVICE)).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    assert (norm.weight.grad is not None) == trained
+
+
+def test_a_call_with_the_copy_and_one_without_do_not_share_a_plan():
+    """The copy's dtype is part of the call signature: the same norm and tensors, called with and without
+    the copy (and again), launch HAS_Y2 exactly when the copy is asked for, on each route (eager and
+    no-grad), and the copy is attached only then."""
+    from torch_frontend import _bound
+
+    spec = OPS["rms_norm"]
+    g = torch.Generator().manual_seed(26)
+    x = torch.randn(8, HIDDEN, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_()
+    w = (torch.rand(HIDDEN, generator=g) + 0.5).to(torch.bfloat16).to(DEVICE)
+    _bound.BOUND.clear()
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            for copy_ in [(torch.float32, True), None, (torch.float32, False), None]:
+                with normkit.record_launches() as log:
+                    y = F._apply(spec, x, None, w, None, 1e-6, 0.0, "llama", "auto", None, copy_)
+                (fwd,) = log.of("norm_fwd_kernel")
+                assert fwd.flags["HAS_Y2"] == (copy_ is not None) and fwd.flags["STORE_STATS"] == grad
+                c = F.copy_of(y, torch.float32)
+                assert (c is None) == (copy_ is None)
+                assert c is None or torch.equal(c.view(torch.int32), y.float().view(torch.int32))
+    assert len(_bound.BOUND) == 4  # with and without the copy, with and without a backward
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_the_copy_of_no_rows(op):
+    """No rows: no launch, and the copy is an empty fp32 tensor of y's shape."""
+    spec = OPS[op]
+    x = torch.randn(2, 0, HIDDEN).to(torch.bfloat16).to(DEVICE).requires_grad_()
+    args = {"residual": torch.randn(2, 0, HIDDEN).to(torch.bfloat16).to(DEVICE),
+            "weight": torch.ones(HIDDEN, dtype=torch.bfloat16, device=DEVICE),
+            "bias": torch.zeros(HIDDEN, dtype=torch.bfloat16, device=DEVICE)}
+    with normkit.record_launches() as log:
+        outs = F._apply(spec, x, *(args[k] if k in spec.inputs else None for k in ("residual", "weight", "bias")),
+                        spec.default_eps, 0.0, "llama", "auto", None, (torch.float32, True))
+    y = outs[0] if spec.has_residual else outs
+    c = F.copy_of(y, torch.float32)
+    assert not log.of("norm_fwd_kernel") and c is not None and c.shape == y.shape == x.shape
+    assert c.dtype == torch.float32 and c.numel() == 0
 
 
 def test_dropout_draws_each_adapters_own_mask():

@@ -125,6 +125,35 @@ def test_rows_read_in_two_passes_are_accessed_128_bits_wide_without_fp64(op):
     assert not _f64_instructions(inductor), dict(_f64_instructions(inductor))
 
 
+@pytest.mark.parametrize("op,chunk", [(op, c) for op in sorted(OPS) for c in (0, N // 2) if OPS[op].is_rms or not c],
+                         ids=lambda v: v if isinstance(v, str) else "two passes" if v else "one pass")
+def test_the_copy_of_y_adds_only_its_own_128_bit_stores(op, chunk):
+    """HAS_Y2 (the forward also stores y widened to fp32, Y2) adds stores and nothing else, one pass or
+    two: the same loads, and Y2's stores 128 bits wide, twice as many as y's bf16 ones (four fp32 per
+    store against eight bf16), with no fp64 under Inductor's typing. The plan is otherwise the plan
+    without the copy: the same constexprs, tile and grid."""
+    import dataclasses
+
+    spec = OPS[op]
+    b = "bfloat16" if "bias" in spec.params else None
+    layout = (N, 1, *((N, 1) if spec.has_residual else (0, 1)), 1, 1)
+    plain, dtypes = fwd_call(op)
+    copying = plan_forward(spec, M, N, "bfloat16", "bfloat16", b, spec.options(eps=spec.default_eps), True, layout,
+                           SMS, y2_dtype="float32")
+    assert plain.constexprs["HAS_Y2"] is False and "Y2" not in plain.out_specs
+    assert copying.constexprs == dict(plain.constexprs, HAS_Y2=True)
+    assert (copying.grid, copying.num_warps) == (plain.grid, plain.num_warps)
+    assert copying.out_specs["Y2"] == ((M, N), "float32")
+    before, after = (global_accesses(ptx(dataclasses.replace(c, constexprs=dict(c.constexprs, CHUNK_N=chunk), cache={}),
+                                         dtypes, integer_hints=False)) for c in (plain, copying))
+    assert {k: v for k, v in after.items() if k.startswith("ld.")} == {k: v for k, v in before.items()
+                                                                       if k.startswith("ld.")}, (before, after)
+    y_stores = before["st.global.v4.b32"] // (2 if spec.has_residual else 1)  # the fused add also stores s
+    assert y_stores > 0 and after - before == {"st.global.v4.b32": 2 * y_stores}, (before, after)
+    inductor = ptx(copying, dtypes, integer_hints=True, float_type="fp64")
+    assert not _f64_instructions(inductor), dict(_f64_instructions(inductor))
+
+
 def test_an_absent_input_does_not_decide_the_row_addressing():
     """A present strided residual still sends the plan to the run-time strides; an absent one does not."""
     op = OPS["fused_add_rms_norm"]

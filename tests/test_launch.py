@@ -116,6 +116,34 @@ def test_grids_cover_the_rows_with_few_partials(op):
             assert red.scalars == (G,) and red.grid[0] * block_n >= N > (red.grid[0] - 1) * block_n, what
 
 
+def test_the_forwards_copy_of_y_is_asked_only_in_a_dtype_that_holds_y():
+    """``y2_dtype`` (the forward also stores y in that dtype, Y2) is x's own dtype or a wider float: a
+    copy in any other dtype would round y, so the driver refuses it before planning (rows or none);
+    the plan of a copy is keyed apart from the plan without one."""
+    torch = pytest.importorskip("torch")
+    from normkit import driver
+    from normkit.ops import copies_exactly
+    from torch_frontend._backend import BACKEND
+
+    holds = {(x, c) for x in ("bfloat16", "float16", "float32") for c in ("bfloat16", "float16", "float32", "float64")
+             if copies_exactly(x, c)}
+    assert holds == {("bfloat16", "bfloat16"), ("bfloat16", "float32"), ("bfloat16", "float64"),
+                     ("float16", "float16"), ("float16", "float32"), ("float16", "float64"),
+                     ("float32", "float32"), ("float32", "float64")}
+    spec = OPS["rms_norm"]
+    opts = spec.options(eps=spec.default_eps)
+    for x_dtype, y2_dtype in (("float32", "bfloat16"), ("bfloat16", "float16"), ("float16", "bfloat16")):
+        for M in (0, 3):
+            x = torch.randn(M, 8).to(getattr(torch, x_dtype))
+            with pytest.raises(TypeError, match=f"cannot write a {y2_dtype} copy of a {x_dtype} output"):
+                driver.forward(BACKEND, spec, x, None, None, None, opts, False, y2_dtype=y2_dtype)
+    layout = (64, 1, 0, 1, 1, 1)
+    plain = launch.plan_forward(spec, 8, 64, "bfloat16", "bfloat16", None, opts, True, layout, 4)
+    copying = launch.plan_forward(spec, 8, 64, "bfloat16", "bfloat16", None, opts, True, layout, 4, y2_dtype="float32")
+    assert plain is not copying and not plain.constexprs["HAS_Y2"] and copying.constexprs["HAS_Y2"]
+    assert set(copying.out_specs) - set(plain.out_specs) == {"Y2"}
+
+
 def test_nested_launch_records_close_in_any_state():
     """``record_launches`` blocks nest: a launch reaches every open block, and closing the inner block
     (whose log then equals the outer one's) leaves the outer one recording."""

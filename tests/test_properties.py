@@ -448,3 +448,96 @@ def test_looped_tiles_match_reference(frontend, tier, looped_tiles):
         Spec("layer_norm", (40, 96), "bfloat16", "bfloat16", "float32", trained=("bias", "weight", "x")),
         Spec("fused_add_rms_norm", (3, 11, 64), "float32", "float32", trained=("x",), x_layout="strided_rows"),
     ])
+
+
+# ---------------------------------------------------------------------------------------------
+# The forward's copy of y (HAS_Y2: y stored a second time, widened, by the same pass), on each tile
+# shape, forced through ``normkit.launch.forward_tile``: the kernel's own Y2 against Y.
+
+def _tile_forced(tile: str):
+    """A ``launch.forward_tile`` giving every plan the tile ``tile``: "one_pass" (rows in registers),
+    "two_pass" (RMSNorm's rows read twice over half-row chunks) or "looped" (a persistent grid of
+    one-row tiles, each program looping over several)."""
+    from normkit import launch
+
+    planned = launch.forward_tile
+
+    def forced(op, M, N, elem_bytes):
+        block_m, block_n, num_warps, _, _ = planned(op, M, N, elem_bytes)
+        if tile == "looped":
+            return 1, block_n, num_warps, True, 0
+        return block_m, block_n, num_warps, False, block_n // 2 if tile == "two_pass" else 0
+
+    return forced
+
+
+TILE_FLAGS = {"one_pass": lambda f: f["CHUNK_N"] == 0 and f["LOOP_STAGES"] == 0,
+              "two_pass": lambda f: f["CHUNK_N"] > 0, "looped": lambda f: f["LOOP_STAGES"] > 1}
+# (x's dtype, the copy's dtype): bf16 and fp16 widened to fp32, fp32 in fp32, and to fp64
+COPY_DTYPES = [("bfloat16", "float32"), ("float16", "float32"), ("float32", "float32"), ("bfloat16", "float64"),
+               ("float32", "float64")]
+
+
+def _bits(t):
+    """A tensor's bits, as integers of its element size: equal bits, not merely equal values."""
+    import torch
+
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+@pytest.mark.parametrize("op,tile", [(op, tile) for op in sorted(OPS) for tile in sorted(TILE_FLAGS)
+                                     if tile != "two_pass" or OPS[op].is_rms])  # LayerNorm: no two-pass tile
+def test_the_forwards_copy_of_y_is_y_widened_on_every_tile(op, tile, monkeypatch):
+    """``norm_fwd_kernel`` with HAS_Y2 (the forward of ``driver.forward(..., y2_dtype=...)``, through the
+    Torch backend, outputs poisoned): Y2 is ``Y.to(Y2's dtype)`` bit for bit, Y and S are bitwise
+    those of the same plan without Y2, and Y is the float64 reference's; on 24 rows (the looped grid's
+    programs take several tiles), contiguous or sliced out of wider rows, with statistics and the
+    weight's recovery stored or not."""
+    torch = pytest.importorskip("torch")
+    import normkit
+    from normkit import driver, launch
+    from normkit.testing import poisoned_outputs, random_inputs
+    from torch_frontend._backend import BACKEND, TORCH_DTYPES
+
+    spec = OPS[op]
+    M, N = 24, 64
+    launch.plan_forward.cache_clear()
+    try:
+        with monkeypatch.context() as m, poisoned_outputs():
+            m.setattr(launch, "forward_tile", _tile_forced(tile))
+            for i, (x_dtype, y2_dtype) in enumerate(COPY_DTYPES):
+                rng = np.random.default_rng(zlib.crc32(f"{op} {tile} {x_dtype} {y2_dtype}".encode()))
+                inp = random_inputs(spec, (M, N), x_dtype, rng)
+                dt = TORCH_DTYPES[x_dtype]
+                sliced = i % 2 == 1  # rows of a wider array: run-time row strides (ROWS_CONTIGUOUS off)
+
+                def rows(a):
+                    t = torch.tensor(a, dtype=dt)
+                    if sliced:
+                        t = torch.cat([t, torch.randn(M, 16, dtype=dt)], dim=1)[:, :N]
+                    return t
+
+                x, r = rows(inp["x"]), rows(inp["residual"]) if spec.has_residual else None
+                w = torch.tensor(inp["weight"], dtype=dt)
+                b = torch.tensor(inp["bias"], dtype=dt) if "bias" in inp else None
+                opts = spec.options(eps=spec.default_eps)
+                rec = i % 3 == 0  # the output-keeping forward's extra work beside it
+                with normkit.record_launches() as log:
+                    y, s, mean, rstd, _, y2 = driver.forward(BACKEND, spec, x, r, w, b, opts, True, rec, rec,
+                                                             y2_dtype)
+                    y_alone, s_alone, *_, none = driver.forward(BACKEND, spec, x, r, w, b, opts, True, rec, rec)
+                (with_y2, without) = log.of("norm_fwd_kernel")
+                assert with_y2.flags["HAS_Y2"] and not without.flags["HAS_Y2"] and none is None
+                assert TILE_FLAGS[tile](with_y2.flags) and (with_y2.flags["ROWS_CONTIGUOUS"] is not sliced), with_y2
+                what = f"{op} {tile} {x_dtype} -> {y2_dtype}, sliced={sliced}"
+                assert y2.dtype == TORCH_DTYPES[y2_dtype] and y2.shape == y.shape and y2.is_contiguous(), what
+                assert torch.isfinite(y).all() and torch.equal(_bits(y2), _bits(y.to(y2.dtype))), what
+                assert torch.equal(_bits(y), _bits(y_alone)), what
+                outs, _ = spec.run_reference({k: inp[k] for k in spec.inputs}, opts,
+                                             {"y": inp["dy"], "residual_out": inp.get("ds")})
+                assert_close(y.double().numpy(), outs["y"], x_dtype, what)
+                if spec.has_residual:
+                    assert torch.equal(_bits(s), _bits(s_alone)), what
+                    assert_close(s.double().numpy(), outs["residual_out"], x_dtype, what)
+    finally:
+        launch.plan_forward.cache_clear()

@@ -74,7 +74,7 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, route, x, weight):
-        y, _, _, rstd, rec = route.forward(x, None, weight, None)
+        y, _, _, rstd, rec, _ = route.forward(x, None, weight, None)
         ctx.route = route
         ctx.save_for_backward(y if route.from_output else x, weight, None, rec, rstd)
         return y
@@ -91,7 +91,7 @@ class LayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, route, x, weight, bias):
-        y, _, mean, rstd, rec = route.forward(x, None, weight, bias)
+        y, _, mean, rstd, rec, _ = route.forward(x, None, weight, bias)
         ctx.route = route
         if route.from_output:
             ctx.save_for_backward(y, weight, bias, rec, rstd)
@@ -111,7 +111,7 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, route, x, residual, weight):
-        y, s, _, rstd, rec = route.forward(x, residual, weight, None)
+        y, s, _, rstd, rec, _ = route.forward(x, residual, weight, None)
         ctx.route = route
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(y if route.from_output else s, weight, None, rec, rstd)
@@ -129,14 +129,17 @@ class WithCopyFunction(torch.autograd.Function):
     """``forward(route, copy, x, residual, weight, bias)``: the op's outputs by an eager ``route`` (a
     ``Bound``), followed by y in the dtype ``copy[0]`` (an exact widening: the same values as
     ``y.to(copy[0])``), for consumers that would each convert y to that dtype (PEFT's LoRA layers,
-    ``torch_frontend.patch``). Where the route keeps the output and ``copy[1]`` says the consumers keep
-    that copy for their own backward, the norm keeps the copy instead of y: nothing of its own. The
-    backward adds the copy's gradient to y's in fp32."""
+    ``torch_frontend.patch``). A route bound with that dtype (``Bound.y2_dtype``) has its forward kernel
+    store the copy beside y, in the same pass (Y2); otherwise (x's own dtype: y itself) y is converted.
+    Where the route keeps the output and ``copy[1]`` says the consumers keep that copy for their own
+    backward, the norm keeps the copy instead of y: nothing of its own. The backward adds the copy's
+    gradient to y's in fp32."""
 
     @staticmethod
     def forward(ctx, route, copy, x, residual, weight, bias):
-        y, s, mean, rstd, rec = route.forward(x, residual, weight, bias)
-        y2 = y.to(copy[0])
+        y, s, mean, rstd, rec, y2 = route.forward(x, residual, weight, bias)
+        if y2 is None:
+            y2 = y.to(copy[0])
         ctx.route, ctx.y_dtype = route, y.dtype
         ctx.set_materialize_grads(False)
         if route.from_output:

@@ -1,7 +1,8 @@
 """Eager call signatures and their bound plans: the Torch frontend's one cache.
 
 A call signature is the op, its options (``save`` among them), whether the forward stores statistics
-for a backward, and each tensor's class, shape, strides, dtype and device: everything
+for a backward, the dtype of the copy of y it writes for y's consumers (if any: ``key``'s ``copy``),
+and each tensor's class, shape, strides, dtype and device: everything
 ``normkit.driver.Bound``'s plans fix. Its first eager call is validated (``bind``); a repeated one (a
 training loop's) finds its ``Signature`` by ``key`` and launches a ``Bound`` with no validation,
 planning or reshaping.
@@ -37,11 +38,14 @@ BOUND_LIMIT = 4096  # distinct call signatures kept (a model has a handful); pas
 DECISIONS_LIMIT = 4096  # weight versions remembered per signature: every layer's norm of one width shares one
 
 
-def key(op: Op, eps, offset, casting_mode, store_stats: bool, x, residual, weight, bias, save: str = "auto") -> tuple:
+def key(op: Op, eps, offset, casting_mode, store_stats: bool, x, residual, weight, bias, save: str = "auto",
+        copy: torch.dtype | None = None) -> tuple:
     """The signature of a call (each option with its class: ``1e-6`` and ``np.float64(1e-6)`` are
-    validated apart). Raises AttributeError for a non-tensor, RuntimeError for a tensor without
-    strides or sizes (sparse, nested): the caller then validates, which names it."""
-    return (op.name, store_stats, save, eps.__class__, eps, offset.__class__, offset, casting_mode.__class__,
+    validated apart). ``copy``: the dtype in which the forward also writes y (Y2), or None: a plan
+    with that store and one without are bound apart. Raises AttributeError for a non-tensor,
+    RuntimeError for a tensor without strides or sizes (sparse, nested): the caller then validates,
+    which names it."""
+    return (op.name, store_stats, save, copy, eps.__class__, eps, offset.__class__, offset, casting_mode.__class__,
             casting_mode, x.__class__, x.shape, x.stride(), x.dtype, x.device,
             None if residual is None else (residual.__class__, residual.shape, residual.stride(), residual.dtype,
                                            residual.device),
@@ -139,10 +143,12 @@ class Signature:
     """A validated call signature: its ``Bound`` for each choice of what the backward keeps, and the
     choices made for the weights seen with it."""
 
-    __slots__ = ("op", "opts", "store_stats", "b_dtype", "save", "fixed", "_bounds", "_decisions")
+    __slots__ = ("op", "opts", "store_stats", "b_dtype", "save", "y2_dtype", "fixed", "_bounds", "_decisions")
 
-    def __init__(self, op: Op, opts: Options, store_stats: bool, b_dtype: str, save: str):
+    def __init__(self, op: Op, opts: Options, store_stats: bool, b_dtype: str, save: str,
+                 y2_dtype: str | None = None):
         self.op, self.opts, self.store_stats, self.b_dtype, self.save = op, opts, store_stats, b_dtype, save
+        self.y2_dtype = y2_dtype  # the dtype of y's copy that each Bound's forward writes (None: none)
         self._bounds = [None, None]  # keeping the input, keeping the output
         self._decisions = Decisions()
         # where there is nothing to decide (no backward, or save="input"), every call's Bound: the
@@ -156,10 +162,11 @@ class Signature:
         if b is None:
             if from_output and device is not None and _compat.transforms_active():
                 # under a torch.func transform the Function raises before any launch: nothing is kept
-                return driver.Bound(BACKEND, self.op, self.opts, self.store_stats, from_output, self.b_dtype)
+                return driver.Bound(BACKEND, self.op, self.opts, self.store_stats, from_output, self.b_dtype,
+                                    y2_dtype=self.y2_dtype)
             flag = trip(device) if from_output and device is not None else None
             b = self._bounds[from_output] = driver.Bound(BACKEND, self.op, self.opts, self.store_stats, from_output,
-                                                         self.b_dtype, flag)
+                                                         self.b_dtype, flag, self.y2_dtype)
         return b
 
     @property
@@ -187,10 +194,11 @@ class Signature:
 
 
 def bind(k: tuple | None, op: Op, opts: Options, store_stats: bool, b_dtype: str = "float32",
-         save: str = "auto") -> Signature:
-    """The ``Signature`` of a validated call (``b_dtype``: the bias's dtype, dB's), remembered under
-    ``k`` (None: not remembered)."""
-    sig = Signature(op, opts, store_stats, b_dtype, save)
+         save: str = "auto", y2_dtype: str | None = None) -> Signature:
+    """The ``Signature`` of a validated call (``b_dtype``: the bias's dtype, dB's; ``y2_dtype``: the dtype
+    of y's copy its forward writes, as ``key``'s ``copy``), remembered under ``k`` (None: not
+    remembered)."""
+    sig = Signature(op, opts, store_stats, b_dtype, save, y2_dtype)
     if k is not None:
         remember(k, sig)
     return sig

@@ -26,7 +26,7 @@ from normkit.ops import OPS, Casting, Grads, Op, Options, rec_offset
 from torch_frontend import _bound, _compat
 from torch_frontend._backend import INDUCTOR_BACKEND, TORCH_DTYPES, copy_rows, dtype_name, row_view
 
-FWD_RESULTS = driver.FWD_RESULTS  # Y, S, MEAN, RSTD, REC
+FWD_RESULTS = driver.FWD_RESULTS[:5]  # Y, S, MEAN, RSTD, REC: the ops write no copy of y (Y2)
 BWD_RESULTS = ("DX", "DW", "DB")
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # what the eager path launches on directly
@@ -73,7 +73,7 @@ def _norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optiona
     spec, opts = OPS[op], Options(eps, offset, Casting(casting))
     k = _bound.key(spec, eps, offset, casting, store_stats, x, residual, weight, bias)
     bound = (_bound.BOUND.get(k) or _bound.bind(k, spec, opts, store_stats)).bound(store_rec)
-    y, s, mean, rstd, _ = bound.forward(x, residual, weight, bias)
+    y, s, mean, rstd, _, _ = bound.forward(x, residual, weight, bias)
     rec = None
     if store_rec:
         M = x.numel() // max(x.shape[-1], 1)
@@ -104,7 +104,7 @@ def _inductor_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Opt
                                           store_rec)
     shape = x.shape
     outs = driver.forward(INDUCTOR_BACKEND, OPS[op], _rows(x, "x"), _rows(residual, "residual"), weight, bias,
-                          Options(eps, offset, Casting(casting)), store_stats, store_rec)
+                          Options(eps, offset, Casting(casting)), store_stats, store_rec)[:len(FWD_RESULTS)]
     lead = shape[:-1]
     return [_absent(x) if t is None else t.view(shape) if i < 2 else t.view(lead) if i < 4 else t
             for i, t in enumerate(outs)]
@@ -166,12 +166,13 @@ _compat.mark_dynamo_constant(triton_ops_registered)
 
 
 def forward(op: Op, x, residual, weight, bias, opts: Options, store_stats: bool, store_rec: bool = False) -> tuple:
-    """``(y, residual_out, mean, rstd, rec)`` through the call's operators; an absent result is None.
-    ``store_rec``: the backward will read y (the weight's recovery is computed too)."""
+    """``(y, residual_out, mean, rstd, rec, None)``, as ``normkit.driver.forward``'s results, through the
+    call's operators; an absent result is None (y's copy, Y2, always: the traced routes convert y
+    themselves). ``store_rec``: the backward will read y (the weight's recovery is computed too)."""
     fwd, _ = _operators(x, residual, weight, bias)
     outs = fwd(x, residual, weight, bias, op.name, opts.eps, opts.offset, int(opts.casting), store_stats, store_rec)
     present = op.fwd_buffers(1, 1, "float32", store_stats, store_rec)
-    return tuple(t if name in present else None for name, t in zip(FWD_RESULTS, outs))
+    return (*(t if name in present else None for name, t in zip(FWD_RESULTS, outs)), None)
 
 
 def backward(op: Op, saved, weight, bias, dy, dres, mean, rstd, rec, opts: Options, grads: Grads,

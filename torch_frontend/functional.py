@@ -25,9 +25,9 @@ from typing import Optional
 import torch
 
 from normkit import checks
-from normkit.ops import FUSED_ADD_RMS_NORM, LAYER_NORM, RMS_NORM, Op, Options
+from normkit.ops import FUSED_ADD_RMS_NORM, LAYER_NORM, PARAM_DTYPES, RMS_NORM, X_DTYPES, Op, Options, copies_exactly
 from torch_frontend import _autograd, _bound, _compat, _composite, _save
-from torch_frontend._backend import DTYPE_NAMES, NormkitCopyWarning, dtype_name, resolve_neg
+from torch_frontend._backend import DTYPE_NAMES, TORCH_DTYPES, NormkitCopyWarning, dtype_name, resolve_neg
 from torch_frontend._library_ops import subclassed
 
 __all__ = ["rms_norm", "layer_norm", "fused_add_rms_norm", "NormkitCopyWarning"]
@@ -75,10 +75,11 @@ def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode, save, k
     knows of its weight for the traced route (``torch_frontend.modules``). ``copy``: ``(dtype, keep)``
     where the output's consumers take it in another dtype (``torch_frontend.patch``): on the eager and
     no-grad routes y then carries that copy (``copy_of``), and with ``keep`` a norm keeping its output
-    keeps the copy instead."""
+    keeps the copy instead. The signature's forward kernel writes that copy beside y where it holds y
+    exactly and is not y's own dtype (``_KERNEL_COPIES``); otherwise y is converted."""
     if torch.compiler.is_compiling():  # traced
         return _compiled(op, x, residual, weight, bias, eps, offset, casting_mode, save, known)
-    k = None
+    k = y2_dtype = None
     try:
         store_stats = torch.is_grad_enabled() and not torch.is_inference_mode_enabled() and (
             x.requires_grad or (residual is not None and residual.requires_grad)
@@ -87,7 +88,9 @@ def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode, save, k
                 bias is not None and bias.is_neg()):
             x, residual, weight, bias = (resolve_neg(t, name) for t, name in
                                          ((x, "x"), (residual, "residual"), (weight, "weight"), (bias, "bias")))
-        k = _bound.key(op, eps, offset, casting_mode, store_stats, x, residual, weight, bias, save)
+        if copy is not None and (x.dtype, copy[0]) in _KERNEL_COPIES:
+            y2_dtype = copy[0]
+        k = _bound.key(op, eps, offset, casting_mode, store_stats, x, residual, weight, bias, save, y2_dtype)
         sig = _bound.BOUND.get(k)  # hashes the key: raises TypeError for an unhashable option
     except (AttributeError, TypeError, RuntimeError):  # not a tensor, an unhashable option, a tensor without
         # strides or sizes (sparse, mkldnn, nested): the checks below name it
@@ -102,12 +105,13 @@ def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode, save, k
             if not store_stats and not _compat.transforms_active():
                 return _outputs(op, route.forward(x, residual, weight, bias))
             return _autograd.apply(route, op, x, residual, weight, bias)
-        sig = _bound.bind(k, op, opts, store_stats, b_dtype, save)  # k None (not keyable): not remembered
+        # k None (not keyable): not remembered
+        sig = _bound.bind(k, op, opts, store_stats, b_dtype, save, None if y2_dtype is None else DTYPE_NAMES[y2_dtype])
     bound = sig.fixed or sig.route(x, weight, bias)
     if not store_stats and not _compat.transforms_active():  # no-grad
-        y, s, _, _, _ = bound.forward(x, residual, weight, bias)
+        y, s, _, _, _, y2 = bound.forward(x, residual, weight, bias)
         if copy is not None:
-            _attach_copy(y, y.to(copy[0]))
+            _attach_copy(y, y.to(copy[0]) if y2 is None else y2)
         return (y, s) if op.has_residual else y
     if copy is not None:  # eager, with the consumers' copy of y
         *outs, y2 = _autograd.apply(bound, op, x, residual, weight, bias, copy)
@@ -117,6 +121,11 @@ def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode, save, k
 
 
 _COPY = "_normkit_copy"  # the attribute of an output that carries its copy in another dtype
+
+# (x's dtype, the copy's dtype) where the forward kernel writes y's copy beside y (Y2): a wider dtype, which
+# holds y exactly (normkit.ops.copies_exactly); in x's own dtype the copy is y itself (``y.to``)
+_KERNEL_COPIES = frozenset((TORCH_DTYPES[a], TORCH_DTYPES[b]) for a in X_DTYPES for b in PARAM_DTYPES
+                           if a != b and copies_exactly(a, b))
 
 
 def _attach_copy(y, y2) -> None:

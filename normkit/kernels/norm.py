@@ -118,9 +118,22 @@ def _store_recovery(W, B, REC, TRIP, offset, X, N: tl.constexpr, HAS_W: tl.const
 
 
 @triton.jit
-def _fwd_tile(tile, X, R, Y, S, MEAN, RSTD, eps, offset, M, stride_xm, stride_rm, w, b, cols, col_mask, W,
+def _store_y(Y, Y2, y, rows64, cols, mask, N: tl.constexpr, HAS_Y2: tl.constexpr):
+    """The block of y (fp32) rounded to Y's dtype (x's) and stored to the contiguous [M, N] Y; HAS_Y2:
+    that rounded value also stored to Y2, converted to Y2's dtype (an exact widening: Y2 holds the
+    very values of ``Y.to(Y2's dtype)``)."""
+    y_ptrs = Y + rows64[:, None] * N + cols[None, :]  # the address, then the rounding: without HAS_Y2 the
+    # same instructions, in the same order, as a plain store of y.to(Y.dtype.element_ty)
+    yv = y.to(Y.dtype.element_ty)
+    tl.store(y_ptrs, yv, mask=mask)
+    if HAS_Y2:
+        tl.store(Y2 + rows64[:, None] * N + cols[None, :], yv.to(Y2.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fwd_tile(tile, X, R, Y, S, MEAN, RSTD, Y2, eps, offset, M, stride_xm, stride_rm, w, b, cols, col_mask, W,
               N: tl.constexpr, IS_RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_W: tl.constexpr,
-              HAS_B: tl.constexpr, CASTING: tl.constexpr, STORE_STATS: tl.constexpr,
+              HAS_B: tl.constexpr, CASTING: tl.constexpr, STORE_STATS: tl.constexpr, HAS_Y2: tl.constexpr,
               ROWS_CONTIGUOUS: tl.constexpr, X_COL_STRIDE: tl.constexpr, R_COL_STRIDE: tl.constexpr,
               W_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_N: tl.constexpr):
     """The forward of one tile of BLOCK_M rows (``w``/``b``: the preloaded parameters of the one-pass path)."""
@@ -140,7 +153,7 @@ def _fwd_tile(tile, X, R, Y, S, MEAN, RSTD, eps, offset, M, stride_xm, stride_rm
             var = tl.sum(xc * xc, axis=1) * (1.0 / N)
         rstd = 1.0 / tl.sqrt(var + eps)
         y = _scale_shift(xc, rstd, w, b, X, HAS_W, HAS_B, CASTING)
-        tl.store(Y + rows64[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)  # contiguous
+        _store_y(Y, Y2, y, rows64, cols, mask, N, HAS_Y2)
     else:
         # first pass: the sum of squares, chunk by chunk, each chunk kept in L2 for the second
         acc = tl.zeros((BLOCK_M, CHUNK_N), dtype=tl.float32)
@@ -170,7 +183,7 @@ def _fwd_tile(tile, X, R, Y, S, MEAN, RSTD, eps, offset, M, stride_xm, stride_rm
             else:
                 w = None
             y = _scale_shift(x, rstd, w, None, X, HAS_W, False, CASTING)
-            tl.store(Y + rows64[:, None] * N + ccols[None, :], y.to(Y.dtype.element_ty), mask=cmask)
+            _store_y(Y, Y2, y, rows64, ccols, cmask, N, HAS_Y2)
     if STORE_STATS:
         tl.store(RSTD + rows64, rstd, mask=row_mask)
         if not IS_RMS:
@@ -194,6 +207,7 @@ def norm_fwd_kernel(
     MEAN,  # per-row mean, fp32 [M] (STORE_STATS and not IS_RMS)
     RSTD,  # per-row 1/std, fp32 [M] (STORE_STATS); [rec_offset(M) + N + 1] with REC after the rows (REC_IN_RSTD)
     REC,  # fp32 [N + 1] (STORE_REC, not REC_IN_RSTD): 1 / w_y per column, then the poison (_store_recovery)
+    Y2,  # y again [M, N] contiguous (HAS_Y2), in a dtype that holds every x.dtype value exactly: Y's values
     N: tl.constexpr,  # row length; compile-time so masks and vector widths are known
     IS_RMS: tl.constexpr,  # True: RMSNorm (no mean subtraction); False: LayerNorm
     HAS_RESIDUAL: tl.constexpr,  # fused add: normalize s = x + residual and store s
@@ -204,6 +218,7 @@ def norm_fwd_kernel(
     STORE_REC: tl.constexpr,  # the backward reads y (FROM_Y): program 0 writes the weight's recovery REC
     REC_IN_RSTD: tl.constexpr,  # REC lies in RSTD, after its M rows (one buffer for the statistics and REC)
     HAS_TRIP: tl.constexpr,  # TRIP is present
+    HAS_Y2: tl.constexpr,  # also store y, as rounded to x.dtype, widened to Y2's dtype (a consumer's copy)
     W_MIN: tl.constexpr,  # STORE_REC: a column whose |w_y| is below this (x.dtype's bound) is unsafe
     BIAS_RATIO: tl.constexpr,  # STORE_REC: a column whose |b| exceeds this times |w_y| is unsafe
     BOUND_SCALE: tl.constexpr,  # STORE_REC: sqrt(N) (1 + 4u), the largest |x_hat|
@@ -240,14 +255,14 @@ def norm_fwd_kernel(
         if HAS_B:
             b = tl.load(B + cols * B_STRIDE, mask=col_mask, other=0.0).to(tl.float32)
     if LOOP_STAGES == 0:  # one program per tile: straight-line code, no loop around it
-        _fwd_tile(tl.program_id(0), X, R, Y, S, MEAN, RSTD, eps, offset, M, stride_xm, stride_rm, w, b, cols,
-                  col_mask, W, N, IS_RMS, HAS_RESIDUAL, HAS_W, HAS_B, CASTING, STORE_STATS, ROWS_CONTIGUOUS,
+        _fwd_tile(tl.program_id(0), X, R, Y, S, MEAN, RSTD, Y2, eps, offset, M, stride_xm, stride_rm, w, b, cols,
+                  col_mask, W, N, IS_RMS, HAS_RESIDUAL, HAS_W, HAS_B, CASTING, STORE_STATS, HAS_Y2, ROWS_CONTIGUOUS,
                   X_COL_STRIDE, R_COL_STRIDE, W_STRIDE, BLOCK_M, BLOCK_N, CHUNK_N)
     else:
         num_tiles = (M + BLOCK_M - 1) // BLOCK_M
         for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), num_stages=LOOP_STAGES):
-            _fwd_tile(tile, X, R, Y, S, MEAN, RSTD, eps, offset, M, stride_xm, stride_rm, w, b, cols,
-                      col_mask, W, N, IS_RMS, HAS_RESIDUAL, HAS_W, HAS_B, CASTING, STORE_STATS,
+            _fwd_tile(tile, X, R, Y, S, MEAN, RSTD, Y2, eps, offset, M, stride_xm, stride_rm, w, b, cols,
+                      col_mask, W, N, IS_RMS, HAS_RESIDUAL, HAS_W, HAS_B, CASTING, STORE_STATS, HAS_Y2,
                       ROWS_CONTIGUOUS, X_COL_STRIDE, R_COL_STRIDE, W_STRIDE, BLOCK_M, BLOCK_N, CHUNK_N)
     if STORE_REC:
         if tl.program_id(0) == 0:
