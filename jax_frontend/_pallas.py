@@ -320,7 +320,7 @@ def _rope_flags(rows: RopeRows, D: int, opts: Options, interleaved: bool, block_
                 weight) -> dict:
     # At D = 2 the two pairings are one pair, (0, 1), with the same tables: rotate_half's. Interleaved,
     # the 2-column rows would be split into 1-column halves, a shape at which a frozen weight's forward
-    # crashes (SIGSEGV) in the Triton compile of jax 0.11's Pallas GPU lowering (H200).
+    # crashes (SIGSEGV) in the Triton compile of jax 0.11's Pallas GPU lowering.
     return dict(D=D, offset=opts.offset, ROWS=(rows.n1, rows.n2), TABLE_ROWS=rows.table, HAS_W=weight is not None,
                 CASTING=int(opts.casting), INTERLEAVED=interleaved and D > 2, BLOCK_M=block_m, BLOCK_D=block_d)
 

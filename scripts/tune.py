@@ -11,8 +11,9 @@ the best printed with its share of a copy's bandwidth; ``--dry-run`` (CPU, Trito
 each variant once and checks it against the base plan.
 
 ``--write-tiles`` (CUDA, RMSNorm forwards): per key (residual, element bytes, BLOCK_N) the fastest
-one-program-per-tile variant goes to ``normkit/tiles.json`` with its time, ``tile_config``'s tile and time
-as the baseline, the device, date and commit, when it beats that baseline by more than ``ADOPT``;
+one-program-per-tile variant goes to ``normkit/tiles.json`` (and, with its time, ``tile_config``'s tile and
+time as the baseline, the device, date and commit, to ``benchmarks/results/tiles_measured.json``), when it
+beats that baseline by more than ``ADOPT``;
 otherwise the key's entry is removed. Where several swept shapes share a key, the largest decides.
 
     python scripts/tune.py [--shapes 8192x8192,32768x4096] [--ops rms_norm,layer_norm] [--dtypes bfloat16]
@@ -48,6 +49,7 @@ DEFAULT_SHAPES = "8192x8192,32768x4096,65536x2048,4096x1024"
 DRY_RUN_SHAPES = "72x48"  # 3-9 tiles, a ragged row: masks, persistent loops with prefetch, partials
 WARPS = (4, 8, 16)
 TILES = ROOT / "normkit" / "tiles.json"
+TILES_MEASURED = ROOT / "benchmarks" / "results" / "tiles_measured.json"  # each tile's measurement
 ADOPT = 0.02  # --write-tiles: a tile other than tile_config's must be this much faster
 
 
@@ -156,10 +158,12 @@ def tile_choice(op: Op, dtype: str, M: int, N: int, call: KernelCall, results: l
                  "baseline_us": round(timed[default], 1)}
 
 
-def write_tiles(path: Path, choices: dict, device: str, commit: str, date: str) -> dict:
-    """Update the tiles.json at ``path`` with ``choices`` ({key: tile_choice's entry}); returns the table."""
-    table = json.loads(path.read_text())
-    entries = {(e["residual"], e["elem_bytes"], e["block_n"]): e for e in table["rms_forward"]}
+def write_tiles(path: Path, measured_path: Path, choices: dict, device: str, commit: str, date: str) -> dict:
+    """Update the tiles.json at ``path`` with ``choices`` ({key: tile_choice's entry}), and the record of
+    their measurements at ``measured_path`` (the same entries, each with its "measured"); returns the
+    table."""
+    table, record = json.loads(path.read_text()), json.loads(measured_path.read_text())
+    entries = {(e["residual"], e["elem_bytes"], e["block_n"]): e for e in record["rms_forward"]}
     for (residual, elem_bytes, block_n), c in choices.items():
         key = (residual, elem_bytes, block_n)
         if c["tile"] == c["baseline"] or c["us"] >= (1 - ADOPT) * c["baseline_us"]:
@@ -169,8 +173,10 @@ def write_tiles(path: Path, choices: dict, device: str, commit: str, date: str) 
                     "baseline_us": c["baseline_us"], "device": device, "date": date, "commit": commit}
         entries[key] = {"residual": residual, "elem_bytes": elem_bytes, "block_n": block_n, "tile": c["tile"],
                         "measured": measured}
-    table["rms_forward"] = [entries[k] for k in sorted(entries)]
+    record["rms_forward"] = [entries[k] for k in sorted(entries)]
+    table["rms_forward"] = [{k: v for k, v in e.items() if k != "measured"} for e in record["rms_forward"]]
     path.write_text(tiles_text(table))
+    measured_path.write_text(tiles_text(record))
     return table
 
 
@@ -350,7 +356,7 @@ def main(argv=None) -> int:
 
         v = versions()
         commit = f"{v['git']}-dirty" if v["git_dirty"] else v["git"]
-        table = write_tiles(TILES, choices, torch.cuda.get_device_name(), commit, datetime.date.today().isoformat())
+        table = write_tiles(TILES, TILES_MEASURED, choices, torch.cuda.get_device_name(), commit, datetime.date.today().isoformat())
         print(f"wrote {TILES.relative_to(ROOT)}: {len(table['rms_forward'])} entries; {len(choices)} keys measured",
               flush=True)
     return 1 if failures else 0

@@ -125,25 +125,37 @@ def test_tune_writes_the_tiles_it_measured(tune, tmp_path):
     assert key == (False, 2, 2048) and won["tile"] == [1, 8, 0] and won["baseline"] == [2, 4, 0], won
     _, tie = tune.tile_choice(op, "float32", 8192, 8192, call, [(100.0, default), (99.0, tune.Config(1, 8, 0, 0))])
     shipped = json.loads(tune.TILES.read_text())
-    path = tmp_path / "tiles.json"
+    path, measured_path = tmp_path / "tiles.json", tmp_path / "tiles_measured.json"
     path.write_text(tune.TILES.read_text())
-    table = tune.write_tiles(path, {key: won, (False, 4, 8192): tie}, "Some GPU", "abc1234", "2031-01-02")
+    measured_path.write_text(tune.TILES_MEASURED.read_text())
+    table = tune.write_tiles(path, measured_path, {key: won, (False, 4, 8192): tie}, "Some GPU", "abc1234",
+                             "2031-01-02")
     assert json.loads(path.read_text()) == table
+    record = json.loads(measured_path.read_text())
     got = rms_forward_tiles(table)
     assert got[key] == (1, 8, 0) and (False, 4, 8192) not in got  # 1% faster: tile_config's tile is kept
     assert {k: v for k, v in got.items() if k != key} == {
         k: v for k, v in rms_forward_tiles(shipped).items() if k not in (key, (False, 4, 8192))}
-    (entry,) = [e for e in table["rms_forward"] if (e["residual"], e["elem_bytes"], e["block_n"]) == key]
+    assert [{k: v for k, v in e.items() if k != "measured"} for e in record["rms_forward"]] == table["rms_forward"]
+    assert record["backward_dx"] == json.loads(tune.TILES_MEASURED.read_text())["backward_dx"]  # kept as it was
+    (entry,) = [e for e in record["rms_forward"] if (e["residual"], e["elem_bytes"], e["block_n"]) == key]
+    assert "measured" not in json.dumps(table["rms_forward"])
     assert entry["measured"] == {"shape": "65536x2048", "dtype": "bfloat16", "us": 100.0, "baseline": [2, 4, 0],
                                  "baseline_us": 110.0, "device": "Some GPU", "date": "2031-01-02", "commit": "abc1234"}
 
 
 def test_shipped_tiles_name_their_measurement():
+    """Every shipped tile has its measurement in the record beside the benchmarks (none in the
+    library): the same key and tile, a device, date and commit, and a time below the tile it replaced."""
     table = json.loads((ROOT / "normkit" / "tiles.json").read_text())
-    assert table["rms_forward"]
+    record = json.loads((ROOT / "benchmarks" / "results" / "tiles_measured.json").read_text())
+    assert table["rms_forward"] and table["backward_dx"]
+    for name in ("rms_forward", "backward_dx"):
+        assert [{k: v for k, v in e.items() if k != "measured"} for e in record[name]] == table[name], name
+        for e in record[name]:
+            m = e["measured"]
+            assert m["device"] and m["commit"] and re.fullmatch(r"\d{4}-\d{2}-\d{2}", m["date"]), e
+            assert 0 < m["us"] < m["baseline_us"] and m["baseline"] != e["tile"], e
     for e in table["rms_forward"]:
         block_m, warps, chunk = e["tile"]
         assert chunk == 0 or (e["block_n"] % chunk == 0 and 16 <= chunk < e["block_n"]), e
-        m = e["measured"]
-        assert m["device"] and m["commit"] and re.fullmatch(r"\d{4}-\d{2}-\d{2}", m["date"]), e
-        assert 0 < m["us"] < m["baseline_us"] and m["baseline"] != e["tile"], e
