@@ -21,7 +21,7 @@
 #
 # **Answer.** On the H200 (the first figures, from the committed LoRA-step benchmarks) normkit's norms
 # give the fastest eager step of the three in every configuration; compiled, a step from 0.1% faster
-# to 1.4% slower than Hugging Face's (Inductor generates a frozen norm in both). They also hold less memory: with the
+# to 2.3% slower than Hugging Face's (Inductor generates a frozen norm in both). They also hold less memory: with the
 # adapters in the model's dtype, a frozen norm keeps its output for the backward, which the adapter
 # keeps anyway, instead of its input. With LoRA on every linear of a 16 x 2048 Llama at 8192 tokens the
 # step peaks at 11.38 GiB against Hugging Face's 13.35 eager (0.85x; Liger and normkit keeping the
