@@ -266,3 +266,20 @@ def forced_plan(monkeypatch, frontend, name, value, kernel, forced):
         yield
     clear()
     assert any(forced(launch.flags) for launch in log.of(kernel)), "no launch of the forced plan"
+
+
+def residuals_of_shape(f, args: tuple, shape: tuple) -> list:
+    """The residuals ``jax.vjp`` of ``f(*args)`` keeps that have ``shape``, or that shape stacked by a
+    scan (the lines of ``jax.ad_checkpoint.print_saved_residuals``: dtype[shape] and where each comes
+    from)."""
+    import contextlib
+    import io
+
+    from jax.ad_checkpoint import print_saved_residuals
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        print_saved_residuals(f, *args)
+    dims = ",".join(map(str, shape)) + "]"
+    return [line for line in buf.getvalue().splitlines()
+            if line.split(" ", 1)[0].endswith("[" + dims) or line.split(" ", 1)[0].endswith("[1," + dims)]

@@ -26,7 +26,8 @@ from normkit.shapes import Shape, shapes
 from tests.frontend_jax import JaxFrontend
 from tests.frontends import requires_torch
 from tests import test_errors
-from tests.harness import check_against_reference, check_launch_flags, make_inputs, parity_cases, same_save
+from tests.harness import (check_against_reference, check_launch_flags, make_inputs, parity_cases, residuals_of_shape,
+                           same_save)
 from normkit.ops import OPS
 from normkit.testing import assert_close, random_inputs
 
@@ -766,22 +767,6 @@ print("digest", zlib.crc32(b"".join(bytes(memoryview(np.asarray(o))) for o in ou
 # --- what a frozen norm keeps for its backward ------------------------------------------------------
 
 
-def _row_residuals(f, *args) -> list:
-    """The residuals ``jax.vjp`` of ``f`` keeps that have x's row shape, or that shape stacked by a scan
-    (the lines of ``jax.ad_checkpoint.print_saved_residuals``: dtype[shape] and where each comes from)."""
-    import contextlib
-    import io
-
-    from jax.ad_checkpoint import print_saved_residuals
-
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        print_saved_residuals(f, *args)
-    shape = ",".join(map(str, args[0].shape)) + "]"
-    return [line for line in buf.getvalue().splitlines()
-            if line.split(" ", 1)[0].endswith("[" + shape) or line.split(" ", 1)[0].endswith("[1," + shape)]
-
-
 @pytest.mark.parametrize("implementation", jf.IMPLEMENTATIONS)
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_a_frozen_norm_keeps_its_output_in_the_residuals(op, implementation):
@@ -821,7 +806,7 @@ def test_a_frozen_norm_keeps_its_output_in_the_residuals(op, implementation):
                              in_specs=(P("data"), P()), out_specs=P())(x, a)
 
     for how, f in (("plain", loss), ("scan", scanned), ("checkpoint", checkpointed), ("shard_map", on_a_mesh)):
-        kept = {save: _row_residuals(lambda t, b: f(t, b, save), x, a) for save in ("auto", "input")}
+        kept = {save: residuals_of_shape(lambda t, b: f(t, b, save), (x, a), x.shape) for save in ("auto", "input")}
         # inside a scan or a checkpoint the closed-over parameters are traced: "auto" cannot see a
         # LayerNorm's bias against its weight there, and keeps the input (jax_frontend.rms_norm's docstring)
         auto = 2 if how != "plain" and "bias" in spec.params else 1

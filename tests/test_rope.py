@@ -575,6 +575,48 @@ def test_jax_empty_rows(implementation):
     assert implementation == "xla" or not log, log.kernels()
 
 
+@pytest.mark.skipif(not HAS_JAX, reason="needs jax")
+@pytest.mark.parametrize("implementation", [n.removeprefix("jax-") for n in ADAPTERS if n.startswith("jax-")])
+def test_jax_attention_keeps_no_normalized_q_or_k(implementation):
+    """A QK-norm attention block under ``jax.vjp`` (trained q/k/v projections, a frozen norm weight
+    closed over, then attention, which keeps the rotated q and k for its own backward): with
+    save="auto" the only q- or k-shaped residuals are the rotated q and k themselves, so the fused op
+    keeps nothing of its own; save="input" keeps the projections' q and k as well. Under jit alike,
+    and the gradients of both agree."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_frontend as jf
+    from tests.harness import residuals_of_shape
+
+    B, S, H, D, C = 2, 4, 2, 8, 16
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((B, S, C)), jnp.float32)
+    wq, wk = (jnp.asarray(rng.standard_normal((C, H * D)) / 4, jnp.float32) for _ in range(2))
+    wv = jnp.asarray(rng.standard_normal((C, H * 3)) / 4, jnp.float32)  # v's heads 3 wide: no q-shaped v
+    norm_w = jnp.asarray(rng.uniform(0.5, 1.5, D), jnp.float32)
+    table = inputs(Case(B=B, S=S, H=1, D=D))  # [B, S, 1, D] tables, broadcast over the heads
+    cos, sin = (jnp.asarray(table[k], jnp.float32) for k in ("cos", "sin"))
+
+    def block(x, wq, wk, wv, save):
+        q = (x @ wq).reshape(B, S, H, D)
+        k = (x @ wk).reshape(B, S, H, D)
+        v = (x @ wv).reshape(B, S, H, 3)
+        q, k = (jf.rms_norm_rope(t, norm_w, cos, sin, save=save, implementation=implementation) for t in (q, k))
+        p = jax.nn.softmax(jnp.einsum("bshd,bthd->bhst", q, k) / np.sqrt(D), axis=-1)
+        return (jnp.einsum("bhst,bthe->bshe", p, v) ** 2).sum()
+
+    args = (x, wq, wk, wv)
+    for how, wrap in (("plain", lambda f: f), ("jit", jax.jit)):
+        kept = {save: residuals_of_shape(wrap(lambda *a, save=save: block(*a, save)), args, (B, S, H, D))
+                for save in ("auto", "input")}
+        assert len(kept["auto"]) == 2 and len(kept["input"]) == 4, (how, kept)
+    grads = {save: jax.jit(jax.grad(lambda *a: block(*a, save), argnums=(0, 1, 2, 3)))(*args)
+             for save in ("auto", "input")}
+    for name, g_auto, g_input in zip(("x", "wq", "wk", "wv"), grads["auto"], grads["input"]):
+        assert_close(np.asarray(g_auto, np.float64), np.asarray(g_input, np.float64), "float32", name)
+
+
 @pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
 def test_torch_strided_slice_and_empty_rows():
     """q as a slice of a fused qkv projection ([B, S, 3 H D] viewed [B, S, H, D], then transposed): read
