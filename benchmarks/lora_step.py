@@ -84,8 +84,8 @@ from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 from benchmarks.env import versions  # noqa: E402
-from benchmarks.models import (ALL_LINEAR_TARGETS, LORA_TARGETS, Unavailable, llama_lora, norm_modules,  # noqa: E402
-                               swap_norms)
+from benchmarks.models import (ALL_LINEAR_TARGETS, ARCHS, LORA_TARGETS, Unavailable, llama_lora,  # noqa: E402
+                               norm_modules, swap_norms)
 from benchmarks.report import markdown_table  # noqa: E402
 from benchmarks.timing import Timer, torch_sync  # noqa: E402
 
@@ -523,7 +523,7 @@ def markdown(result: dict) -> str:
     out = [
         "# LoRA training step: HF vs Liger vs normkit RMSNorm",
         "",
-        f"{'Qwen3' if c.get('arch') == 'qwen3' else 'Llama'} (random init): {c['layers']} layers, hidden "
+        f"{ {'qwen3': 'Qwen3', 'gemma3': 'Gemma 3'}.get(c.get('arch'), 'Llama')} (random init): {c['layers']} layers, hidden "
         f"{c['hidden']}, intermediate {c['intermediate']}, {c['heads']} heads"
         f"{f' ({kv} key/value)' if kv else ''}"
         f", vocab {c['vocab']}; batch {c['batch']} x seq {c['seq']}"
@@ -607,9 +607,9 @@ def parse_args(argv=None):
     p.add_argument("--intermediate", type=int, help="default: hidden * 11008 / 4096 (64-aligned)")
     p.add_argument("--heads", type=int)
     p.add_argument("--kv-heads", type=int, help="key/value heads (GQA); default: --heads")
-    p.add_argument("--head-dim", type=int, help="default: hidden / heads (qwen3: 128)")
-    p.add_argument("--arch", choices=("llama", "qwen3"), default="llama",
-                   help="qwen3: QK-norm before the rotary embedding (the normkit_rope variant fuses the two)")
+    p.add_argument("--head-dim", type=int, help="default: hidden / heads (qwen3, gemma3: 128)")
+    p.add_argument("--arch", choices=ARCHS, default="llama",
+                   help="qwen3, gemma3: QK-norm before the rotary embedding (the normkit_rope variant fuses the two)")
     p.add_argument("--mask", action="store_true",
                    help="pass an attention mask with the first 1/16 of the first sequence padded: transformers' "
                         "SDPA attention then gets a mask and copies k and v for GQA (repeat_kv) instead of "

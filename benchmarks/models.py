@@ -35,8 +35,10 @@ ALL_LINEAR_TARGETS = LORA_TARGETS + ("gate_proj", "up_proj", "down_proj")  # PEF
 # normkit_input: normkit with save="input", the control of what keeping the output saves; normkit_apart:
 # normkit without sharing its output's copy with LoRA layers in another dtype (share_adapter_copy=False)
 NORMS = ("hf", "normkit", "normkit_fused", "normkit_input", "normkit_apart", "normkit_rope", "liger")
-ARCHS = ("llama", "qwen3")
-_HF_NORMS = ("LlamaRMSNorm", "Qwen3RMSNorm")
+ARCHS = ("llama", "qwen3", "gemma3")
+_HF_NORMS = ("LlamaRMSNorm", "Qwen3RMSNorm", "Gemma3RMSNorm")
+# the attention modules whose QK-norm patch_model(qk_norm_rope=True) fuses with the rotary embedding
+_QK_NORM_ATTENTIONS = ("Qwen3Attention", "Gemma3Attention")
 
 
 class Unavailable(Exception):
@@ -48,11 +50,13 @@ def llama_lora(*, layers: int, hidden: int, heads: int, vocab: int, intermediate
                device="cpu", seed: int = 0, norms: str = "hf", r: int = 16, alpha: int | None = None,
                targets=LORA_TARGETS, init_lora_weights: bool = True, attn_implementation: str | None = None,
                adapter_dtype: str = "float32", arch: str = "llama", head_dim: int | None = None):
-    """``(model, info)``: the LoRA-wrapped Llama (``arch="qwen3"``: Qwen3) with ``norms``, and
+    """``(model, info)``: the LoRA-wrapped Llama (``arch="qwen3"``: Qwen3; ``"gemma3"``: Gemma 3's text
+    model, whose norms scale by ``1 + w`` in fp32) with ``norms``, and
     ``swap_norms``' account of them.
 
     ``intermediate`` defaults to Llama's 11008 / 4096 of ``hidden`` (64-aligned), ``kv_heads`` to
-    ``heads``, ``alpha`` to ``2 * r``, ``head_dim`` to ``hidden / heads`` (Qwen3: 128). ``init_lora_weights=False`` draws B at random too (PEFT's default
+    ``heads``, ``alpha`` to ``2 * r``, ``head_dim`` to ``hidden / heads`` (Qwen3 and Gemma 3: 128; Gemma 3
+    attends to a sliding window of 4096 tokens in five layers of six, as its config's default). ``init_lora_weights=False`` draws B at random too (PEFT's default
     starts it at zero), so that every LoRA gradient is non-zero from the first step.
 
     ``adapter_dtype``: ``"float32"`` (PEFT's default, ``autocast_adapter_dtype=True``: a bf16 or fp16
@@ -76,6 +80,10 @@ def llama_lora(*, layers: int, hidden: int, heads: int, vocab: int, intermediate
     if arch == "qwen3":
         config = transformers.Qwen3Config(head_dim=head_dim or 128, **common)
         cls = transformers.Qwen3ForCausalLM
+    elif arch == "gemma3":
+        config = transformers.Gemma3TextConfig(head_dim=head_dim or 128, query_pre_attn_scalar=head_dim or 128,
+                                               **common)
+        cls = transformers.Gemma3ForCausalLM
     else:
         config = transformers.LlamaConfig(**({"head_dim": head_dim} if head_dim else {}), **common)
         cls = transformers.LlamaForCausalLM
@@ -126,7 +134,7 @@ def _patch_normkit(model, fuse_residual_add: bool, save: str = "auto", share: bo
 
     hf_norms = sum(type(m).__name__ in _HF_NORMS for _, m in norm_modules(model))
     layers = sum(type(m).__name__.endswith("DecoderLayer") for m in model.modules())
-    attentions = sum(type(m).__name__ == "Qwen3Attention" for m in model.modules())
+    attentions = sum(type(m).__name__ in _QK_NORM_ATTENTIONS for m in model.modules())
     report = torch_frontend.patch_model(model, fuse_residual_add=fuse_residual_add, save=save,
                                         share_adapter_copy=share, qk_norm_rope=qk_norm_rope)
     if (len(report.patched) != hf_norms or len(report.fused) != (layers if fuse_residual_add else 0)
@@ -151,13 +159,16 @@ def _swap_liger(model) -> dict:
     if device.type != "cuda":
         raise Unavailable(f"Liger's Triton kernels need a GPU; this model is on {device.type}")
     signature = inspect.signature(LigerRMSNorm.__init__)
-    wanted = {"offset": 0.0, "casting_mode": "llama", "in_place": True, "row_mode": None}
-    kwargs = {k: v for k, v in wanted.items() if k in signature.parameters}
     swapped = 0
     for name, old in norm_modules(model):
         if type(old).__name__ not in _HF_NORMS:
             continue
-        new = LigerRMSNorm(old.weight.shape[0], eps=float(old.variance_epsilon), **kwargs)
+        gemma = type(old).__name__ == "Gemma3RMSNorm"  # x_hat * (1 + w), computed in fp32 (Liger's "gemma")
+        wanted = {"offset": 1.0 if gemma else 0.0, "casting_mode": "gemma" if gemma else "llama", "in_place": True,
+                  "row_mode": None}
+        kwargs = {k: v for k, v in wanted.items() if k in signature.parameters}
+        eps = old.eps if gemma else old.variance_epsilon
+        new = LigerRMSNorm(old.weight.shape[0], eps=float(eps), **kwargs)
         new.weight = old.weight  # the very Parameter: dtype, device, requires_grad=False all kept
         new.train(old.training)
         parent, _, child = name.rpartition(".")

@@ -121,7 +121,7 @@ step_rows, lora_sources = [], []
 for path in lora_files:
     doc = json.loads(path.read_text())
     cfg = doc["config"]
-    if cfg.get("arch", "llama") != "llama":  # Qwen3 runs: the fused QK-norm + RoPE section below
+    if cfg.get("arch", "llama") != "llama":  # Qwen3, Gemma 3: the fused QK-norm + RoPE section below
         continue
     source = Source.of(path, doc)
     lora_sources.append(source)
@@ -214,11 +214,11 @@ qwen_rows, qwen_sources = [], []
 for path in lora_files:
     doc = json.loads(path.read_text())
     cfg = doc["config"]
-    if cfg.get("arch") != "qwen3":
+    if cfg.get("arch", "llama") == "llama":
         continue
     source = Source.of(path, doc)
     qwen_sources.append(source)
-    run = (f"Qwen3 {cfg['layers']}x{cfg['hidden']}, {cfg['seq']}x{cfg['batch']}"
+    run = (f"{ {'qwen3': 'Qwen3', 'gemma3': 'Gemma 3'}.get(cfg['arch'], cfg['arch'])} {cfg['layers']}x{cfg['hidden']}, {cfg['seq']}x{cfg['batch']}"
            f"{', masked' if cfg.get('mask') else ''}\n{{}}, {(source.commit or 'no commit')[:7]}")
     for r in doc["rows"]:
         if r.get("status") == "ok":
@@ -232,7 +232,7 @@ if qwen_rows:
     bars(qwen_rows, "step (ms)", "median step time (ms)", "Step time (lower is better)", "{:.1f}", ax_t)
     bars([r for r in qwen_rows if r["step memory (GiB)"] is not None], "step memory (GiB)",
          "step peak above the models (GiB)", "Memory (lower is better)", "{:.2f}", ax_m)
-    fig.suptitle(f"Qwen3 LoRA step on the {devices}: the fused QK-norm + RoPE (normkit_rope)")
+    fig.suptitle(f"QK-norm models' LoRA step on the {devices}: the fused QK-norm + RoPE (normkit_rope)")
     fig.tight_layout()
     footnote(fig, "Committed results:\n" + "\n".join(s.label() for s in qwen_sources))
     show(fig)
@@ -245,8 +245,8 @@ if qwen_rows:
                   + (f"; against hf: {ms['normkit_rope'] / ms['hf']:.3f}x, {mem['normkit_rope'] / mem['hf']:.3f}x"
                      if "hf" in ms else ""))
 else:
-    print("No Qwen3 LoRA-step results are committed (benchmarks/results/lora_step_*qwen3*.json): run "
-          "`benchmarks/lora_step.py --arch qwen3` on the GPU machine and commit its JSON to draw this figure.")
+    print("No Qwen3 or Gemma 3 LoRA-step results are committed (benchmarks/results/lora_step_*.json): run "
+          "`benchmarks/lora_step.py --arch qwen3` (or gemma3) on the GPU machine and commit its JSON to draw this figure.")
 
 # %% [markdown]
 # ## Torch: a tiny Llama, LoRA, and `patch_model`

@@ -402,21 +402,24 @@ def test_lora_step_runs_an_independent_copy_of_a_variant_as_its_control(tmp_path
 
 
 @pytest.mark.slow  # a tool's end-to-end dry run: the slow tier
-def test_lora_step_qwen3_with_the_fused_qk_norm_rope(tmp_path):
-    """--arch qwen3 --mask: the fused QK-norm + RoPE variant patches every norm, fuses every attention,
-    and matches HF's first loss and LoRA gradients (tiny fp32 model, Triton's interpreter)."""
+@pytest.mark.parametrize("arch, norms_per_layer, title", [("qwen3", 4, "Qwen3"), ("gemma3", 6, "Gemma 3")])
+def test_lora_step_qk_norm_models_with_the_fused_qk_norm_rope(tmp_path, arch, norms_per_layer, title):
+    """--arch qwen3 --mask, --arch gemma3: the fused QK-norm + RoPE variant patches every norm, fuses every
+    attention, and matches HF's first loss and LoRA gradients (tiny fp32 model, Triton's interpreter)."""
     import json
 
-    run_script("benchmarks/lora_step.py", "--dry-run", "--arch", "qwen3", "--kv-heads", "2", "--mask",
+    run_script("benchmarks/lora_step.py", "--dry-run", "--arch", arch, "--kv-heads", "2", "--mask",
                "--variants", "hf,normkit,normkit_rope", "--no-profile", "--out", str(tmp_path))
     result = json.loads((tmp_path / "lora_step.json").read_text())
-    assert result["config"]["arch"] == "qwen3" and result["config"]["mask"]
+    assert result["config"]["arch"] == arch and result["config"]["mask"]
     rows = {r["variant"]: r for r in result["rows"]}
     for name in ("hf", "normkit", "normkit_rope"):
         assert rows[name]["status"] == "ok" and rows[name]["checks_ok"], rows[name].get("check_notes")
     assert rows["normkit"]["prepare"]["qk_fused"] == 0 and rows["normkit_rope"]["prepare"]["qk_fused"] == 2
-    assert rows["normkit_rope"]["prepare"]["patched"] == 2 * 4 + 1  # q, k, input, post-attention; the final norm
-    assert "Qwen3 (random init)" in (tmp_path / "lora_step.md").read_text()
+    # q, k, and the layer's own norms (Qwen3: input, post-attention; Gemma 3: also pre- and post-feedforward);
+    # the final norm
+    assert rows["normkit_rope"]["prepare"]["patched"] == 2 * norms_per_layer + 1
+    assert f"{title} (random init)" in (tmp_path / "lora_step.md").read_text()
 
 
 @pytest.mark.slow  # a tool's end-to-end dry run: the slow tier
