@@ -27,11 +27,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_frontend import _launch, functional
 from jax_frontend._compat import SymbolicZero
-from jax_frontend.functional import _as_array
+from jax_frontend.functional import _as_array, _host
 from normkit import checks, norm_math, record, rope, saving
 from normkit.launch import plan_rope_backward, plan_rope_forward
 from normkit.ops import GRADS, Options
@@ -254,10 +253,6 @@ def _value(p):
 
 def _perturbed(p) -> bool:
     return p is not None and p.perturbed
-
-
-def _host(a):
-    return None if a is None else np.asarray(jnp.asarray(a, jnp.float32))
 
 
 def _saves_output(cfg: _Config, needs: _Needs, x, weight) -> bool:

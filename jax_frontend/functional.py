@@ -170,8 +170,10 @@ def _saves_output(cfg: _Config, needs: "_Needs", x, weight, bias) -> bool:
 
 
 def _host(a):
-    """A parameter's values on the host, as float32 NumPy (exact for every parameter dtype but float64)."""
-    return None if a is None else np.asarray(jnp.asarray(a, jnp.float32))
+    """A parameter's known values on the host, as float32 NumPy (exact for every parameter dtype but
+    float64). Converted by NumPy, not by jnp: under a trace (a jit closing over the parameter) a jnp
+    conversion would be a traced operation, whose result has no values to read."""
+    return None if a is None else np.asarray(a).astype(np.float32)
 
 
 def _norm_fwd(cfg: _Config, x, residual, weight, bias):

@@ -816,6 +816,39 @@ def test_a_frozen_norm_keeps_its_output_in_the_residuals(op, implementation):
         np.testing.assert_allclose(np.asarray(g_auto), np.asarray(g_input), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("implementation", jf.IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_jit_closing_over_low_precision_frozen_parameters(implementation, dtype):
+    """A jit that closes over the frozen parameters (constants of the trace, so the save rule reads their
+    values) in a 16-bit dtype: every op, rms_norm_rope too, keeps its output and gives the eager call's
+    output and dx, bit for bit."""
+    try:
+        jf.resolve_implementation(implementation)
+    except RuntimeError as e:  # the Triton implementation on CPU without torch: a JAX-only install
+        pytest.skip(str(e))
+    rng = np.random.default_rng(3)
+    dt = jnp.dtype(dtype)
+    x, r = (jnp.asarray(rng.standard_normal((2, 3, 2, 8)), dt) for _ in range(2))
+    w, b = jnp.asarray(rng.uniform(0.5, 1.5, 8), dt), jnp.asarray(rng.uniform(-0.1, 0.1, 8), dt)
+    angle = rng.uniform(0, 6.3, (1, 3, 1, 8))
+    cos, sin = jnp.asarray(np.cos(angle), jnp.float32), jnp.asarray(np.sin(angle), jnp.float32)
+    calls = {"rms_norm": lambda t: jf.rms_norm(t, w, implementation=implementation),
+             "layer_norm": lambda t: jf.layer_norm(t, w, b, implementation=implementation),
+             "fused_add_rms_norm": lambda t: jf.fused_add_rms_norm(t, r, w, implementation=implementation)[0],
+             "rms_norm_rope": lambda t: jf.rms_norm_rope(t, w, cos, sin, implementation=implementation)}
+    for name, f in calls.items():
+        def loss(t):
+            return (f(t).astype(jnp.float32) ** 2).sum()
+
+        with normkit.record_launches() as log:
+            dx_jit = jax.jit(jax.grad(loss))(x)
+        dx = jax.grad(loss)(x)
+        assert np.array_equal(np.asarray(dx_jit, np.float32), np.asarray(dx, np.float32)), name
+        np.testing.assert_array_equal(np.asarray(jax.jit(f)(x), np.float32), np.asarray(f(x), np.float32))
+        if implementation != "xla":  # the kernels' backward read the output
+            assert any(launch.flags.get("FROM_Y") for launch in log if "bwd" in launch.kernel), (name, log.kernels())
+
+
 def test_save_output_raises_where_it_cannot_hold():
     x = jnp.ones((4, 8)) + jnp.arange(8.0)
     w = jnp.ones(8)
