@@ -6,7 +6,8 @@ the little that differs between frameworks. Because the sequence exists once, th
 launch identical kernels with identical grids and arguments, and agree bitwise on a GPU.
 
 Arrays are 2-D rows ``[M, N]`` (the frontends flatten leading dimensions) whose column stride is
-0 or 1; parameters are 1-D ``[N]`` with any element stride.
+0 or 1; parameters are 1-D ``[N]`` with any element stride. The backward's dy may instead be
+``[n0, n1, n2, N]``: rows indexed by three indices, each with its own stride (``Backend.three_index_rows``).
 """
 from __future__ import annotations
 
@@ -50,6 +51,11 @@ class Backend(Protocol):
         """``a`` of shape ``(..., N)`` as ``[M, N]`` rows without a copy (column stride 0 or 1, the
         leading dimensions one stride), or None where that needs a copy. Optional, for ``Bound``."""
 
+    def three_index_rows(self, a):
+        """``a`` of shape ``(..., N)`` as ``[n0, n1, n2, N]`` without a copy (column stride 0 or 1, the
+        leading dimensions merged, in their order, into three), or None where that needs a copy.
+        Optional, for ``Bound``'s dy (the backward kernel reads dy's rows by three indices)."""
+
     def copy_rows(self, a, name: str):
         """``a`` as contiguous ``[M, N]`` rows, copied (and said so: a warning naming ``name``).
         Optional, for ``Bound``."""
@@ -72,17 +78,26 @@ def _dtype(backend: Backend, a) -> str | None:
 
 
 def _rows_layout(a, described) -> tuple[int, int]:
-    """(row stride, column stride) of 2-D rows ``a`` (``described``: its ``Backend.describe`` entry);
-    the column stride must be 0 or 1 (frontends copy other layouts first). An absent array reads as
+    """(row stride, column stride) of 2-D rows ``a`` (``described``: its ``Backend.describe`` entry),
+    or (the outermost row index's stride, column stride) of ``[n0, n1, n2, N]`` rows; the column
+    stride must be 0 or 1 (frontends copy other layouts first). An absent array reads as
     contiguous."""
     if a is None:
         return 0, 1
-    stride_m, stride_n = described[1]
-    if a.shape[1] == 1:
+    stride_m, stride_n = described[1][0], described[1][-1]
+    if a.shape[-1] == 1:
         stride_n = 1  # one column: its stride is never used
     elif stride_n not in (0, 1):
         raise ValueError(f"normkit: rows with column stride {stride_n} reached the driver; the frontend must copy them")
     return stride_m, stride_n
+
+
+def _three_index(a, described) -> tuple | None:
+    """``(n1, n2, s1, s2)`` of ``[n0, n1, n2, N]`` rows ``a`` (``Backend.three_index_rows``): the extents
+    and strides of the two inner row indices; None for 2-D rows or an absent array."""
+    if a is None or len(a.shape) == 2:
+        return None
+    return a.shape[1], a.shape[2], described[1][1], described[1][2]
 
 
 def _param_stride(described) -> int:
@@ -156,6 +171,7 @@ def backward_plan(backend: Backend, op: Op, x, weight, dy, dres, opts: Options, 
                   b_dtype: str | None = None, bias=None, from_output: bool = False, rec_in_rstd: bool = False):
     """``(backward call, reduction call or None)`` over rows ``x [M, N]``, or None when there is
     nothing to launch (no gradient asked for, or no rows). Raises on a dy / dres dtype other than x's.
+    ``dy``: rows ``[M, N]``, or ``[n0, n1, n2, N]`` rows of three indices (``n0 n1 n2 = M``).
     ``from_output``: ``x`` is the forward's output y (see ``backward``); ``bias`` is then read too, and
     the forward's recovery of the weight (REC, or in RSTD: ``rec_in_rstd``)."""
     if not grads.any:
@@ -173,7 +189,8 @@ def backward_plan(backend: Backend, op: Op, x, weight, dy, dres, opts: Options, 
     layout = (*_rows_layout(x, d_x), *_rows_layout(dy, d_dy), *_rows_layout(dres, d_dres), _param_stride(d_w),
               _param_stride(d_b))
     return plan_backward(op, M, N, x_dtype, _name(d_w), b_dtype if grads.db else None, dres is not None,
-                         opts, grads, layout, num_sms, from_output, bias is not None, from_output and rec_in_rstd)
+                         opts, grads, layout, num_sms, from_output, bias is not None, from_output and rec_in_rstd,
+                         _three_index(dy, d_dy))
 
 
 def _check_statistics(backend: Backend, M: int, N: int, mean, rstd, rec, rec_in_rstd: bool) -> None:
@@ -277,7 +294,8 @@ class Bound:
     array's shape, strides, dtype and device; the frontend keys its cache of ``Bound``s on that
     (``Backend.keys``), so every call of one ``Bound`` passes arrays of the layouts of its first.
     Arrays keep the caller's shape ``(..., N)``; rows that cannot be read in place are copied at
-    every call (``Backend.copy_rows``, which says so). ``from_output``: the backward reads the
+    every call (``Backend.copy_rows``, which says so), except an output gradient that the kernel reads
+    by three row indices (``Backend.three_index_rows``). ``from_output``: the backward reads the
     forward's output y rather than its input (see ``backward``), which the frontend saves instead;
     the forward then writes the weight's recovery after the statistics in RSTD. ``b_dtype``: dB's
     dtype (the bias's). ``y2_dtype``: the forward also writes y in that dtype (Y2), for consumers that
@@ -348,7 +366,7 @@ class Bound:
         if not grads.any:
             return None, lambda *_: (None, None, None)
         rows, copies = _row_views(backend, (("the saved input", saved), ("the output gradient", dy),
-                                            ("the residual_out gradient", dres)))
+                                            ("the residual_out gradient", dres)), three_index=1)
         plan = backward_plan(backend, op, rows[0], weight, rows[1], rows[2], self.opts, grads, self.b_dtype, bias,
                              self.from_output, rec is None)
         if plan is None:  # no rows: dx empty, dW/dB sums of nothing, fresh at every call
@@ -366,12 +384,16 @@ class Bound:
         return plan, _copying(backend, launch, positions, copies) if any(copies) else launch
 
 
-def _row_views(backend: Backend, named) -> tuple[list, tuple]:
-    """``(rows, copies)`` of ``(name, array or None)`` pairs: each array as ``[M, N]`` rows, viewed in
-    place or, where it cannot be, copied (``copies[i]``: the i-th must be copied at every call)."""
+def _row_views(backend: Backend, named, three_index: int | None = None) -> tuple[list, tuple]:
+    """``(rows, copies)`` of ``(name, array or None)`` pairs: each array as ``[M, N]`` rows (the
+    ``three_index``-th, where it cannot be, as rows of three indices: ``Backend.three_index_rows``),
+    viewed in place or, where it cannot be, copied (``copies[i]``: the i-th must be copied at every
+    call)."""
     rows, copies = [], []
-    for name, a in named:  # a loop, not a comprehension: the backend's calls follow each other
+    for i, (name, a) in enumerate(named):  # a loop, not a comprehension: the backend's calls follow each other
         view = backend.rows(a) if a is not None else None
+        if view is None and a is not None and i == three_index:
+            view = backend.three_index_rows(a)
         copies.append(a is not None and view is None)
         rows.append(backend.copy_rows(a, name) if copies[-1] else view)
     return rows, tuple(copies)

@@ -26,7 +26,10 @@ FWD_INPUTS = ("X", "R", "W", "B", "TRIP")
 FWD_SCALARS = ("eps", "offset", "M", "stride_xm", "stride_rm")
 FWD_OUTPUTS = ("Y", "S", "MEAN", "RSTD", "REC", "Y2")
 BWD_INPUTS = ("X", "W", "B", "DY", "DRES", "MEAN", "RSTD", "REC")
-BWD_SCALARS = ("offset", "M", "stride_xm", "stride_dym", "stride_dresm")
+BWD_SCALARS = ("offset", "M", "stride_xm", "stride_dym", "stride_dresm", "dy_n1", "dy_n2", "stride_dy1", "stride_dy2")
+# (dy_n1, dy_n2, stride_dy1, stride_dy2) of a dy read as rows of one stride: ones, which Triton's launcher
+# specializes as constants, so that the kernel compiled for such a dy has no parameter for them
+DY_ONE_STRIDE = (1, 1, 1, 1)
 BWD_OUTPUTS = ("DX", "DW_PART", "DB_PART")
 RED_INPUTS = ("DW_PART", "DB_PART")
 RED_SCALARS = ("G",)
@@ -267,7 +270,8 @@ def plan_forward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_dt
 @functools.lru_cache(maxsize=8192)
 def plan_backward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_dtype: str | None, has_dres: bool,
                   opts: Options, grads: Grads, layout: tuple, num_sms: int, from_output: bool = False,
-                  has_bias: bool = False, rec_in_rstd: bool = False) -> tuple[KernelCall, KernelCall | None]:
+                  has_bias: bool = False, rec_in_rstd: bool = False,
+                  dy_rows: tuple | None = None) -> tuple[KernelCall, KernelCall | None]:
     """The backward launch over M >= 1 rows, and the reduction of its partials (None without dW/dB).
 
     ``w_dtype``/``b_dtype``: the parameters' dtypes (None if absent, or, for the bias, not trained),
@@ -275,7 +279,10 @@ def plan_backward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_d
     w_stride, b_stride)``. Without dW/dB there are no partials and one program per tile.
     ``from_output``: the kernel reads the forward's output y where it would read x (dx only; weight and
     bias frozen), the bias (``has_bias``) and the forward's recovery of the weight (REC, or in RSTD
-    after its rows: ``rec_in_rstd``) to recover x_hat from it; no mean is read.
+    after its rows: ``rec_in_rstd``) to recover x_hat from it; no mean is read. ``dy_rows``: None, or
+    ``(n1, n2, s1, s2)`` where dy's rows are indexed by three indices (DY_ROWS3): row r at
+    ``(r // (n1 n2)) stride_dym + ((r // n2) % n1) s1 + (r % n2) s2``; the other inputs' addressing
+    (ROWS_CONTIGUOUS) is then decided without dy.
     """
     stride_xm, x_col, stride_dym, dy_col, stride_dresm, dres_col, w_stride, b_stride = layout
     has_w = w_dtype is not None
@@ -305,7 +312,7 @@ def plan_backward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_d
     present = {"X", "DY", "RSTD"} | ({"W"} if has_w else set()) | ({"DRES"} if has_dres else set())
     present |= ({"B"} if has_b else set()) | (set() if op.is_rms or from_output else {"MEAN"})
     present |= {"REC"} if from_output and not rec_in_rstd else set()
-    rows_contiguous = _rows_contiguous(M, N, [(stride_xm, x_col), (stride_dym, dy_col)]
+    rows_contiguous = _rows_contiguous(M, N, [(stride_xm, x_col)] + ([(stride_dym, dy_col)] if dy_rows is None else [])
                                        + ([(stride_dresm, dres_col)] if has_dres else []))
     bwd = KernelCall(
         # LayerNorm's dx = rstd * (g - mean(g) - ...): contracting g = dy * w into an FMA with the
@@ -318,7 +325,7 @@ def plan_backward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_d
         inputs=BWD_INPUTS,
         present_inputs=frozenset(present),
         scalar_names=BWD_SCALARS,
-        scalars=(_f32(opts.offset), M, stride_xm, stride_dym, stride_dresm),
+        scalars=(_f32(opts.offset), M, stride_xm, stride_dym, stride_dresm, *(dy_rows or DY_ONE_STRIDE)),
         outputs=BWD_OUTPUTS,
         out_specs=out_specs,
         constexprs=dict(
@@ -334,6 +341,7 @@ def plan_backward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_d
             FROM_Y=from_output,
             REC_IN_RSTD=from_output and rec_in_rstd,
             ROWS_CONTIGUOUS=rows_contiguous,
+            DY_ROWS3=dy_rows is not None,
             X_COL_STRIDE=x_col,
             DY_COL_STRIDE=dy_col,
             DRES_COL_STRIDE=dres_col,

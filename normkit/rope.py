@@ -109,12 +109,15 @@ class RowLayout:
         return tuple(out)
 
 
-def row_layout(row_shape: tuple, *row_strides: tuple) -> RowLayout | None:
+def row_layout(row_shape: tuple, *row_strides: tuple, in_order: bool = False) -> RowLayout | None:
     """The grouping of x's leading dimensions ``row_shape`` that every array's row strides (the
     first: x's) merge into: dimensions of size 1 dropped, the rest in x's memory order (largest
-    stride first), adjacent ones merged where every array allows; None where more than three groups
-    remain (only for x of more than four dimensions)."""
-    dims = sorted((d for d, n in enumerate(row_shape) if n != 1), key=lambda d: -abs(row_strides[0][d]))
+    stride first; ``in_order``: in their own order, so that the three indices count the rows as x's
+    shape flattens them), adjacent ones merged where every array allows; None where more than three
+    groups remain."""
+    dims = [d for d, n in enumerate(row_shape) if n != 1]
+    if not in_order:
+        dims.sort(key=lambda d: -abs(row_strides[0][d]))
     groups: list = []
     for d in dims:
         if groups and all(s[groups[-1][-1]] == row_shape[d] * s[d] for s in row_strides):

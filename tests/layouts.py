@@ -42,6 +42,9 @@ ROW_LAYOUTS = (  # x and residual, and the output gradients dy and d_residual_ou
     "expanded_row",  # t[:1].expand(M, D): every row the same, row stride 0
     "expanded_col",  # t[:, :1].expand(M, D): every row constant, last-dim stride 0
     "transposed",  # buf.movedim(0, -1)[..., :D] of a (D + PAD, *lead) buffer: last dim not contiguous
+    # buf.movedim(-2, -3)[..., :D] of a (*lead[:-2], lead[-1], lead[-2], D + PAD) buffer: the last two
+    # leading dims swapped, as a [B, S, H, D] view of a [B, H, S, D] gradient: rows of three indices
+    "swapped_lead",
 )
 PARAM_LAYOUTS = (
     "contiguous",
@@ -64,6 +67,7 @@ def base_shape(kind: str, shape: tuple) -> tuple:
         "expanded_row": (1,) * len(lead) + (D,),
         "expanded_col": lead + (1,),
         "transposed": (D + PAD,) + lead,
+        "swapped_lead": lead[:-2] + lead[-2:][::-1] + (D + PAD,),
         "slice2": (2 * D,),
         "slice3": (3 * D,),
         "expanded": (),
@@ -77,9 +81,9 @@ def make_base(kind: str, shape: tuple, values) -> np.ndarray:
         base = np.full(base_shape(kind, shape), np.nan)
         base[..., :D] = values(shape)
         return base
-    if kind == "transposed":
+    if kind in ("transposed", "swapped_lead"):
         base = np.full(base_shape(kind, shape), np.nan)
-        np.moveaxis(base, 0, -1)[..., :D] = values(shape)
+        view_np(kind, base, shape)[...] = values(shape)
         return base
     if kind in ("slice2", "slice3"):
         base = np.full(base_shape(kind, shape), np.nan)
@@ -100,6 +104,7 @@ def _views(expand, movedim):
         "expanded_row": expand,
         "expanded_col": expand,
         "transposed": lambda b, shape: movedim(b, 0, -1)[..., : shape[-1]],
+        "swapped_lead": lambda b, shape: (movedim(b, -2, -3) if len(shape) > 2 else b)[..., : shape[-1]],
         "slice2": lambda b, shape: b[::2],
         "slice3": lambda b, shape: b[1::3],
         "expanded": expand,
@@ -139,6 +144,7 @@ class Outcome:
     # For the fused op with x and residual both trained (distinct leaves): asserts that their
     # gradients are independent (no shared storage; writing one leaves the other unchanged).
     check_independent: callable = None
+    copied: tuple = ()  # the names of the arrays a frontend copied, saying so (torch: NormkitCopyWarning)
 
 
 def _apply(module, op: str, args: dict, kwargs: dict) -> dict:
@@ -194,9 +200,9 @@ class TorchKit:
         if tied:
             args["residual"] = args["x"]
         cots = {name: self.views[a.kind](bases[name], a.shape) for name, a in cotangents.items()}
-        with normkit.record_launches() as log, poisoned_outputs(), warnings.catch_warnings():
-            # A last dim that is not contiguous may be copied, with this warning: accepted.
-            warnings.simplefilter("ignore", tf.NormkitCopyWarning)
+        with normkit.record_launches() as log, poisoned_outputs(), warnings.catch_warnings(record=True) as caught:
+            # A layout the kernels cannot read in place is copied, with this warning: recorded.
+            warnings.simplefilter("always", tf.NormkitCopyWarning)
             outs = _apply(tf, op, args, kwargs)
             if trained:
                 torch.autograd.backward([outs[name] for name in cotangents], [cots[name] for name in cotangents])
@@ -207,6 +213,7 @@ class TorchKit:
             bases_after={name: self._np(t) for name, t in bases.items()},
             log=log,
             check_independent=lambda: self._check_independent(args["x"].grad, args["residual"].grad),
+            copied=tuple(str(w.message).removeprefix("normkit: ").split(" of shape")[0] for w in caught),
         )
 
     def _check_independent(self, gx, gr) -> None:

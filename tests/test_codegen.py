@@ -35,22 +35,27 @@ M, N, SMS = 8192, 4096, 132
 TYPES = {"bfloat16": "bf16", "float32": "fp32"}
 
 
-def ptx(call, dtypes: dict, *, integer_hints: bool, float_type: str = "fp32") -> str:
-    """The PTX of ``call``'s kernel for sm_90. ``dtypes``: the element dtype of each present array
-    input (absent ones are fp32 placeholders, as both frontends pass them). Pointers are marked
-    16-byte aligned (both launchers do); integers divisible by 16 only with ``integer_hints``
-    (Triton's launcher, not jax-triton's). ``float_type``: how the launcher types a Python float
-    argument (Triton's launcher and jax-triton: fp32; Inductor, for a user kernel: fp64)."""
+def ptx(call, dtypes: dict, *, integer_hints: bool, float_type: str = "fp32", constants=()) -> str:
+    """The PTX of ``call``'s kernel for sm_90, its parameters named ``<kernel>_param_<name>``.
+    ``dtypes``: the element dtype of each present array input (absent ones are fp32 placeholders, as
+    both frontends pass them). Pointers are marked 16-byte aligned (both launchers do); integers
+    divisible by 16 only with ``integer_hints`` (Triton's launcher, not jax-triton's), which also
+    compiles an integer equal to 1 as a constant, as Triton's launcher specializes it. ``float_type``:
+    how the launcher types a Python float argument (Triton's launcher and jax-triton: fp32; Inductor,
+    for a user kernel: fp64). ``constants``: runtime scalars compiled as constants of their values."""
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.compiler import ASTSource
 
     pointer = {name: "*" + TYPES[dtypes[name]] for name in call.present_inputs}
     pointer.update({name: "*" + TYPES[dtype] for name, (_, dtype) in call.out_specs.items()})
-    signature, attrs = {}, {}
+    signature, attrs, constexprs = {}, {}, dict(call.constexprs)
     for i, name in enumerate(call.inputs + call.scalar_names + call.outputs):
         if name in call.scalar_names:
             value = call.scalars[call.scalar_names.index(name)]
+            if name in constants or (integer_hints and value == 1 and isinstance(value, int)):
+                signature[name], constexprs[name] = "constexpr", value
+                continue
             signature[name] = float_type if isinstance(value, float) else "i32"
             if integer_hints and isinstance(value, int) and value % 16 == 0 and value != 0:
                 attrs[(i,)] = CUDABackend.parse_attr("D")
@@ -58,16 +63,27 @@ def ptx(call, dtypes: dict, *, integer_hints: bool, float_type: str = "fp32") ->
             signature[name] = pointer.get(name, "*fp32")
             attrs[(i,)] = CUDABackend.parse_attr("D")
     signature.update({name: "constexpr" for name in call.constexprs})
-    src = ASTSource(call.kernel, signature, constexprs=dict(call.constexprs), attrs=attrs)
+    src = ASTSource(call.kernel, signature, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": call.num_warps, "num_stages": call.num_stages, "enable_fp_fusion": call.fp_fusion}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    code = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    params = [name for name, kind in signature.items() if kind != "constexpr"]  # then Triton's scratch pointers
+    return re.sub(rf"\b{call.name}_param_(\d+)\b",
+                  lambda m: f"{call.name}_param_{params[int(m[1])] if int(m[1]) < len(params) else 'scratch'}", code)
+
+
+def instructions(code: str) -> list:
+    """A PTX's lines without its debug information (source lines, the debug sections) and comments."""
+    lines = [line.split("//")[0].rstrip() for line in code.split(".section\t.debug")[0].splitlines()]
+    return [line for line in lines if line.strip() and not line.strip().startswith((".loc", ".file", "$L__tmp"))]
 
 
 def global_accesses(code: str) -> collections.Counter:
     """Global memory instructions of a PTX by kind, cache qualifiers included: ``ld.global.v4.b32`` and
-    ``ld.global.L1::evict_last.v4.b32`` are 128-bit loads."""
+    ``ld.global.L1::evict_last.v4.b32`` are 128-bit loads; ``cp.async.cg.shared.global`` a pipelined
+    load's copy of 16 bytes into shared memory."""
     return collections.Counter(m.group(0) for line in code.splitlines()
-                               if (m := re.search(r"\b(ld|st)\.global[.:\w]*", line)))
+                               if (m := re.search(r"\b((ld|st)\.global|cp\.async\.\w+\.shared\.global)[.:\w]*",
+                                                  line)))
 
 
 def assert_rows_128_bits_wide(accesses: collections.Counter, what: str) -> None:
@@ -152,6 +168,54 @@ def test_the_copy_of_y_adds_only_its_own_128_bit_stores(op, chunk):
     assert y_stores > 0 and after - before == {"st.global.v4.b32": 2 * y_stores}, (before, after)
     inductor = ptx(copying, dtypes, integer_hints=True, float_type="fp64")
     assert not _f64_instructions(inductor), dict(_f64_instructions(inductor))
+
+
+DY_ROWS3_SCALARS = ("dy_n1", "dy_n2", "stride_dy1", "stride_dy2")
+BWD_CALLS = [c for c in CALLS if c[2] is not None]
+
+
+@pytest.mark.parametrize("what,op,trained", BWD_CALLS, ids=[c[0] for c in BWD_CALLS])
+def test_dy_read_by_one_row_stride_compiles_as_without_the_three_index_mode(what, op, trained):
+    """DY_ROWS3 off (every backward but a three-index dy's): the plan passes ones for the mode's four
+    scalars. Triton's launcher compiles them as constants, so the kernel has no parameter for them;
+    jax-triton passes them, and the code never reads them: its instructions are those of the kernel
+    compiled without them, their declarations aside."""
+    call, dtypes = bwd_call(op, trained)
+    assert call.constexprs["DY_ROWS3"] is False
+    assert [call.scalars[call.scalar_names.index(name)] for name in DY_ROWS3_SCALARS] == [1, 1, 1, 1]
+    declared = [f"{call.name}_param_{name}" for name in DY_ROWS3_SCALARS]
+    assert not any(d in ptx(call, dtypes, integer_hints=True) for d in declared), what
+    passed = instructions(ptx(call, dtypes, integer_hints=False))
+    assert sum(d in line for line in passed for d in declared) == 4, what  # the declarations, nothing more
+    without = instructions(ptx(call, dtypes, integer_hints=False, constants=DY_ROWS3_SCALARS))
+    assert [line for line in passed if not any(d in line for d in declared)] == without, what
+
+
+@pytest.mark.parametrize("op,trained", [("rms_norm", False), ("rms_norm", True), ("layer_norm", False)])
+def test_dy_read_by_three_row_indices_is_accessed_128_bits_wide(op, trained):
+    """A [B, S, H, D] view of a [B, H, S, D] bf16 dy (a QK-norm's output gradient from attention's
+    backward, head_dim 128) read by three row indices (DY_ROWS3), under Triton's launcher (the Torch
+    frontend's, which marks the strides divisible by 16): the same global accesses as a contiguous dy
+    (each row 128 bits at a time: two 16-byte loads or pipelined copies per thread and row stream; the
+    16-bit load is the weight's, one column per thread), with the other rows still addressed by the
+    compile-time N."""
+    B, S, H, D = 2, 64, 8, 128
+    spec = OPS[op]
+    b = "bfloat16" if "bias" in spec.params else None
+    grads = Grads(dx=True, dw=trained, db=trained and b is not None)
+    dtypes = {**dict.fromkeys(("X", "DY", "W", "B"), "bfloat16"), "MEAN": "float32", "RSTD": "float32"}
+
+    def plan(dy_stride, dy_rows):
+        return plan_backward(spec, B * S * H, D, "bfloat16", "bfloat16", b, False, spec.options(eps=spec.default_eps),
+                             grads, (D, 1, dy_stride, 1, 0, 1, 1, 1), SMS, dy_rows=dy_rows)[0]
+
+    contiguous, three = plan(D, None), plan(H * S * D, (S, H, D, S * D))
+    assert three.constexprs == dict(contiguous.constexprs, DY_ROWS3=True) and three.constexprs["ROWS_CONTIGUOUS"]
+    assert (three.grid, three.num_warps) == (contiguous.grid, contiguous.num_warps)
+    accesses = global_accesses(ptx(three, dtypes, integer_hints=True))
+    assert accesses == global_accesses(ptx(contiguous, dtypes, integer_hints=True)), op
+    wide = "cp.async.cg.shared.global" if trained else "ld.global.v4.b32"  # dW's loop prefetches x and dy
+    assert accesses[wide] == 2 * 2 * (3 if trained else 1), (op, accesses)
 
 
 def test_an_absent_input_does_not_decide_the_row_addressing():

@@ -14,8 +14,8 @@ Every example checks:
   they find) for the fused op with x and residual both trained: their gradients share no storage
   and writing one leaves the other unchanged (torch; JAX arrays are immutable).
 
-The layouts (strided rows, expanded rows and columns, transposed x, sliced and expanded weights,
-x tied to residual) are built per frontend in tests/layouts.py.
+The layouts (strided rows, expanded rows and columns, transposed x, the last two leading dims
+swapped, sliced and expanded weights, x tied to residual) are built per frontend in tests/layouts.py.
 """
 from __future__ import annotations
 
@@ -196,6 +196,10 @@ def check(frontend, spec: Spec, *, independent_grads: bool = False) -> None:
     # The launches: only what the trained set asks for.
     check_launches(got.log, M, trained)
 
+    # dy is read in place (by three row indices where its leading dims need them) unless its last dim
+    # is not contiguous.
+    assert spec.dy_layout == "transposed" or "the output gradient" not in got.copied, got.copied
+
     # Last (so that a wrong value is reported first): x's and residual's gradients are independent.
     if independent_grads and {"x", "residual"} <= trained:
         got.check_independent()
@@ -297,8 +301,13 @@ def test_contiguous_inputs_match_reference(frontend, tier):
 @pytest.mark.parametrize("tier", TIERS)
 def test_row_layouts_match_reference(frontend, tier):
     """x, residual (or x itself), dy and d_residual_out: strided rows, expanded rows / columns,
-    transposed-then-sliced; contiguous weight and bias."""
-    run_property(frontend, tier, 200, specs(row_layouts=layouts.ROW_LAYOUTS, tie=True))
+    transposed-then-sliced, the last two leading dims swapped (a [B, S, H, D] view of a [B, H, S, D]
+    dy: rows of three indices); contiguous weight and bias."""
+    run_property(frontend, tier, 200, specs(row_layouts=layouts.ROW_LAYOUTS, tie=True), explicit=[
+        Spec("rms_norm", (2, 3, 4, 16), "bfloat16", "bfloat16", trained=("x",), dy_layout="swapped_lead"),
+        Spec("layer_norm", (2, 3, 2, 24), "float32", "float32", "float32", trained=("bias", "weight", "x"),
+             dy_layout="swapped_lead"),
+    ])
 
 
 @pytest.mark.parametrize("tier", TIERS)

@@ -434,6 +434,63 @@ def test_bound_backward_takes_each_gradient_layout(save):
     assert len(bound._bwd) == 3  # contiguous, broadcast, transposed; the second contiguous one reused
 
 
+def _qk_norm_backward(op: str, trained: bool, save: str, dy):
+    """``op`` over rows of dy's shape, its weight (and bias) ``trained`` or frozen, differentiated with
+    ``dy`` (and a contiguous d_residual_out) under poisoned outputs: every gradient against the float64
+    reference."""
+    from normkit.testing import poisoned_outputs
+
+    spec = OPS[op]
+    shape = tuple(dy.shape)
+    leaves = {name: randn(*shape, seed=500 + i).requires_grad_(True) for i, name in enumerate(spec.row_inputs)}
+    leaves.update({name: (randn(shape[-1], seed=510 + i, scale=0.1) + (name == "weight")).requires_grad_(trained)
+                   for i, name in enumerate(spec.params)})  # a weight near 1, a small bias: save="auto" keeps y
+    cots = {"y": dy, "residual_out": randn(*shape, seed=520)}
+    with normkit.record_launches() as log, poisoned_outputs():
+        outs = getattr(tf, op)(*(leaves[name] for name in spec.inputs), save=save)
+        outs = dict(zip(spec.outputs, outs if spec.has_residual else (outs,)))
+        wrt = [name for name in spec.inputs if leaves[name].requires_grad]
+        got = torch.autograd.grad([outs[n] for n in spec.outputs], [leaves[n] for n in wrt],
+                                  [cots[n] for n in spec.outputs])
+    _, ref_grads = spec.run_reference({k: np64(v) for k, v in leaves.items()}, spec.options(eps=spec.default_eps),
+                                      {name: np64(cots[name]) for name in spec.outputs})
+    rows = dy.numel() // shape[-1]
+    for name, g in zip(wrt, got):
+        assert_close(np64(g), ref_grads[name], "float32", f"{op} ({save}): d{name}",
+                     reduced_over=rows if name in spec.params else 1)
+    return log
+
+
+@pytest.mark.parametrize("save", ["auto", "input"])
+@pytest.mark.parametrize("trained", [False, True], ids=["frozen", "trained"])
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_an_attention_laid_out_gradient_is_read_in_place(op, trained, save):
+    """A QK-norm over q [B, S, H, D] gets from attention's backward a dy laid out [B, H, S, D] under
+    the [B, S, H, D] view, which no row stride describes: the backward reads it in place by three row
+    indices (DY_ROWS3), from the saved x or (save="auto", parameters frozen) from y, with no copy and
+    no warning, and its gradients are the float64 reference's."""
+    import warnings
+
+    B, S, H = 2, 3, 4
+    dy = randn(B, H, S, 24, seed=530).transpose(1, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tf.NormkitCopyWarning)
+        log = _qk_norm_backward(op, trained, save, dy)
+    (bwd,) = log.of("norm_bwd_kernel")
+    assert bwd.flags["DY_ROWS3"] is True and bwd.flags["ROWS_CONTIGUOUS"] is True, bwd.flags
+    assert bwd.flags["FROM_Y"] == (save == "auto" and not trained), bwd.flags  # both backwards: from y, from x
+
+
+def test_a_gradient_of_four_row_indices_is_copied_with_a_warning():
+    """A dy whose leading dimensions merge into no fewer than four row indices (a [2, 2, 2, 2, D] view
+    with each pair of dimensions swapped) is copied into rows, saying so, and read right."""
+    dy = randn(2, 2, 2, 2, 24, seed=540).permute(1, 0, 3, 2, 4)
+    with pytest.warns(tf.NormkitCopyWarning, match="output gradient"):
+        log = _qk_norm_backward("rms_norm", True, "input", dy)
+    (bwd,) = log.of("norm_bwd_kernel")
+    assert bwd.flags["DY_ROWS3"] is False, bwd.flags
+
+
 def test_triton_ops_register_inside_a_compiled_graph():
     """The triton ops register on first compiled use (registering imports torch._dynamo), from
     inside dynamo's trace, with no graph break; afterwards they exist under normkit's namespace."""

@@ -18,7 +18,7 @@ import warnings
 import torch
 
 from normkit import _compat as _triton_compat
-from normkit import driver, record
+from normkit import driver, record, rope
 from normkit.launch import INTERPRETER_NUM_SMS, KernelCall
 from torch_frontend import _compat
 
@@ -33,7 +33,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 class NormkitCopyWarning(UserWarning):
     """An input could not be read in place (its last dimension is neither contiguous nor broadcast,
-    its leading dimensions do not share one stride, or it is a lazily negated view) and was copied."""
+    its leading dimensions do not share one stride, or it is a lazily negated view) and was copied.
+    The backward reads an output gradient whose leading dimensions merge into three row indices in
+    place (``three_index_view``)."""
 
 
 def row_view(t: torch.Tensor) -> torch.Tensor | None:
@@ -46,6 +48,20 @@ def row_view(t: torch.Tensor) -> torch.Tensor | None:
         return t.view(-1, D)
     except RuntimeError:
         return None
+
+
+def three_index_view(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as ``[n0, n1, n2, D]`` rows of three indices without a copy (its last dimension contiguous
+    or broadcast, its leading dimensions merged, in their order, into at most three groups:
+    ``normkit.rope.row_layout``), or None where that needs a copy. A [B, S, H, D] view of a
+    [B, H, S, D] buffer (attention's output gradient) is one."""
+    D = t.shape[-1]
+    if D > 1 and t.stride(-1) not in (0, 1):
+        return None
+    layout = rope.row_layout(tuple(t.shape[:-1]), t.stride()[:-1], in_order=True)
+    if layout is None:
+        return None
+    return t.view(*layout.rows, D)
 
 
 def copy_rows(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -115,6 +131,7 @@ class TorchBackend:
         return torch.zeros(shape, dtype=TORCH_DTYPES[dtype], device=like.device)
 
     rows = staticmethod(row_view)
+    three_index_rows = staticmethod(three_index_view)
     copy_rows = staticmethod(copy_rows)
     keys = staticmethod(keys)
 

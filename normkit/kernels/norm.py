@@ -275,13 +275,26 @@ def norm_fwd_kernel(
 
 
 @triton.jit
-def _bwd_rows(X, DY, rows64, cols, mask, stride_xm, stride_dym, N: tl.constexpr, ROWS_CONTIGUOUS: tl.constexpr,
-              X_COL_STRIDE: tl.constexpr, DY_COL_STRIDE: tl.constexpr, EVICTION: tl.constexpr):
-    """The block's saved rows (x, or y with FROM_Y) and dy, in fp32."""
+def _three_index_rows(rows64, n1, n2, s0, s1, s2):
+    """Element offset of each row r of rows indexed by three indices of extents (n0, n1, n2), row-major:
+    (r // (n1 n2)) s0 + ((r // n2) % n1) s1 + (r % n2) s2."""
+    inner = rows64 // n2
+    return (inner // n1) * s0 + (inner % n1) * s1 + (rows64 % n2) * s2
+
+
+@triton.jit
+def _bwd_rows(X, DY, rows64, dy_rows, cols, mask, stride_xm, stride_dym, N: tl.constexpr,
+              ROWS_CONTIGUOUS: tl.constexpr, DY_ROWS3: tl.constexpr, X_COL_STRIDE: tl.constexpr,
+              DY_COL_STRIDE: tl.constexpr, EVICTION: tl.constexpr):
+    """The block's saved rows (x, or y with FROM_Y) and dy, in fp32; DY_ROWS3: dy's rows start at the
+    offsets ``dy_rows`` (``_three_index_rows``)."""
     x = tl.load(X + _row_offsets(rows64, cols, N, stride_xm, X_COL_STRIDE, ROWS_CONTIGUOUS), mask=mask, other=0.0,
                 eviction_policy=EVICTION).to(tl.float32)
-    dy = tl.load(DY + _row_offsets(rows64, cols, N, stride_dym, DY_COL_STRIDE, ROWS_CONTIGUOUS), mask=mask,
-                 other=0.0, eviction_policy=EVICTION).to(tl.float32)
+    if DY_ROWS3:
+        dy_ptrs = DY + dy_rows[:, None] + cols[None, :] * DY_COL_STRIDE
+    else:
+        dy_ptrs = DY + _row_offsets(rows64, cols, N, stride_dym, DY_COL_STRIDE, ROWS_CONTIGUOUS)
+    dy = tl.load(dy_ptrs, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
     return x, dy
 
 
@@ -292,16 +305,17 @@ def _bwd_weight(W, cols, col_mask, offset, W_STRIDE: tl.constexpr):
 
 
 @triton.jit
-def _bwd_chunk(X, DY, B, rows64, row_mask, c0, bc, stride_xm, stride_dym, N: tl.constexpr,
-               ROWS_CONTIGUOUS: tl.constexpr, X_COL_STRIDE: tl.constexpr, DY_COL_STRIDE: tl.constexpr,
-               B_STRIDE: tl.constexpr, LOAD_B: tl.constexpr, CHUNK_N: tl.constexpr, EVICTION: tl.constexpr):
+def _bwd_chunk(X, DY, B, rows64, dy_rows, row_mask, c0, bc, stride_xm, stride_dym, N: tl.constexpr,
+               ROWS_CONTIGUOUS: tl.constexpr, DY_ROWS3: tl.constexpr, X_COL_STRIDE: tl.constexpr,
+               DY_COL_STRIDE: tl.constexpr, B_STRIDE: tl.constexpr, LOAD_B: tl.constexpr, CHUNK_N: tl.constexpr,
+               EVICTION: tl.constexpr):
     """One chunk of a two-pass backward from column c0: its columns, their mask, the block's mask, the
     saved rows and dy there, and (LOAD_B) the bias there, else ``bc`` as given."""
     ccols = c0 + tl.arange(0, CHUNK_N)
     ccol_mask = ccols < N
     cmask = row_mask[:, None] & ccol_mask[None, :]
-    x, dy = _bwd_rows(X, DY, rows64, ccols, cmask, stride_xm, stride_dym, N, ROWS_CONTIGUOUS, X_COL_STRIDE,
-                      DY_COL_STRIDE, EVICTION)
+    x, dy = _bwd_rows(X, DY, rows64, dy_rows, ccols, cmask, stride_xm, stride_dym, N, ROWS_CONTIGUOUS, DY_ROWS3,
+                      X_COL_STRIDE, DY_COL_STRIDE, EVICTION)
     if LOAD_B:
         bc = tl.load(B + ccols * B_STRIDE, mask=ccol_mask, other=0.0).to(tl.float32)
     return ccols, ccol_mask, cmask, x, dy, bc
@@ -384,7 +398,7 @@ def norm_bwd_kernel(
     # its output y (x.dtype); row stride stride_xm
     W,  # weight [N] (HAS_W), element stride W_STRIDE
     B,  # bias [N] (HAS_B: read only FROM_Y, to recover x_hat from y), element stride B_STRIDE
-    DY,  # gradient of the output [M, N], row stride stride_dym
+    DY,  # gradient of the output [M, N], row stride stride_dym; DY_ROWS3: rows of three indices
     DRES,  # gradient of residual_out [M, N] (HAS_DRES), row stride stride_dresm
     MEAN,  # per-row mean, fp32 [M] (not IS_RMS, not FROM_Y)
     RSTD,  # per-row 1/std, fp32 [M] ([rec_offset(M) + N + 1] with REC after the rows: REC_IN_RSTD)
@@ -392,8 +406,12 @@ def norm_bwd_kernel(
     offset,  # fp32 scalar added to the weight
     M,  # number of rows
     stride_xm,  # row strides, in elements; ignored when ROWS_CONTIGUOUS
-    stride_dym,
+    stride_dym,  # DY_ROWS3: the stride of dy's outermost row index
     stride_dresm,
+    dy_n1,  # DY_ROWS3: the extents of dy's two inner row indices (else 1)
+    dy_n2,
+    stride_dy1,  # DY_ROWS3: their strides, in elements (else 1)
+    stride_dy2,
     DX,  # gradient of x [M, N] contiguous (COMPUTE_DX); for the fused add also that of residual
     DW_PART,  # fp32 [num_programs, N] per-program dW partials (COMPUTE_DW)
     DB_PART,  # fp32 [num_programs, N] per-program dB partials (COMPUTE_DB)
@@ -409,6 +427,8 @@ def norm_bwd_kernel(
     FROM_Y: tl.constexpr,  # X holds y, weight and bias frozen: x_hat = (y - b) * REC, no mean read
     REC_IN_RSTD: tl.constexpr,  # FROM_Y: REC lies in RSTD, after its M rows
     ROWS_CONTIGUOUS: tl.constexpr,  # every input is [M, N] contiguous: use the compile-time N
+    DY_ROWS3: tl.constexpr,  # dy's row r at (r // (n1 n2)) stride_dym + ((r // n2) % n1) stride_dy1 +
+    # (r % n2) stride_dy2 (n1, n2: dy_n1, dy_n2), whatever ROWS_CONTIGUOUS says of the other inputs
     X_COL_STRIDE: tl.constexpr,  # column strides of x, dy and d_residual: 1, or 0 (broadcast along N)
     DY_COL_STRIDE: tl.constexpr,
     DRES_COL_STRIDE: tl.constexpr,
@@ -469,10 +489,13 @@ def norm_bwd_kernel(
         if not (IS_RMS or FROM_Y):
             mean = tl.load(MEAN + rows64, mask=row_mask, other=0.0)
         rec = rstd
+        dy_rows = rows64  # DY_ROWS3: where dy's rows start
+        if DY_ROWS3:
+            dy_rows = _three_index_rows(rows64, dy_n1, dy_n2, stride_dym, stride_dy1, stride_dy2)
         if CHUNK_N == 0:
             mask = row_mask[:, None] & col_mask[None, :]
-            x, dy = _bwd_rows(X, DY, rows64, cols, mask, stride_xm, stride_dym, N, ROWS_CONTIGUOUS, X_COL_STRIDE,
-                              DY_COL_STRIDE, "")
+            x, dy = _bwd_rows(X, DY, rows64, dy_rows, cols, mask, stride_xm, stride_dym, N, ROWS_CONTIGUOUS,
+                              DY_ROWS3, X_COL_STRIDE, DY_COL_STRIDE, "")
             t = _bwd_centred(x, b, mean, FROM_Y, IS_RMS, HAS_B)
             xn = t
             if not FROM_Y:
@@ -508,8 +531,8 @@ def norm_bwd_kernel(
             acc2 = tl.zeros((BLOCK_M, CHUNK_N), dtype=tl.float32)
             for c0 in tl.static_range(0, BLOCK_N, CHUNK_N):
                 ccols, ccol_mask, cmask, x, dy, bc = _bwd_chunk(
-                    X, DY, B, rows64, row_mask, c0, bc, stride_xm, stride_dym, N, ROWS_CONTIGUOUS, X_COL_STRIDE,
-                    DY_COL_STRIDE, B_STRIDE, FROM_Y and HAS_B, CHUNK_N, "evict_last")
+                    X, DY, B, rows64, dy_rows, row_mask, c0, bc, stride_xm, stride_dym, N, ROWS_CONTIGUOUS,
+                    DY_ROWS3, X_COL_STRIDE, DY_COL_STRIDE, B_STRIDE, FROM_Y and HAS_B, CHUNK_N, "evict_last")
                 if HAS_W and not (FROM_Y and IS_RMS):  # FROM_Y RMSNorm: the sum needs no weight
                     wc = _bwd_weight(W, ccols, ccol_mask, offset, W_STRIDE)
                 t = _bwd_centred(x, bc, mean, FROM_Y, IS_RMS, HAS_B)
@@ -527,8 +550,8 @@ def norm_bwd_kernel(
             # second pass: read the chunks again and write dx
             for c0 in tl.static_range(0, BLOCK_N, CHUNK_N):
                 ccols, ccol_mask, cmask, x, dy, bc = _bwd_chunk(
-                    X, DY, B, rows64, row_mask, c0, bc, stride_xm, stride_dym, N, ROWS_CONTIGUOUS, X_COL_STRIDE,
-                    DY_COL_STRIDE, B_STRIDE, FROM_Y and HAS_B, CHUNK_N, "evict_first")
+                    X, DY, B, rows64, dy_rows, row_mask, c0, bc, stride_xm, stride_dym, N, ROWS_CONTIGUOUS,
+                    DY_ROWS3, X_COL_STRIDE, DY_COL_STRIDE, B_STRIDE, FROM_Y and HAS_B, CHUNK_N, "evict_first")
                 if HAS_W:
                     wc = _bwd_weight(W, ccols, ccol_mask, offset, W_STRIDE)
                     if FROM_Y:
