@@ -62,7 +62,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.extend import core as jcore  # noqa: E402
 
+import jax_frontend  # noqa: E402
 import normkit  # noqa: E402
 from benchmarks.env import short_error, versions  # noqa: E402
 from benchmarks.timing import Timer  # noqa: E402
@@ -74,7 +76,7 @@ DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
 # benchmarks/lora_step.py checks against HF.
 TOLERANCES = {"bf16": (5e-3, 5e-2), "fp32": (1e-5, 1e-3)}
 LORA_B_STDDEV = 0.02
-VARIANTS = ("flax", "normkit", "normkit_input")
+VARIANTS = ("flax", "normkit", "normkit_input", "normkit_rope")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,32 +91,91 @@ class Config:
     rank: int = 16
     dtype: str = "bf16"
     attention: str = "xla"  # jax.nn.dot_product_attention's implementation: "xla" or "cudnn"
+    arch: str = "llama"  # one of ARCHS
+    kv_heads: int | None = None  # key/value heads (grouped-query attention); None: heads
+    head_dim: int | None = None  # None: hidden / heads
+    rope_theta: float = 1e6  # qwen3: the rotary embedding's base (Qwen3's)
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def dim(self) -> int:
+        return self.head_dim or self.hidden // self.heads
 
 
+ARCHS = ("llama", "qwen3")
+DEFAULT_VARIANTS = {"llama": "flax,normkit,flax#2", "qwen3": "flax,normkit,normkit_rope,flax#2"}
+SIZES = ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab", "seq", "batch", "rank")
 # The GPU size of the Torch LoRA step (benchmarks/lora_step.py): 4 x 4096, 8192 tokens, bf16.
 GPU = Config(layers=4, hidden=4096, intermediate=11008, heads=32, vocab=32000, seq=4096, batch=2, attention="cudnn")
 SMOKE = Config(layers=1, hidden=64, intermediate=128, heads=4, vocab=128, seq=16, batch=2, rank=4, dtype="fp32")
+# Per --arch: the Torch step's Qwen3 run (benchmarks/lora_step.py --arch qwen3 --layers 16 --hidden 2048 --heads 16
+# --kv-heads 8: head_dim 128, its default intermediate size and vocabulary), 2 x 4096 tokens, bf16.
+GPU_CONFIGS = {"llama": GPU, "qwen3": Config(layers=16, hidden=2048, intermediate=5504, heads=16, vocab=32000, seq=4096,
+                                            batch=2, attention="cudnn", arch="qwen3", kv_heads=8, head_dim=128)}
+SMOKE_CONFIGS = {"llama": SMOKE, "qwen3": dataclasses.replace(SMOKE, arch="qwen3", kv_heads=2, head_dim=16)}
 
 
 # ---------------------------------------------------------------------------------------------
 # The model.
 
 
+def rope_tables(cfg: Config, seq: int):
+    """HF's rotary tables for positions ``0..seq-1``: cos, sin ``[1, seq, 1, head_dim]`` (broadcasting over
+    the batch and the heads of a ``[B, T, heads, head_dim]`` q, as HF's after its unsqueeze), computed in
+    float32 and cast to the model's dtype, as HF's rotary embedding returns them."""
+    D = cfg.dim
+    inv_freq = 1.0 / cfg.rope_theta ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D)
+    emb = jnp.tile(jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq, 2)  # cat(freqs, freqs)
+    return tuple(f(emb).astype(DTYPES[cfg.dtype])[None, :, None, :] for f in (jnp.cos, jnp.sin))
+
+
+def apply_rope(x, cos, sin):
+    """HF's ``apply_rotary_pos_emb`` of one tensor: ``x * cos + rotate_half(x) * sin``, in x's dtype."""
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+
+
+def attend(q, k, v, implementation: str):
+    """Causal attention of ``[B, T, heads, head_dim]`` q over k and v (grouped kv heads), as ``[B, T, heads *
+    head_dim]``."""
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+    return out.reshape(*out.shape[:2], -1)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: Config, rngs: nnx.Rngs):
         dt = DTYPES[cfg.dtype]
-        lora = functools.partial(nnx.LoRALinear, cfg.hidden, cfg.hidden, lora_rank=cfg.rank, use_bias=False, dtype=dt,
-                                 param_dtype=dt, lora_dtype=dt, lora_param_dtype=jnp.float32,
+        lora = functools.partial(nnx.LoRALinear, lora_rank=cfg.rank, use_bias=False, dtype=dt, param_dtype=dt,
+                                 lora_dtype=dt, lora_param_dtype=jnp.float32,
                                  b_initializer=nnx.initializers.normal(LORA_B_STDDEV), rngs=rngs)
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = lora(), lora(), lora(), lora()
-        self.heads, self.implementation = cfg.heads, cfg.attention
+        q_width, kv_width = cfg.heads * cfg.dim, cfg.kv * cfg.dim
+        self.q_proj, self.k_proj = lora(cfg.hidden, q_width), lora(cfg.hidden, kv_width)
+        self.v_proj, self.o_proj = lora(cfg.hidden, kv_width), lora(q_width, cfg.hidden)
+        self.heads, self.kv_heads, self.implementation = cfg.heads, cfg.kv, cfg.attention
+        if cfg.arch == "qwen3":  # QK-norm: over each head's head_dim, before the rotary embedding
+            self.q_norm, self.k_norm = rms_norm(cfg, rngs, cfg.dim), rms_norm(cfg, rngs, cfg.dim)
+        # normkit_rope: each of q and k through one jax_frontend.rms_norm_rope (set by variant())
+        self.fused_qk_norm_rope = False
 
-    def __call__(self, x):
-        B, T, D = x.shape
-        split = lambda a: a.reshape(B, T, self.heads, D // self.heads)  # noqa: E731
-        out = jax.nn.dot_product_attention(split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x)),
-                                           is_causal=True, implementation=self.implementation)
-        return self.o_proj(out.reshape(B, T, D))
+    def __call__(self, x, rope=None):
+        """``rope``: the (cos, sin) of ``rope_tables``, for qwen3; None: no QK-norm, no rotary embedding."""
+        B, T, _ = x.shape
+        split = lambda a, heads: a.reshape(B, T, heads, -1)  # noqa: E731
+        q, k = split(self.q_proj(x), self.heads), split(self.k_proj(x), self.kv_heads)
+        if rope is not None:
+            q, k = self.norm_rope(q, self.q_norm, *rope), self.norm_rope(k, self.k_norm, *rope)
+        return self.o_proj(attend(q, k, split(self.v_proj(x), self.kv_heads), self.implementation))
+
+    def norm_rope(self, x, norm: nnx.RMSNorm, cos, sin):
+        if not self.fused_qk_norm_rope:  # the norm module, then HF's rotation
+            return apply_rope(norm(x), cos, sin)
+        # the patched norm's function (jax_frontend.nnx.patch_model: flax's math) and options, fused with the rotation
+        return jax_frontend.rms_norm_rope(x, norm.scale[...], cos, sin, norm.epsilon, offset=norm.offset,
+                                          casting_mode=norm.casting_mode, save=norm.save,
+                                          implementation=norm.implementation)
 
 
 class MLP(nnx.Module):
@@ -128,9 +189,16 @@ class MLP(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def rms_norm(cfg: Config, rngs: nnx.Rngs) -> nnx.RMSNorm:
+def _uniform_scale(key, shape, dtype):
+    return jax.random.uniform(key, shape, dtype, 0.5, 1.5)
+
+
+def rms_norm(cfg: Config, rngs: nnx.Rngs, width: int | None = None) -> nnx.RMSNorm:
+    """An ``nnx.RMSNorm`` over ``width`` (default: hidden); qwen3's scales drawn from [0.5, 1.5) (as
+    benchmarks/lora_step.py draws its norms' weights), llama's flax's ones."""
     dt = DTYPES[cfg.dtype]
-    return nnx.RMSNorm(cfg.hidden, epsilon=1e-6, dtype=dt, param_dtype=dt, rngs=rngs)
+    init = {"scale_init": _uniform_scale} if cfg.arch == "qwen3" else {}
+    return nnx.RMSNorm(width or cfg.hidden, epsilon=1e-6, dtype=dt, param_dtype=dt, rngs=rngs, **init)
 
 
 class DecoderLayer(nnx.Module):
@@ -140,23 +208,27 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = rms_norm(cfg, rngs)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, h):
-        h = h + self.self_attn(self.input_layernorm(h))
+    def __call__(self, h, rope=None):
+        h = h + self.self_attn(self.input_layernorm(h), rope)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class Llama(nnx.Module):
+    """The model of ``cfg.arch``: llama (no rotary embedding) or qwen3 (QK-norm and HF's rotary embedding)."""
+
     def __init__(self, cfg: Config, rngs: nnx.Rngs):
         dt = DTYPES[cfg.dtype]
         self.embed_tokens = nnx.Embed(cfg.vocab, cfg.hidden, dtype=dt, param_dtype=dt, rngs=rngs)
         self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.layers)])
         self.norm = rms_norm(cfg, rngs)
         self.lm_head = nnx.Linear(cfg.hidden, cfg.vocab, use_bias=False, dtype=dt, param_dtype=dt, rngs=rngs)
+        self.cfg = cfg
 
     def __call__(self, ids):
         h = self.embed_tokens(ids)
+        rope = rope_tables(self.cfg, ids.shape[1]) if self.cfg.arch == "qwen3" else None  # once, for every layer
         for layer in self.layers:
-            h = layer(h)
+            h = layer(h, rope)
         return self.lm_head(self.norm(h))
 
 
@@ -205,6 +277,14 @@ def variant(base: Llama, name: str, implementation: str | None = None):
         return model, nknnx.patch_model(model, implementation=implementation)
     if kind == "normkit_input":  # the control of the saving: the backward keeps x, as flax's does
         return model, nknnx.patch_model(model, implementation=implementation, save="input")
+    if kind == "normkit_rope":  # normkit, and each QK-norm with the rotary embedding after it in one op
+        attentions = [m for _, m in nnx.iter_modules(model) if isinstance(m, Attention) and hasattr(m, "q_norm")]
+        if not attentions:
+            raise ValueError("normkit_rope fuses the QK-norm with the rotary embedding: it needs --arch qwen3")
+        report = nknnx.patch_model(model, implementation=implementation)
+        for attention in attentions:
+            attention.fused_qk_norm_rope = True
+        return model, report
     raise ValueError(f"unknown variant {name!r}; expected one of {VARIANTS} (with an optional #suffix)")
 
 
@@ -218,7 +298,46 @@ def launch_summary(log) -> dict:
     return {"launches": len(log), "implementations": sorted({launch.implementation for launch in log}),
             "backward_launches": len(bwd), "with_compute_dw": sum(bool(b.flags.get("COMPUTE_DW")) for b in bwd),
             "partial_buffer_bytes": sum(launch.partial_bytes for launch in log),
-            "reduction_launches": len(log.of("partial_sum_kernel"))}
+            "reduction_launches": len(log.of("partial_sum_kernel")),
+            "rope_launches": sum("rms_norm_rope" in launch.kernel for launch in log)}
+
+
+def kept_arrays(f, *args) -> list[set]:
+    """What ``jax.vjp`` of ``f(*args)`` keeps for the backward (its residuals, as
+    ``jax.ad_checkpoint.print_saved_residuals`` lists them), one set of shapes per array: a residual that
+    is a reshape of another value is counted with it (in XLA a reshape of a dense array is the same
+    buffer), and its set holds the shapes it is kept in and its own."""
+    jaxpr = jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[1])(*args).jaxpr
+    source = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "reshape":
+            source[eqn.outvars[0]] = source.get(eqn.invars[0], eqn.invars[0])
+    kept = {}
+    for var in jaxpr.outvars:
+        if not isinstance(var, jcore.Literal):
+            root = source.get(var, var)
+            kept.setdefault(root, {root.aval.shape}).add(var.aval.shape)
+    return list(kept.values())
+
+
+def qk_residuals(model: Llama, cfg: Config, ids) -> dict:
+    """How many arrays the step's backward keeps in q's ``[B, T, heads, head_dim]`` or k's ``[B, T,
+    kv_heads, head_dim]`` shape (v's too; ``kept_arrays`` of the loss over the LoRA parameters, the rest
+    of the model closed over, not differentiated), those that attention and o_proj's LoRA keep alone
+    (their q, k, v and the attention's output: ``attend`` of every layer, with o_proj's LoRA factor A
+    differentiated), and the difference: the projected, normalized or rotated q and k kept beyond
+    them."""
+    B, T = ids.shape
+    shapes = {(B, T, cfg.heads, cfg.dim), (B, T, cfg.kv, cfg.dim)}
+    count = lambda kept: sum(bool(s & shapes) for s in kept)  # noqa: E731
+    graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+    step = count(kept_arrays(lambda lora: loss_fn(nnx.merge(graphdef, lora, rest), ids), lora))
+    dt = DTYPES[cfg.dtype]
+    q, kv, a = (jnp.zeros(s, dt) for s in ((B, T, cfg.heads, cfg.dim), (B, T, cfg.kv, cfg.dim),
+                                             (cfg.heads * cfg.dim, cfg.rank)))
+    alone = cfg.layers * count(kept_arrays(
+        lambda q, k, v, a: (attend(q, k, v, cfg.attention) @ a).astype(jnp.float32).sum(), q, kv, kv, a))
+    return {"kept": step, "attention_keeps": alone, "beyond_attention": step - alone}
 
 
 class Row:
@@ -229,6 +348,7 @@ class Row:
         model, report = variant(base, name, args.implementation)
         if report is not None:
             self.row["patch_report"] = str(report)
+        self.row["qk_residuals"] = qk_residuals(model, cfg, ids)  # before the step donates the model's arrays
         optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.LoRAParam)
         step, self.state = make_step(model, optimizer)
         with normkit.record_launches() as log:  # launches are recorded as the step is traced
@@ -283,6 +403,8 @@ def check(row: dict, ref: dict | None, cfg: Config) -> None:
             notes.append("no normkit backward was recorded")
         if launches["with_compute_dw"] or launches["partial_buffer_bytes"] or launches["reduction_launches"]:
             notes.append(f"a frozen norm computed dW: {launches}")
+        if bool(launches["rope_launches"]) != row["variant"].startswith("normkit_rope"):
+            notes.append(f"{launches['rope_launches']} launches of the fused QK-norm + RoPE")
     row["checks_ok"], row["check_notes"] = not notes, notes
 
 
@@ -309,6 +431,8 @@ def table_rows(rows: list[dict]) -> list[dict]:
             "loss": _f(r.get("loss_first"), ".5f"), "loss rel Δ": _f(r.get("loss_rel_diff_vs_flax"), ".1e"),
             "grad rel Δ": _f(r.get("grad_rel_diff_vs_flax"), ".1e"),
             "dW launches": "-" if "launches" not in r else str(r["launches"]["with_compute_dw"]),
+            "q/k kept beyond attention": str(r["qk_residuals"]["beyond_attention"]) if "qk_residuals" in r
+            else "-",
             "checks": "ok" if r.get("checks_ok") else ("FAILED" if "checks_ok" in r else "-"),
         })
     return out
@@ -319,11 +443,16 @@ def markdown(result: dict) -> str:
 
     cfg, env = result["config"], result["env"]
     v = env["versions"]
+    qwen3 = cfg.get("arch") == "qwen3"
+    model = (f"Qwen3-style NNX model (random init; QK-norm, then HF's rotary embedding): {cfg['layers']} layers, "
+             f"hidden {cfg['hidden']}, intermediate {cfg['intermediate']}, {cfg['heads']} q heads and "
+             f"{cfg['kv_heads']} kv heads of {cfg['head_dim']}" if qwen3 else
+             f"Llama-style NNX model (random init, no rotary embedding): {cfg['layers']} layers, "
+             f"hidden {cfg['hidden']}, intermediate {cfg['intermediate']}, {cfg['heads']} heads")
     lines = [
-        "# LoRA training step of a Flax NNX Llama: flax's nnx.RMSNorm (XLA) vs normkit's",
+        f"# LoRA training step of a Flax NNX {'Qwen3' if qwen3 else 'Llama'}: flax's nnx.RMSNorm (XLA) vs normkit's",
         "",
-        f"Llama-style NNX model (random init, no rotary embedding): {cfg['layers']} layers, hidden {cfg['hidden']}, "
-        f"intermediate {cfg['intermediate']}, {cfg['heads']} heads, vocab {cfg['vocab']}; batch {cfg['batch']} x seq "
+        f"{model}, vocab {cfg['vocab']}; batch {cfg['batch']} x seq "
         f"{cfg['seq']}, {cfg['dtype']}, attention {cfg['attention']}, on {env['device']} ({env['date']}). "
         f"nnx.LoRALinear r={cfg['rank']} on q/k/v/o (float32 LoRA weights); AdamW over the LoRA parameters; "
         f"gradients by nnx.value_and_grad with DiffState(0, nnx.LoRAParam), so the norms' scale is frozen. "
@@ -337,8 +466,16 @@ def markdown(result: dict) -> str:
         "state and the tokens; outputs). `dW launches`: normkit backward launches with COMPUTE_DW in the "
         "compiled step (0: the frozen norms ran the dW-free variant). Checks: the first step's loss and LoRA "
         "gradient norm against `flax` (relative tolerances "
-        f"{TOLERANCES[cfg['dtype']]}), and no dW work in normkit's launches.",
+        f"{TOLERANCES[cfg['dtype']]}), and no dW work in normkit's launches. `q/k kept beyond attention`: of the "
+        "arrays the step's backward keeps (the residuals of the loss's vjp over the LoRA parameters, a reshape "
+        "counted with its source), those shaped as q or as k (v too), less those that attention and o_proj's LoRA keep "
+        "alone (their q, k, v and attention's output): the projected, normalized or rotated q and k kept for "
+        "the norms and the rotary embedding.",
     ]
+    if any(r["variant"].startswith("normkit_rope") for r in result["rows"]):
+        lines += ["", "`normkit_rope`: `normkit`, with each attention's q_norm or k_norm and the rotary embedding "
+                      "after it computed by one `jax_frontend.rms_norm_rope` (the norm's scale, eps and flax's "
+                      "casting), which keeps its output, the rotated q or k that attention keeps anyway."]
     if any(r["variant"].startswith("flax#") for r in result["rows"]):
         lines += ["", "`flax#2`: an independent copy of `flax`, timed like the others: its distance to `flax` is what "
                       "this run cannot resolve."]
@@ -357,11 +494,14 @@ def device_slug(kind: str) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name in ("layers", "hidden", "intermediate", "heads", "vocab", "seq", "batch", "rank"):
-        p.add_argument(f"--{name}", type=int)
+    p.add_argument("--arch", choices=ARCHS, default="llama",
+                   help="qwen3: QK-norm and HF's rotary embedding, grouped kv heads (its own GPU and smoke sizes)")
+    for name in SIZES:
+        p.add_argument(f"--{name.replace('_', '-')}", type=int)
     p.add_argument("--dtype", choices=sorted(DTYPES))
     p.add_argument("--attention", choices=("xla", "cudnn"), help="default: cudnn on a GPU, xla on CPU")
-    p.add_argument("--variants", default="flax,normkit,flax#2", help="comma list of flax and normkit (#suffix: a copy)")
+    p.add_argument("--variants", help=f"comma list of {', '.join(VARIANTS)} (#suffix: a copy); normkit_rope needs "
+                                      f"--arch qwen3. Default: {DEFAULT_VARIANTS}")
     p.add_argument("--implementation", default=None, help="normkit's implementation (default: auto)")
     p.add_argument("--rounds", type=int, help="rounds of timed steps, interleaved across the variants")
     p.add_argument("--steps", type=int, help="timed steps per variant and round")
@@ -376,15 +516,15 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
-    base_cfg = SMOKE if args.smoke else GPU
-    changes = {k: getattr(args, k) for k in ("layers", "hidden", "intermediate", "heads", "vocab", "seq", "batch",
-                                             "rank", "dtype", "attention") if getattr(args, k) is not None}
+    base_cfg = (SMOKE_CONFIGS if args.smoke else GPU_CONFIGS)[args.arch]
+    changes = {k: getattr(args, k) for k in (*SIZES, "dtype", "attention") if getattr(args, k) is not None}
     if not on_gpu and args.attention is None:
         changes["attention"] = "xla"  # cuDNN attention exists on NVIDIA GPUs only
     cfg = dataclasses.replace(base_cfg, **changes)
     rounds = args.rounds or (1 if args.smoke else 6)
     steps = args.steps or (2 if args.smoke else 5)
     warmup = min(args.warmup, 1) if args.smoke else args.warmup
+    args.variants = args.variants or DEFAULT_VARIANTS[cfg.arch]
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     if len(set(names)) != len(names) or any(n.split("#")[0] not in VARIANTS for n in names):
         raise SystemExit(f"--variants {args.variants!r}: each once, each one of {VARIANTS} with an optional #suffix")
@@ -394,7 +534,8 @@ def main(argv=None) -> int:
     env = {"device": kind, "backend": jax.default_backend(), "devices": jax.device_count(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "versions": {**versions(), "flax": _version("flax"), "optax": _version("optax")}}
-    config = {**dataclasses.asdict(cfg), "rounds": rounds, "steps": steps, "warmup": warmup, "seed": args.seed,
+    config = {**dataclasses.asdict(cfg), "kv_heads": cfg.kv, "head_dim": cfg.dim, "rounds": rounds, "steps": steps,
+              "warmup": warmup, "seed": args.seed,
               "variants": names, "implementation": args.implementation, "smoke": args.smoke,
               "optimizer": "optax.adamw(1e-4) over nnx.LoRAParam", "lora_b_init": f"normal({LORA_B_STDDEV})"}
     print(f"config {json.dumps(config)}", flush=True)
@@ -431,7 +572,8 @@ def main(argv=None) -> int:
     result = {"schema": SCHEMA, "argv": sys.argv[1:] if argv is None else list(argv), "config": config, "env": env,
               "rows": result_rows}
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = "nnx_lora_step_" + ("smoke" if args.smoke else device_slug(kind))
+    stem = "nnx_lora_step_" + ("" if cfg.arch == "llama" else f"{cfg.arch}_") + (
+        "smoke" if args.smoke else device_slug(kind))
     (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     text = markdown(result)
     (out_dir / f"{stem}.md").write_text(text)
