@@ -330,12 +330,13 @@ def launch_summary(log) -> dict:
             "rope_launches": sum("rms_norm_rope" in launch.kernel for launch in log)}
 
 
-def kept_arrays(f, *args) -> list[set]:
-    """What ``jax.vjp`` of ``f(*args)`` keeps for the backward (its residuals, as
-    ``jax.ad_checkpoint.print_saved_residuals`` lists them), one set of shapes per array: a residual that
-    is a reshape of another value is counted with it (in XLA a reshape of a dense array is the same
-    buffer), and its set holds the shapes it is kept in and its own."""
-    jaxpr = jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[1])(*args).jaxpr
+def kept_arrays(f, wrt, *rest) -> list[set]:
+    """What ``jax.vjp`` of ``f(wrt, *rest)`` over ``wrt`` keeps for the backward (its residuals, as
+    ``jax.ad_checkpoint.print_saved_residuals`` lists them), ``rest`` traced but not differentiated, as
+    the jitted step traces the frozen state; one set of shapes per array: a residual that is a reshape
+    of another value is counted with it (in XLA a reshape of a dense array is the same buffer), and its
+    set holds the shapes it is kept in and its own."""
+    jaxpr = jax.make_jaxpr(lambda wrt, *rest: jax.vjp(lambda w: f(w, *rest), wrt)[1])(wrt, *rest).jaxpr
     source = {}
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "reshape":
@@ -351,7 +352,7 @@ def kept_arrays(f, *args) -> list[set]:
 def qk_residuals(model: Llama, cfg: Config, ids) -> dict:
     """How many arrays the step's backward keeps in q's ``[B, T, heads, head_dim]`` or k's ``[B, T,
     kv_heads, head_dim]`` shape (v's too; ``kept_arrays`` of the loss over the LoRA parameters, the rest
-    of the model closed over, not differentiated), those that attention and o_proj's LoRA keep alone
+    of the model not differentiated), those that attention and o_proj's LoRA keep alone
     (their q, k, v and the attention's output: ``attend`` of every layer, with o_proj's LoRA factor A
     differentiated), and the difference: the projected, normalized or rotated q and k kept beyond
     them."""
@@ -359,12 +360,12 @@ def qk_residuals(model: Llama, cfg: Config, ids) -> dict:
     shapes = {(B, T, cfg.heads, cfg.dim), (B, T, cfg.kv, cfg.dim)}
     count = lambda kept: sum(bool(s & shapes) for s in kept)  # noqa: E731
     graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
-    step = count(kept_arrays(lambda lora: loss_fn(nnx.merge(graphdef, lora, rest), ids), lora))
+    step = count(kept_arrays(lambda lora, rest: loss_fn(nnx.merge(graphdef, lora, rest), ids), lora, rest))
     dt = DTYPES[cfg.dtype]
     q, kv, a = (jnp.zeros(s, dt) for s in ((B, T, cfg.heads, cfg.dim), (B, T, cfg.kv, cfg.dim),
                                              (cfg.heads * cfg.dim, cfg.rank)))
     alone = cfg.layers * count(kept_arrays(
-        lambda q, k, v, a: (attend(q, k, v, cfg.attention) @ a).astype(jnp.float32).sum(), q, kv, kv, a))
+        lambda qkva: (attend(*qkva[:3], cfg.attention) @ qkva[3]).astype(jnp.float32).sum(), (q, kv, kv, a)))
     return {"kept": step, "attention_keeps": alone, "beyond_attention": step - alone}
 
 
