@@ -497,6 +497,34 @@ def test_benchmark_smoke_run(tmp_path):
 
 
 @pytest.mark.slow  # a tool's end-to-end dry run: the slow tier
+def test_nnx_qwen3_smoke_run_with_the_fused_qk_norm_rope(tmp_path):
+    """benchmarks/nnx_lora_step.py --smoke --arch qwen3: flax, normkit and normkit_rope (the QK-norm and the
+    rotary embedding as one rms_norm_rope) all ok and checked against flax; normkit_rope's backward keeps
+    no q or k beyond what attention keeps, normkit's does (each QK-norm's output)."""
+    pytest.importorskip("flax")
+    jax = pytest.importorskip("jax")
+    pytest.importorskip("pandas")
+    from benchmarks import nnx_lora_step
+
+    argv = ["--smoke", "--arch", "qwen3", "--variants", "flax,normkit,normkit_rope", "--out", str(tmp_path)]
+    with jax.numpy_dtype_promotion("standard"):
+        assert nnx_lora_step.main(argv) == 0
+    doc = json.loads((tmp_path / "nnx_lora_step_qwen3_smoke.json").read_text())
+    assert doc["config"]["arch"] == "qwen3" and doc["config"]["kv_heads"] < doc["config"]["heads"]
+    rows = {r["variant"]: r for r in doc["rows"]}
+    assert set(rows) == {"flax", "normkit", "normkit_rope"}
+    assert all(r["status"] == "ok" and r["checks_ok"] for r in rows.values()), rows
+    assert rows["normkit_rope"]["launches"]["rope_launches"] > 0 and rows["normkit"]["launches"]["rope_launches"] == 0
+    assert rows["normkit_rope"]["launches"]["with_compute_dw"] == 0
+    kept = {name: r["qk_residuals"] for name, r in rows.items()}
+    assert len({k["attention_keeps"] for k in kept.values()}) == 1, kept
+    assert kept["normkit_rope"]["beyond_attention"] == 0, kept
+    # 1 layer: normkit keeps its q_norm's and k_norm's outputs (frozen scales: save="auto"), flax's XLA more
+    assert kept["normkit"]["beyond_attention"] == 2 < kept["flax"]["beyond_attention"], kept
+    assert "| normkit_rope" in (tmp_path / "nnx_lora_step_qwen3_smoke.md").read_text()
+
+
+@pytest.mark.slow  # a tool's end-to-end dry run: the slow tier
 def test_save_ab_dry_run(tmp_path):
     """benchmarks/save_ab.py on the CPU: every cell of the (dry) table has both backwards, both forwards,
     both saves through autograd and the JAX row; the trip check and the launch A/B ran; then --sweep."""
