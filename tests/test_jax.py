@@ -22,6 +22,7 @@ import pytest
 import jax_frontend as jf
 import normkit
 from normkit import launch as plans
+from normkit import reference
 from normkit.shapes import Shape, shapes
 from tests.frontend_jax import JaxFrontend
 from tests.frontends import requires_torch
@@ -820,8 +821,9 @@ def test_a_frozen_norm_keeps_its_output_in_the_residuals(op, implementation):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_jit_closing_over_low_precision_frozen_parameters(implementation, dtype):
     """A jit that closes over the frozen parameters (constants of the trace, so the save rule reads their
-    values) in a 16-bit dtype: every op, rms_norm_rope too, keeps its output and gives the eager call's
-    output and dx, bit for bit."""
+    values) in a 16-bit dtype: every op, rms_norm_rope too, keeps its output, and its output and dx match
+    the float64 reference; the kernel implementations give the eager call's, bit for bit (the same
+    kernels run; XLA may fuse the "xla" implementation's operations differently under jit)."""
     try:
         jf.resolve_implementation(implementation)
     except RuntimeError as e:  # the Triton implementation on CPU without torch: a JAX-only install
@@ -829,23 +831,33 @@ def test_jit_closing_over_low_precision_frozen_parameters(implementation, dtype)
     rng = np.random.default_rng(3)
     dt = jnp.dtype(dtype)
     x, r = (jnp.asarray(rng.standard_normal((2, 3, 2, 8)), dt) for _ in range(2))
+    ct = jnp.asarray(rng.standard_normal((2, 3, 2, 8)), jnp.float32)  # the output's cotangent
     w, b = jnp.asarray(rng.uniform(0.5, 1.5, 8), dt), jnp.asarray(rng.uniform(-0.1, 0.1, 8), dt)
-    angle = rng.uniform(0, 6.3, (1, 3, 1, 8))
+    angle = np.tile(rng.uniform(0, 6.3, (1, 3, 1, 4)), 2)  # HF's tables: both halves of a row the same angles
     cos, sin = jnp.asarray(np.cos(angle), jnp.float32), jnp.asarray(np.sin(angle), jnp.float32)
-    calls = {"rms_norm": lambda t: jf.rms_norm(t, w, implementation=implementation),
-             "layer_norm": lambda t: jf.layer_norm(t, w, b, implementation=implementation),
-             "fused_add_rms_norm": lambda t: jf.fused_add_rms_norm(t, r, w, implementation=implementation)[0],
-             "rms_norm_rope": lambda t: jf.rms_norm_rope(t, w, cos, sin, implementation=implementation)}
-    for name, f in calls.items():
+    calls = {"rms_norm": (lambda t: jf.rms_norm(t, w, implementation=implementation),
+                          lambda: reference.rms_norm(x, w), lambda dy: reference.rms_norm_bwd(x, w, dy)[0]),
+             "layer_norm": (lambda t: jf.layer_norm(t, w, b, implementation=implementation),
+                            lambda: reference.layer_norm(x, w, b), lambda dy: reference.layer_norm_bwd(x, w, b, dy)[0]),
+             "fused_add_rms_norm": (lambda t: jf.fused_add_rms_norm(t, r, w, implementation=implementation)[0],
+                                    lambda: reference.fused_add_rms_norm(x, r, w)[0],
+                                    lambda dy: reference.fused_add_rms_norm_bwd(x, r, w, dy)[0]),
+             "rms_norm_rope": (lambda t: jf.rms_norm_rope(t, w, cos, sin, implementation=implementation),
+                               lambda: reference.rms_norm_rope(x, w, cos, sin),
+                               lambda dy: reference.rms_norm_rope_bwd(x, w, cos, sin, dy)[0])}
+    for name, (f, ref_y, ref_dx) in calls.items():
         def loss(t):
-            return (f(t).astype(jnp.float32) ** 2).sum()
+            return (f(t).astype(jnp.float32) * ct).sum()
 
         with normkit.record_launches() as log:
             dx_jit = jax.jit(jax.grad(loss))(x)
-        dx = jax.grad(loss)(x)
-        assert np.array_equal(np.asarray(dx_jit, np.float32), np.asarray(dx, np.float32)), name
-        np.testing.assert_array_equal(np.asarray(jax.jit(f)(x), np.float32), np.asarray(f(x), np.float32))
-        if implementation != "xla":  # the kernels' backward read the output
+        y_jit = jax.jit(f)(x)
+        dy = np.asarray(ct.astype(dt), np.float64)  # the loss's gradient of the output, in its dtype
+        assert_close(np.asarray(y_jit, np.float64), ref_y(), dtype, f"{name}: y")
+        assert_close(np.asarray(dx_jit, np.float64), ref_dx(dy), dtype, f"{name}: dx")
+        if implementation != "xla":  # the same kernels as an eager call's
+            assert np.array_equal(np.asarray(dx_jit, np.float32), np.asarray(jax.grad(loss)(x), np.float32)), name
+            np.testing.assert_array_equal(np.asarray(y_jit, np.float32), np.asarray(f(x), np.float32))  # the kernels' backward read the output
             assert any(launch.flags.get("FROM_Y") for launch in log if "bwd" in launch.kernel), (name, log.kernels())
 
 
