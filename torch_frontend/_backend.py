@@ -38,11 +38,16 @@ class NormkitCopyWarning(UserWarning):
     place (``three_index_view``)."""
 
 
+def _columns_in_place(t: torch.Tensor) -> bool:
+    """Whether the kernels read ``t``'s last dimension as it lies: contiguous or broadcast (or of one column)."""
+    return t.shape[-1] <= 1 or t.stride(-1) in (0, 1)
+
+
 def row_view(t: torch.Tensor) -> torch.Tensor | None:
     """``t`` as ``[M, D]`` rows without a copy (its last dimension contiguous or broadcast, its leading
     dimensions one stride), or None where that needs a copy."""
     D = t.shape[-1]
-    if D > 1 and t.stride(-1) not in (0, 1):
+    if not _columns_in_place(t):
         return None
     try:
         return t.view(-1, D)
@@ -55,19 +60,18 @@ def three_index_view(t: torch.Tensor) -> torch.Tensor | None:
     or broadcast, its leading dimensions merged, in their order, into at most three groups:
     ``normkit.rope.row_layout``), or None where that needs a copy. A [B, S, H, D] view of a
     [B, H, S, D] buffer (attention's output gradient) is one."""
-    D = t.shape[-1]
-    if D > 1 and t.stride(-1) not in (0, 1):
+    if not _columns_in_place(t):
         return None
     layout = rope.row_layout(tuple(t.shape[:-1]), t.stride()[:-1], in_order=True)
     if layout is None:
         return None
-    return t.view(*layout.rows, D)
+    return t.view(*layout.rows, t.shape[-1])
 
 
 def copy_rows(t: torch.Tensor, name: str) -> torch.Tensor:
     """``t`` copied into contiguous ``[M, D]`` rows, with a ``NormkitCopyWarning`` naming it."""
     D = t.shape[-1]
-    why = ("its last dimension is neither contiguous nor broadcast" if D > 1 and t.stride(-1) not in (0, 1) else
+    why = ("its last dimension is neither contiguous nor broadcast" if not _columns_in_place(t) else
            "it cannot be viewed as rows of one stride")
     warnings.warn(f"normkit: {name} of shape {tuple(t.shape)} has strides {t.stride()}; {why}, so it is copied",
                   NormkitCopyWarning, stacklevel=6)
