@@ -27,7 +27,7 @@ call's backward gives its rows a NaN dx and the forward sets the flag's second s
 ``rms_norm_rope`` call reads it (``rope_tables_tripped``), warns (``NormkitRopeTablesWarning``) and
 turns on one process-wide switch, ``ROPE_TABLES_KEEP_X``: from then on ``save="auto"`` keeps x for
 ``rms_norm_rope`` (eager, and in graphs compiled after it, which read it while tracing). ``reset()``
-turns it off again (and forgets every call signature).
+turns it off again.
 """
 from __future__ import annotations
 
@@ -116,13 +116,20 @@ def rope_tables_tripped() -> bool:
     return ROPE_TABLES_KEEP_X
 
 
+def rope_tables_state_set() -> bool:
+    """Whether ``ROPE_TABLES_KEEP_X`` is on or a tables' flag is set (unread): what ``reset`` clears."""
+    return ROPE_TABLES_KEEP_X or any(flag[TABLES] for _, flag in _TRIPS.values())
+
+
 def reset() -> None:
-    """Forget every call signature (``BOUND``), clear the flags and turn ``ROPE_TABLES_KEEP_X`` off: a
-    process's state as at import (for tests, or once the tables are fixed)."""
+    """Turn ``ROPE_TABLES_KEEP_X`` off, clear both flags and forget every remembered save choice: the
+    process's state as at import, but for the call signatures' plans (for tests, or once the tables
+    have been fixed)."""
     global ROPE_TABLES_KEEP_X
-    BOUND.clear()
     for _, flag in _TRIPS.values():
         flag[WEIGHT] = flag[TABLES] = 0
+    for entry in BOUND.values():
+        entry.forget()
     ROPE_TABLES_KEEP_X = False
 
 
