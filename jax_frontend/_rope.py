@@ -332,7 +332,9 @@ def rms_norm_rope(x: jax.Array, weight: jax.Array | None, cos: jax.Array, sin: j
     Args:
         x: ``(..., D)`` float32, bfloat16 or float16, D even (e.g. [B, S, H, D] or [B, H, S, D]).
         weight: ``(D,)`` or None; frozen when under ``jax.lax.stop_gradient`` (``freeze``) or not
-            differentiated: then ``save="auto"`` keeps the output rather than x where it is safe.
+            differentiated: then ``save="auto"`` keeps the output rather than x where it is safe (the
+            weight, and the tables where their values are known: ``norm_math.rope_table_usable``;
+            traced tables with a pair that is not a usable rotation give those rows a NaN dx).
         cos, sin: x's dtype or float32, one shape broadcasting against x as in HF (e.g. [B, 1, S, D]);
             constants (zero cotangent).
         eps, offset, casting_mode, save: as in ``rms_norm``; static.

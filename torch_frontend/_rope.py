@@ -303,7 +303,10 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tenso
             ``norm_math.ROPE_PAIR_RATIO``, since the recovery of column j carries its partner's
             rounding error times that ratio); the backward then recovers ``y = R^-1(out)`` (the rotation by -theta; per
             pair through its 2 x 2 determinant, 1 for HF's tables, attention_scaling^2 for tables
-            that carry one) and ``x_hat = y / (weight + offset)``. ``"input"`` keeps x; ``"output"``
+            that carry one) and ``x_hat = y / (weight + offset)``. Rows whose tables have a pair that is
+            not a usable rotation (``norm_math.ROPE_TABLE_RATIO``) get a NaN dx from that backward; the
+            next call warns (``NormkitRopeTablesWarning``) and ``"auto"`` keeps x from then on in the
+            process (``_bound.ROPE_TABLES_KEEP_X``). ``"input"`` keeps x; ``"output"``
             keeps the output and raises where the weight is trained or unsafe.
 
     Returns:
