@@ -376,7 +376,7 @@ def rope_backward(saved, weight, cos, sin, dy, rstd, rec, rows: RopeRows, *, opt
     G = cfg.num_programs
     kernel = functools.partial(
         rope_pallas.rms_norm_rope_bwd_kernel, M=M, COMPUTE_DX=grads.dx, COMPUTE_DW=grads.dw, FROM_Y=from_output,
-        NUM_PROGRAMS=G, TILES_PER_PROGRAM=cfg.tiles_per_program,
+        TABLE_RATIO=norm_math.ROPE_TABLE_RATIO, NUM_PROGRAMS=G, TILES_PER_PROGRAM=cfg.tiles_per_program,
         **_rope_flags(rows, D, opts, interleaved, cfg.block_m, cfg.block_n, weight))
     _record(kernel, G, cfg.num_warps, (("DW_PART", (G, D), "float32"),) if grads.dw else ())
     inputs = {"x_ref": saved, "w_ref": weight, "cos_ref": cos, "sin_ref": sin, "dy_ref": dy, "rstd_ref": rstd,

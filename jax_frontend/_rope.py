@@ -255,18 +255,31 @@ def _perturbed(p) -> bool:
     return p is not None and p.perturbed
 
 
-def _saves_output(cfg: _Config, needs: _Needs, x, weight) -> bool:
+def _saves_output(cfg: _Config, needs: _Needs, x, weight, cos, sin) -> bool:
     """``normkit.saving.decide`` for this call (as ``functional._saves_output`` for ``rms_norm``), with
     ``norm_math.rope_unsafe_reason`` where the weight's values are known; traced, ``saving.traced_rule``,
-    and the forward's recovery is poisoned (NaN dx) where the weight turns out unsafe."""
+    and the forward's recovery is poisoned (NaN dx) where the weight turns out unsafe. Where the tables'
+    values are known, tables with a pair of columns that is not a usable rotation
+    (``norm_math.rope_table_unsafe_reason``) keep x (``"output"`` raises); traced, the backward gives
+    those rows a NaN dx."""
     x_dtype = _launch.dtype_name(x.dtype)
     traced = isinstance(weight, jax.core.Tracer)
-    return saving.decide(
+    from_output = saving.decide(
         rope.RMS_NORM_ROPE, cfg.save, trained=["weight"] if needs.weight else [], needs_dx=needs.x,
         row_length=x.shape[-1], has_params=weight is not None, has_bias=False, offset=cfg.opts.offset,
         x_dtype=x_dtype, unsafe=None if traced else lambda: norm_math.rope_unsafe_reason(
             _host(weight), x_dtype=x_dtype, offset=cfg.opts.offset, casting=cfg.opts.casting,
             interleaved=cfg.interleaved))
+    if not from_output or isinstance(cos, jax.core.Tracer) or isinstance(sin, jax.core.Tracer):
+        return from_output
+    reason = norm_math.rope_table_unsafe_reason(_host(cos), _host(sin), x_dtype=x_dtype, casting=cfg.opts.casting,
+                                                interleaved=cfg.interleaved)
+    if reason is None:
+        return True
+    if cfg.save == "output":
+        raise ValueError(f"normkit: save='output' cannot recover x_hat from the output with these tables: {reason}; "
+                         "pass save='auto' or 'input'")
+    return False
 
 
 def _rope_fwd(cfg: _Config, x, weight, cos, sin):
@@ -275,7 +288,7 @@ def _rope_fwd(cfg: _Config, x, weight, cos, sin):
     if not (needs.x or needs.weight):
         out = _forward(cfg, xv, wv, cv, sv, store_stats=False, store_rec=False)["Y"]
         return out, (None, None, None, None, None, None, needs)
-    from_output = _saves_output(cfg, needs, xv, wv)
+    from_output = _saves_output(cfg, needs, xv, wv, cv, sv)
     res = _forward(cfg, xv, wv, cv, sv, store_stats=True, store_rec=from_output)
     needs = dataclasses.replace(needs, from_output=from_output)
     saved = res["Y"] if from_output else xv
@@ -319,7 +332,9 @@ def rms_norm_rope(x: jax.Array, weight: jax.Array | None, cos: jax.Array, sin: j
     Args:
         x: ``(..., D)`` float32, bfloat16 or float16, D even (e.g. [B, S, H, D] or [B, H, S, D]).
         weight: ``(D,)`` or None; frozen when under ``jax.lax.stop_gradient`` (``freeze``) or not
-            differentiated: then ``save="auto"`` keeps the output rather than x where it is safe.
+            differentiated: then ``save="auto"`` keeps the output rather than x where it is safe (the
+            weight, and the tables where their values are known: ``norm_math.rope_table_usable``;
+            traced tables with a pair that is not a usable rotation give those rows a NaN dx).
         cos, sin: x's dtype or float32, one shape broadcasting against x as in HF (e.g. [B, 1, S, D]);
             constants (zero cotangent).
         eps, offset, casting_mode, save: as in ``rms_norm``; static.

@@ -522,13 +522,14 @@ def plan_rope_forward(D: int, rows: tuple, x_dtype: str, w_dtype: str | None, op
     the output's shape (the caller's x shape), in which a backend that allocates it does so;
     ``table_dtypes``: cos's and sin's dtypes (with the strides, they decide STRIDES_ALIGNED).
     ``store_rec``: the backward will read the output, so program 0 writes the weight's recovery REC,
-    and, ``has_trip``, sets the flag TRIP where the weight breaks the safety rule. Tiles as RMSNorm's
+    and, ``has_trip``, sets the flags TRIP[0] where the weight breaks the safety rule and TRIP[1] where a
+    pair of table columns is not a usable rotation (``norm_math.rope_table_usable``). Tiles as RMSNorm's
     (``tile_config``: N alone fixes a row's reduction order), one per program."""
     assert store_stats or not store_rec
     n0, n1, n2 = rows
     M = n0 * n1 * n2
     has_w = w_dtype is not None
-    trip = has_trip and store_rec and has_w
+    trip = has_trip and store_rec
     block_m, block_d, num_warps = tile_config(M, D)
     out_specs = {"Y": (tuple(out_shape), x_dtype)}
     if store_stats:
@@ -558,6 +559,7 @@ def plan_rope_forward(D: int, rows: tuple, x_dtype: str, w_dtype: str | None, op
             BOUND_SCALE=_f32(norm_math.bound_scale(D, x_dtype)) if store_rec else 0.0,
             Y_MAX=FINITE_MAX[x_dtype] if store_rec else 0.0,
             PAIR_RATIO=norm_math.ROPE_PAIR_RATIO,
+            TABLE_RATIO=norm_math.ROPE_TABLE_RATIO,
             REC_CHUNK=min(_next_pow2(D), REC_CHUNK),
             W_STRIDE=w_stride if has_w else 1,
             STRIDES_ALIGNED=_rope_strides_aligned(D, interleaved, strides, (x_dtype, *table_dtypes, x_dtype)),
@@ -608,6 +610,7 @@ def plan_rope_backward(D: int, rows: tuple, x_dtype: str, w_dtype: str | None, o
             COMPUTE_DX=grads.dx,
             COMPUTE_DW=grads.dw,
             FROM_Y=from_output,
+            TABLE_RATIO=norm_math.ROPE_TABLE_RATIO,
             W_STRIDE=w_stride if has_w else 1,
             STRIDES_ALIGNED=_rope_strides_aligned(D, interleaved, strides,
                                                   (x_dtype, *table_dtypes, x_dtype, x_dtype)),

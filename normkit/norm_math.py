@@ -540,7 +540,8 @@ def rms_norm_rope_output_backward(out, weight, cos, sin, dout, rstd, *, offset: 
     """dx, in the compute dtype, from the forward's output ``out`` (x's dtype), its rstd and the frozen
     weight: ``y = R^-1(out)``, ``dy = R^T(dout)``, then ``output_backward`` (x_hat = y / w_y, the row
     term ``mean(dy * w_eff * x_hat) = mean(dy * y)``). ``rec``: the weight's ``recovery`` for x's
-    dtype (None computes it); NaN everywhere where the weight breaks the safety rule."""
+    dtype (None computes it); NaN everywhere where the weight breaks the safety rule, and NaN on each
+    row with a pair of table columns that is not a usable rotation (``rope_table_usable``)."""
     xp = _namespace(xp, out, weight, cos, sin, dout)
     dt = out.dtype
     f = _compute_dtype(xp, dt)
@@ -549,8 +550,10 @@ def rms_norm_rope_output_backward(out, weight, cos, sin, dout, rstd, *, offset: 
     dy = rope_transpose(_to(xp, dout, f), c, s, interleaved=interleaved, xp=xp)
     if rec is None:
         rec = recovery(weight, None, x_dtype=dt, offset=offset, casting=casting, xp=xp)
-    return output_backward(y, weight, None, dy, None, rstd, is_rms=True, offset=offset, casting=casting, rec=rec,
-                           xp=xp)
+    dx = output_backward(y, weight, None, dy, None, rstd, is_rms=True, offset=offset, casting=casting, rec=rec,
+                         xp=xp)
+    bad = rope_table_rows(c, s, out.shape, interleaved=interleaved, xp=xp)  # pairs too far from a rotation
+    return dx + xp.where(bad, xp.asarray(float("nan"), dtype=f), xp.asarray(0.0, dtype=f))[..., None]
 
 
 def rms_norm_rope_backward(saved, weight, cos, sin, dout, rstd, rec, *, from_output: bool, offset: float = 0.0,
@@ -594,6 +597,66 @@ def rope_recovery_array(weight, *, N: int, x_dtype, offset: float = 0.0, casting
                                          interleaved=interleaved, xp=xp) <= ROPE_PAIR_RATIO)
     nan = xp.asarray(float("nan"), dtype=rec.dtype)
     return xp.concat([rec[:N], xp.reshape(xp.where(bad, nan, rec[N]), (1,))])
+
+
+# The output-saving backward recovers y = R^-1(out) per pair through the pair's 2 x 2 matrix
+# A = [[c_a, -s_a], [s_b, c_b]] (c, s: cos and sin at the pair's two columns a, b), and out's rounding
+# error comes back multiplied by up to A's condition number kappa. With det = c_a c_b + s_a s_b and
+# r = 2 |det| / (c_a^2 + s_a^2 + c_b^2 + s_b^2) = 2 kappa / (1 + kappa^2), kappa = (1 + sqrt(1 - r^2)) / r:
+# r = 1 for a rotation, scaled or not (HF's tables, attention_scaling included; rounded to bf16 or fp16,
+# r stays within 1e-4 of 1), and r -> 0 as det -> 0 (cos and sin of a pair's columns at unrelated angles).
+# A pair is usable where r >= ROPE_TABLE_RATIO (det finite and nonzero): kappa <= 2, the recovery's
+# error at most twice a rotation's. A row with an unusable pair gets NaN dx (its row term mean(dy * y)
+# mixes every pair), and the frontends keep x where they can read the tables.
+ROPE_TABLE_RATIO = 0.8
+
+
+def _rope_table_terms(xp, cos, sin, interleaved: bool):
+    """Per column, its pair's ``(|det|, c_a^2 + s_a^2 + c_b^2 + s_b^2)``."""
+    cp = rope_partner(cos, interleaved=interleaved, xp=xp)
+    sp = rope_partner(sin, interleaved=interleaved, xp=xp)
+    return xp.abs(cos * cp + sin * sp), cos * cos + sin * sin + cp * cp + sp * sp
+
+
+def rope_table_ratio(cos, sin, *, interleaved: bool, xp=None):
+    """Per column, its pair's ``r = 2 |det| / (c_a^2 + s_a^2 + c_b^2 + s_b^2)`` (1 for a rotation)."""
+    xp = _namespace(xp, cos, sin)
+    det, squares = _rope_table_terms(xp, cos, sin, interleaved)
+    return 2.0 * det / squares
+
+
+def rope_table_usable(cos, sin, *, interleaved: bool, xp=None):
+    """Per column (both members of a pair alike), whether its pair of table columns is a usable
+    rotation: ``2 |det| >= ROPE_TABLE_RATIO * (c_a^2 + s_a^2 + c_b^2 + s_b^2)`` with det finite and
+    nonzero, in cos's and sin's dtype (the kernels: fp32, the tables as the forward multiplies by them)."""
+    xp = _namespace(xp, cos, sin)
+    det, squares = _rope_table_terms(xp, cos, sin, interleaved)
+    return (2.0 * det >= ROPE_TABLE_RATIO * squares) & (det > 0) & (det < float("inf"))
+
+
+def rope_table_rows(cos, sin, shape, *, interleaved: bool, xp=None):
+    """Per row of an x of ``shape`` (``shape[:-1]``, bool), whether some pair of its table columns is
+    not a usable rotation (``rope_table_usable``): the rows whose output-saving dx is NaN."""
+    xp = _namespace(xp, cos, sin)
+    bad = xp.logical_not(rope_table_usable(cos, sin, interleaved=interleaved, xp=xp))
+    return xp.broadcast_to(xp.any(bad, axis=-1), tuple(shape[:-1]))
+
+
+def rope_table_unsafe_reason(cos, sin, *, x_dtype, casting: Casting = Casting.FP32,
+                             interleaved: bool = False) -> str | None:
+    """Why rms_norm_rope's output-saving backward cannot rotate the output back with these tables (a pair
+    of columns that is not a usable rotation, ``rope_table_usable``, of the tables as the forward
+    multiplies by them), or None where it can. On the host: one reduction, one bool."""
+    xp = _namespace(None, cos, sin)
+    dt = _namespace_dtype(xp, x_dtype)
+    c, s = _rope_tables(xp, cos, sin, casting, dt, _compute_dtype(xp, dt))
+    if bool(xp.all(rope_table_usable(c, s, interleaved=interleaved, xp=xp))):
+        return None
+    r = rope_table_ratio(c, s, interleaved=interleaved, xp=xp)
+    worst = float(xp.min(xp.where(r == r, r, xp.zeros_like(r))))
+    return (f"cos and sin have a pair of columns that is not a rotation (2|cos_a cos_b + sin_a sin_b| / (cos_a^2 + "
+            f"sin_a^2 + cos_b^2 + sin_b^2) is {worst:.3g} < {ROPE_TABLE_RATIO:g}): the output rotated back would carry "
+            "its rounding error amplified by up to the pair's condition number")
 
 
 def rope_unsafe_reason(weight, *, x_dtype, offset: float = 0.0, casting: Casting = Casting.FP32,

@@ -48,6 +48,10 @@ def _is_torch(a) -> bool:
     return type(a).__module__.startswith("torch") and hasattr(a, "double")
 
 
+def _np64(a):
+    return np.asarray(a.detach().double().cpu()) if _is_torch(a) else np.asarray(a, dtype=np.float64)
+
+
 def _copy(a):
     return a.clone() if _is_torch(a) else a.copy()
 
@@ -103,3 +107,22 @@ def rms_norm_rope_bwd(x, weight, cos, sin, dout, eps=1e-6, offset=0.0, interleav
     return norm_math.rms_norm_rope_input_backward(_f64(x), _f64(weight), _f64(cos), _f64(sin), _f64(dout), eps=eps,
                                                   offset=offset, interleaved=interleaved,
                                                   compute_dw=weight is not None)
+
+
+def rope_table_rows(cos, sin, shape, interleaved=False, x_dtype=None, casting=None):
+    """Per row of an x of ``shape`` (bool, ``shape[:-1]``), whether a pair of its table columns fails
+    ``norm_math.rope_table_usable`` (the rows the output-saving backward gives a NaN dx), in float64
+    from the tables as the forward multiplies by them: rounded to ``x_dtype`` first under casting
+    ``norm_math.Casting.INPUT_DTYPE`` (casting_mode "none"). NumPy's booleans, from any input."""
+    c, s = _np64(cos), _np64(sin)
+    if casting == norm_math.Casting.INPUT_DTYPE and x_dtype is not None:
+        c, s = (norm_math._round(np, t, norm_math._namespace_dtype(np, x_dtype)) for t in (c, s))
+    return norm_math.rope_table_rows(c, s, shape, interleaved=interleaved, xp=np)
+
+
+def rope_table_ratio(cos, sin, interleaved=False):
+    """Per column, its pair's ``r = 2 |det| / (c_a^2 + s_a^2 + c_b^2 + s_b^2)`` in float64 (1 for a
+    rotation; a pair is usable where ``r >= norm_math.ROPE_TABLE_RATIO``): for tests that keep away
+    from the boundary, where fp32 and float64 may round r to either side."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return norm_math.rope_table_ratio(_np64(cos), _np64(sin), interleaved=interleaved, xp=np)

@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 
@@ -15,6 +16,17 @@ from tests.frontends import FRONTENDS
 @pytest.fixture(params=sorted(FRONTENDS))
 def frontend(request):
     return FRONTENDS[request.param]()
+
+
+@pytest.fixture(autouse=True)
+def _rope_tables_switch_reset():
+    """No test leaks the Torch frontend's process-wide rms_norm_rope switch (``_bound.ROPE_TABLES_KEEP_X``,
+    set once a forward met rotary tables that are not rotations) or a set flag into the next test run
+    by its worker: ``_bound.reset()`` after any test that left either on."""
+    yield
+    bound = sys.modules.get("torch_frontend._bound")
+    if bound is not None and bound.rope_tables_state_set():
+        bound.reset()
 
 
 def pytest_runtest_logreport(report):

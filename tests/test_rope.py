@@ -50,6 +50,7 @@ class Case:
     trained: bool = True  # the weight requires a gradient (else it is frozen)
     save: str = "auto"
     scale: float = 1.0  # the tables' factor (HF's attention_scaling)
+    tables: str = "rotary"  # "rotary": HF's (a pair's columns at one angle); "mixed": some table rows not rotations
     seed: int = 0
 
     @property
@@ -75,6 +76,9 @@ def inputs(case: Case) -> dict:
     D, td = case.D, case.table_dtype or case.dtype
     theta = rng.uniform(-4.0, 4.0, case.table_shape[:-1] + (D // 2,))
     theta = np.repeat(theta, 2, axis=-1) if case.interleaved else np.concatenate([theta, theta], axis=-1)
+    if case.tables == "mixed":  # about half the table rows: an angle of its own per column, no rotation
+        free = rng.uniform(-4.0, 4.0, case.table_shape)
+        theta = np.where(rng.random(case.table_shape[:-1] + (1,)) < 0.5, free, theta)
     return {
         "x": rounded(rng.standard_normal(case.shape) * 1.5 + 0.3, case.dtype),
         # weight + offset in +-[0.5, 1.5] (Gemma's weights lie around 0)
@@ -747,6 +751,250 @@ def test_torch_weight_written_behind_the_version_counter():
 
 
 # ---------------------------------------------------------------------------------------------
+# Tables that are not rotations: the output-saving backward cannot rotate the output back accurately
+# where a pair's 2 x 2 matrix is ill-conditioned (norm_math.ROPE_TABLE_RATIO). Such rows get NaN dx,
+# never a wrong one; Torch's forward flags them and the next call warns and keeps x; JAX keeps x where
+# it reads the tables, and under jit relies on the NaN rows.
+
+
+def _hf_tables(positions: int, D: int, dtype: str, scale: float, interleaved: bool):
+    """HF's rotary tables (base 10000, positions 0 .. positions - 1) times ``scale``, rounded to dtype."""
+    inv_freq = 1.0 / 10000.0 ** (np.arange(0, D, 2) / D)
+    theta = np.arange(positions)[:, None] * inv_freq[None, :]
+    theta = np.repeat(theta, 2, axis=-1) if interleaved else np.concatenate([theta, theta], axis=-1)
+    return rounded(np.cos(theta) * scale, dtype), rounded(np.sin(theta) * scale, dtype)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_table_check_passes_rotations_and_fails_unrelated_angles(interleaved):
+    """ROPE_TABLE_RATIO bounds the pair matrix's condition number by 2 (diag(1, 2) sits on the boundary);
+    HF's tables, rounded to fp32, bf16 or fp16, with or without an attention scaling, pass in every pair
+    (in fp32 as the kernels compute, and in float64); tables with an angle per column fail somewhere."""
+    r = norm_math.ROPE_TABLE_RATIO
+    assert (1 + np.sqrt(1 - r * r)) / r == pytest.approx(2.0)
+    assert reference.rope_table_ratio(np.array([1.0, 2.0]), np.zeros(2), interleaved) == pytest.approx([r, r])
+    for dtype in ("float32", "bfloat16", "float16"):
+        for scale in (1.0, 1.2):
+            cos, sin = _hf_tables(4096, 128, dtype, scale, interleaved)
+            assert not reference.rope_table_rows(cos, sin, cos.shape, interleaved).any(), (dtype, scale)
+            c32, s32 = cos.astype(np.float32), sin.astype(np.float32)
+            assert norm_math.rope_table_usable(c32, s32, interleaved=interleaved).all(), (dtype, scale)
+            assert norm_math.rope_table_unsafe_reason(c32, s32, x_dtype=dtype, casting=norm_math.Casting.INPUT_DTYPE,
+                                                      interleaved=interleaved) is None
+    theta = np.random.default_rng(0).uniform(-4.0, 4.0, (16, 16))
+    cos, sin = np.cos(theta), np.sin(theta)
+    assert reference.rope_table_rows(cos, sin, cos.shape, interleaved).any()
+    assert "not a rotation" in norm_math.rope_table_unsafe_reason(cos, sin, x_dtype="float32", interleaved=interleaved)
+
+
+def _bad_rows(case: Case, a: dict) -> np.ndarray:
+    """The rows of x whose tables fail the pair check (``reference.rope_table_rows``), as x is laid out."""
+    return reference.rope_table_rows(a["cos"], a["sin"], case.shape, case.interleaved, case.dtype,
+                                     CASTING_MODES[case.casting])
+
+
+def _near_boundary(case: Case, a: dict) -> bool:
+    """Whether a pair's ratio lies so near ROPE_TABLE_RATIO that fp32 and float64 may judge it apart."""
+    r = reference.rope_table_ratio(a["cos"], a["sin"], case.interleaved)
+    return bool(np.any(np.abs(r - norm_math.ROPE_TABLE_RATIO) < 1e-3))
+
+
+def check_poisoned_rows(name: str, case: Case, a: dict, run: Run, bad: np.ndarray) -> None:
+    """out against the reference; dx NaN on exactly the rows ``bad`` (all of each), the reference's elsewhere."""
+    nan = np.isnan(run.dx)
+    assert np.array_equal(nan.any(axis=-1), bad) and np.array_equal(nan.all(axis=-1), bad), \
+        f"{name} {case}: NaN rows {nan.any(axis=-1).astype(int).tolist()}, failing rows {bad.astype(int).tolist()}"
+    dx, _ = reference.rms_norm_rope_bwd(a["x"], a["weight"], a["cos"], a["sin"], a["dout"], 1e-6, case.offset,
+                                        case.interleaved)
+    check_values(name, case, a, dataclasses.replace(run, dx=np.where(bad[..., None], dx, run.dx)))
+
+
+def _tables_warning():
+    import torch_frontend as tf
+
+    return pytest.warns(tf.NormkitRopeTablesWarning, match="cos/sin .* not a rotation.*NaN dx.*save='input'")
+
+
+def _torch_tables_case(adapter, case: Case, a: dict) -> None:
+    """Torch eager: the first call keeps the output; failing rows NaN, the rest right. Where any row
+    failed, the next call warns, keeps x (from then on) and is right everywhere; else nothing is flagged."""
+    from torch_frontend import _bound
+
+    from_output = expected_from_output(case, a)
+    bad = _bad_rows(case, a) if from_output else np.zeros(case.shape[:-1], bool)
+    run = adapter.run(case, a)
+    check_poisoned_rows(adapter.name, case, a, run, bad)
+    assert run.saved_x == (not from_output)
+    if bad.any():
+        with _tables_warning():
+            run = adapter.run(case, a)
+        assert _bound.ROPE_TABLES_KEEP_X and run.saved_x and not _flags(run.log, "bwd")["FROM_Y"]
+        check_values(adapter.name, case, a, run)
+    else:
+        assert not _bound.rope_tables_state_set()
+
+
+def _jax_tables_case(adapter, case: Case, a: dict) -> None:
+    """JAX eager (the tables' values read): right, x kept where a row fails; under jit (the tables traced):
+    the output kept, failing rows NaN, the rest right."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_frontend as jf
+    from tests.harness import residuals_of_shape
+
+    from_output = expected_from_output(case, a)
+    bad = _bad_rows(case, a) if from_output else np.zeros(case.shape[:-1], bool)
+    run = adapter.run(case, a)
+    check_values(adapter.name, case, a, run)
+    assert bool(_flags(run.log, "bwd")["FROM_Y"]) == (from_output and not bad.any())
+    dts = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+    x, w, d = (jnp.asarray(a[k], jnp.float32).astype(dts[case.dtype]) for k in ("x", "weight", "dout"))
+    cos, sin = (jnp.asarray(a[k], jnp.float32).astype(dts[case.table_dtype or case.dtype]) for k in ("cos", "sin"))
+
+    def call(x, c, s):
+        return jf.rms_norm_rope(x, w, c, s, implementation=adapter.implementation, **case.kwargs)
+
+    kept_x = [line for line in residuals_of_shape(lambda x: call(x, cos, sin), (x,), case.shape)
+              if "from the argument" in line]
+    assert bool(kept_x) == (not from_output or bad.any()), kept_x
+    jitted = jax.jit(call)
+    with poisoned_outputs():
+        out, vjp = jax.vjp(lambda x: jitted(x, cos, sin), x)
+        (dx,) = vjp(d)
+    np64 = lambda v: np.asarray(jnp.asarray(v, jnp.float32), np.float64)  # noqa: E731
+    check_poisoned_rows(f"{adapter.name} jit", case, a, Run(np64(out), np64(dx), None, []), bad)
+
+
+def check_tables(adapter, case: Case) -> None:
+    a = inputs(case)
+    if _near_boundary(case, a):
+        return
+    (_torch_tables_case if adapter.name == "torch" else _jax_tables_case)(adapter, case, a)
+
+
+@st.composite
+def table_cases(draw):
+    # (the first of each choice is what hypothesis's simplest example takes: mixed tables, 16-bit x)
+    return Case(B=draw(st.integers(1, 2)), S=draw(st.integers(2, 4)), H=draw(st.integers(1, 2)),
+                D=2 * draw(st.integers(2, 6)), dtype=draw(st.sampled_from(("bfloat16", "float16", "float32"))),
+                casting=draw(st.sampled_from(CASTINGS)), offset=draw(st.sampled_from((0.0, 1.0))),
+                interleaved=draw(st.booleans()), transposed=draw(st.booleans()),
+                table=draw(st.sampled_from(("batch", "shared"))), trained=False,
+                scale=draw(st.sampled_from((1.0, 1.2))), tables=draw(st.sampled_from(("mixed", "rotary", "mixed"))),
+                seed=draw(st.integers(0, 2**16)))
+
+
+def _tables_property(name: str, examples: int) -> None:
+    @settings(max_examples=examples, derandomize=True, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(case=table_cases())
+    def prop(case):
+        if HAS_TORCH:
+            from torch_frontend import _bound
+
+            _bound.reset()  # each example from a fresh process state
+        check_tables(ADAPTERS[name], case)
+
+    prop()
+
+
+@pytest.mark.parametrize("name", sorted(ADAPTERS))
+def test_tables_property(name):
+    """Frozen weight, save="auto", HF-style tables (possibly scaled) or tables with rows that are not
+    rotations, in fp32, bf16 and fp16, every frontend and implementation: never a wrong dx
+    (``check_tables``)."""
+    _tables_property(name, {"torch": 10}.get(name, 4))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(ADAPTERS))
+def test_tables_property_exhaustive(name):
+    _tables_property(name, {"torch": 60}.get(name, 25))
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+@pytest.mark.parametrize("weight", [True, False])
+def test_torch_tables_trip_then_keeps_x(weight):
+    """A frozen weight (or none) and tables with one position not a rotation: the first call's dx is NaN
+    on that position's rows only; the next warns, keeps x and matches save="input" exactly; the switch
+    holds for other tables too; save="output" keeps the output and the NaN rows (and warns again);
+    ``_bound.reset()`` turns the switch off."""
+    import torch
+
+    import torch_frontend as tf
+    from torch_frontend import _bound
+
+    case = Case(D=8, trained=False, table="shared", S=3)
+    a = inputs(case)
+    a["cos"][1, 0, 1], a["sin"][1, 0, 1] = 1.0, 0.0  # position 1: column 1 at angle 0, its partner at pi/2
+    a["cos"][1, 0, 5], a["sin"][1, 0, 5] = 0.0, 1.0
+    bad = _bad_rows(case, a)
+    assert bad[:, 1].all() and not bad[:, [0, 2]].any()
+    w = torch.tensor(a["weight"], dtype=torch.float32) if weight else None
+    cos, sin = (torch.tensor(a[k], dtype=torch.float32) for k in ("cos", "sin"))
+
+    def dx(save="auto", c=cos, s=sin):
+        x = torch.tensor(a["x"], dtype=torch.float32, requires_grad=True)
+        with normkit.record_launches() as log:
+            out = tf.rms_norm_rope(x, w, c, s, save=save)
+            g = torch.autograd.grad(out, x, torch.tensor(a["dout"], dtype=torch.float32))[0]
+        return g, _flags(log, "bwd")["FROM_Y"]
+
+    first, from_y = dx()
+    assert from_y and np.array_equal(first.isnan().all(-1).numpy(), bad)
+    assert not first[torch.tensor(~bad)].isnan().any()
+    with _tables_warning():
+        second, from_y = dx()
+    assert not from_y and torch.equal(second, dx("input")[0])
+    hf = inputs(dataclasses.replace(case, seed=1))
+    assert not dx(c=torch.tensor(hf["cos"], dtype=torch.float32), s=torch.tensor(hf["sin"], dtype=torch.float32))[1]
+    out, from_y = dx("output")
+    assert from_y and np.array_equal(out.isnan().all(-1).numpy(), bad)
+    with _tables_warning():
+        dx("output")
+    _bound.reset()
+    assert dx(c=torch.tensor(hf["cos"], dtype=torch.float32), s=torch.tensor(hf["sin"], dtype=torch.float32))[1]
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+def test_torch_weight_trip_and_tables_trip_are_told_apart(monkeypatch):
+    """The weight's trip (a write torch does not version) re-reads the weight, no warning, the switch
+    off; the tables' trip warns and turns the switch on, the weight's remembered choice not re-read."""
+    import torch
+
+    import torch_frontend as tf
+    from torch_frontend import _bound
+
+    reads = []
+    real = norm_math.rope_unsafe_reason
+    monkeypatch.setattr(norm_math, "rope_unsafe_reason", lambda *a, **k: reads.append(1) or real(*a, **k))
+    case = Case(D=8, trained=False)
+    a = inputs(case)
+    w = torch.tensor(a["weight"], dtype=torch.float32)
+    cos, sin = (torch.tensor(a[k], dtype=torch.float32) for k in ("cos", "sin"))
+
+    def dx(c=cos, s=sin):
+        x = torch.tensor(a["x"], dtype=torch.float32, requires_grad=True)
+        return torch.autograd.grad(tf.rms_norm_rope(x, w, c, s), x, torch.tensor(a["dout"], dtype=torch.float32))[0]
+
+    dx()
+    w.data[3] = 0.0
+    assert dx().isnan().all()
+    dx()  # the weight's trip: read again, x kept (a warning would raise: the error filter)
+    assert len(reads) == 2 and not _bound.rope_tables_state_set()
+    w.data[3] = 1.0
+    with torch.no_grad():
+        w.mul_(1.0)  # a new version: read again, the output kept
+    bad = cos.clone(), sin.clone()  # column 0 at angle 0, its partner (column 4) at pi/2: det 0, every row
+    bad[0][..., 0], bad[1][..., 0], bad[0][..., 4], bad[1][..., 4] = 1.0, 0.0, 0.0, 1.0
+    assert dx(*bad).isnan().all() and len(reads) == 3
+    with _tables_warning():
+        dx(*bad)
+    assert _bound.ROPE_TABLES_KEEP_X and len(reads) == 3
+
+
+# ---------------------------------------------------------------------------------------------
 # torch.compile: traced as torch operations (no graph break), against the reference and eager.
 
 COMPILED_CASES = [  # CPU Inductor compiles slowly: two cases; aot_eager runs the same graph for the rest
@@ -781,6 +1029,29 @@ def test_torch_compile_matches_reference_and_eager(backend, case):
     assert_close(run.dx, eager.dx, tol, "compiled vs eager: dx")
     if case.trained:
         assert_close(run.dw, eager.dw, tol, "compiled vs eager: dw", reduced_over=int(np.prod(case.shape[:-1])))
+    torch._dynamo.reset()
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_torch_compiled_tables_trip_then_keeps_x():
+    """Compiled, the tables are checked by the forward as in eager: the first call's failing rows get NaN
+    dx and the custom op's forward reads the flag (warning); the switch it sets is guarded on, so the
+    next call is traced again and keeps x, right everywhere."""
+    import torch
+
+    torch._dynamo.reset()
+    case = Case(D=8, trained=False, tables="mixed", seed=3)
+    a = inputs(case)
+    bad = _bad_rows(case, a)
+    assert bad.any() and not bad.all()
+    with _tables_warning():
+        run = TorchCompiledAdapter("aot_eager").run(case, a)
+    assert _flags(run.log, "bwd")["FROM_Y"]
+    check_poisoned_rows("torch-compile", case, a, run, bad)
+    run = TorchCompiledAdapter("aot_eager").run(case, a)
+    assert not _flags(run.log, "bwd")["FROM_Y"]
+    check_values("torch-compile", case, a, run)
     torch._dynamo.reset()
 
 

@@ -6,6 +6,7 @@ CUDA tensors run the compiled kernels; CPU tensors run the same kernels in Trito
 """
 from torch_frontend._backend import BACKEND as backend
 from torch_frontend._composite import compile_frozen_with
+from torch_frontend._backend import NormkitRopeTablesWarning
 from torch_frontend.functional import NormkitCopyWarning, fused_add_rms_norm, layer_norm, rms_norm
 from torch_frontend.modules import FusedAddRMSNorm, LayerNorm, RMSNorm
 from torch_frontend._save import SaveDecision, save_decision
@@ -14,7 +15,7 @@ from torch_frontend.patch import PatchReport, patch_model, unpatch_model
 __all__ = [
     "rms_norm", "layer_norm", "fused_add_rms_norm", "rms_norm_rope",
     "RMSNorm", "LayerNorm", "FusedAddRMSNorm",
-    "NormkitCopyWarning", "backend",
+    "NormkitCopyWarning", "NormkitRopeTablesWarning", "backend",
     "patch_model", "unpatch_model", "PatchReport", "compile_frozen_with", "save_decision", "SaveDecision",
 ]
 

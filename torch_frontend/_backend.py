@@ -38,6 +38,13 @@ class NormkitCopyWarning(UserWarning):
     place (``three_index_view``)."""
 
 
+class NormkitRopeTablesWarning(UserWarning):
+    """``rms_norm_rope``'s output-keeping forward found cos/sin with a pair of columns that is not a usable
+    rotation (``normkit.norm_math.rope_table_usable``): that call's backward gave those rows a NaN dx,
+    and from then on ``save="auto"`` keeps x for ``rms_norm_rope`` in the process
+    (``torch_frontend._bound.ROPE_TABLES_KEEP_X``)."""
+
+
 def _columns_in_place(t: torch.Tensor) -> bool:
     """Whether the kernels read ``t``'s last dimension as it lies: contiguous or broadcast (or of one column)."""
     return t.shape[-1] <= 1 or t.stride(-1) in (0, 1)

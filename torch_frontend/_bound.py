@@ -20,18 +20,27 @@ weight on the device at every call (its recovery, ``normkit.norm_math.recovery``
 breaks the safety rule that call's dx is NaN, never wrong, and the forward sets a flag in host memory
 (``TRIP``) that the next call reads without synchronizing; every remembered choice is then forgotten
 and made again from the weights' values.
+
+``rms_norm_rope``'s output-keeping forward also checks the rotary tables on the device (every pair of
+table columns a usable rotation: ``normkit.norm_math.rope_table_usable``); where one is not, that
+call's backward gives its rows a NaN dx and the forward sets the flag's second slot. The next
+``rms_norm_rope`` call reads it (``rope_tables_tripped``), warns (``NormkitRopeTablesWarning``) and
+turns on one process-wide switch, ``ROPE_TABLES_KEEP_X``: from then on ``save="auto"`` keeps x for
+``rms_norm_rope`` (eager, and in graphs compiled after it, which read it while tracing). ``reset()``
+turns it off again.
 """
 from __future__ import annotations
 
 import ctypes
 import itertools
+import warnings
 
 import torch
 
-from normkit import driver
+from normkit import driver, norm_math
 from normkit.ops import Op, Options
 from torch_frontend import _compat, _save
-from torch_frontend._backend import BACKEND
+from torch_frontend._backend import BACKEND, NormkitRopeTablesWarning
 
 BOUND: dict = {}
 BOUND_LIMIT = 4096  # distinct call signatures kept (a model has a handful); past it, start again
@@ -55,15 +64,19 @@ def key(op: Op, eps, offset, casting_mode, store_stats: bool, x, residual, weigh
 
 # --- the flag the output-keeping forward sets where a weight breaks the safety rule -----------------
 
-_TRIPS: dict = {}  # device type -> (int32 [1] tensor the kernels write, a ctypes view of it the host reads)
+# device type -> (int32 [2] tensor the kernels write, a ctypes view of it the host reads): slot 0, a
+# weight breaking the safety rule (every output-keeping forward); slot 1, rms_norm_rope's tables with
+# a pair that is not a usable rotation. Each slot is written by one kind of store only (the constant 1).
+_TRIPS: dict = {}
+WEIGHT, TABLES = 0, 1  # the slots
 
 
 def trip(device: torch.device):
-    """The flag for launches on ``device``: host memory the kernel writes (pinned, for CUDA kernels)."""
+    """The flags for launches on ``device``: host memory the kernel writes (pinned, for CUDA kernels)."""
     entry = _TRIPS.get(device.type)
     if entry is None:
-        t = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")
-        entry = _TRIPS[device.type] = (t, ctypes.c_int32.from_address(t.data_ptr()))
+        t = torch.zeros(2, dtype=torch.int32, pin_memory=device.type == "cuda")
+        entry = _TRIPS[device.type] = (t, (ctypes.c_int32 * 2).from_address(t.data_ptr()))
     return entry[0]
 
 
@@ -71,12 +84,53 @@ def _tripped() -> bool:
     """Whether a forward has found a weight breaking the safety rule since the last look; then every
     remembered choice is forgotten (and the flag cleared)."""
     for _, flag in _TRIPS.values():
-        if flag.value:
-            flag.value = 0
+        if flag[WEIGHT]:
+            flag[WEIGHT] = 0
             for entry in BOUND.values():
                 entry.forget()
             return True
     return False
+
+
+# --- rms_norm_rope's tables: the process-wide switch ----------------------------------------------
+
+ROPE_TABLES_KEEP_X = False  # set once a forward has found rotary tables the output-saving backward cannot invert
+
+
+def rope_tables_tripped() -> bool:
+    """``ROPE_TABLES_KEEP_X``, after reading the tables' flag: where an output-keeping ``rms_norm_rope``
+    forward has found a pair of table columns that is not a usable rotation since the last look, the
+    flag is cleared, a ``NormkitRopeTablesWarning`` says so, and the switch is turned on."""
+    global ROPE_TABLES_KEEP_X
+    for _, flag in _TRIPS.values():
+        if flag[TABLES]:
+            flag[TABLES] = 0
+            ROPE_TABLES_KEEP_X = True
+            warnings.warn(
+                "normkit: rms_norm_rope's cos/sin have a pair of columns that is not a rotation (the pair check "
+                f"2|cos_a cos_b + sin_a sin_b| >= {norm_math.ROPE_TABLE_RATIO:g} (cos_a^2 + sin_a^2 + cos_b^2 + "
+                "sin_b^2) fails), so the output cannot be rotated back accurately: the last output-saving backward "
+                "gave those rows a NaN dx. From now on save='auto' keeps x for rms_norm_rope in this process "
+                "(save='output' keeps poisoning those rows); pass save='input' to avoid it",
+                NormkitRopeTablesWarning, stacklevel=5)
+    return ROPE_TABLES_KEEP_X
+
+
+def rope_tables_state_set() -> bool:
+    """Whether ``ROPE_TABLES_KEEP_X`` is on or a tables' flag is set (unread): what ``reset`` clears."""
+    return ROPE_TABLES_KEEP_X or any(flag[TABLES] for _, flag in _TRIPS.values())
+
+
+def reset() -> None:
+    """Turn ``ROPE_TABLES_KEEP_X`` off, clear both flags and forget every remembered save choice: the
+    process's state as at import, but for the call signatures' plans (for tests, or once the tables
+    have been fixed)."""
+    global ROPE_TABLES_KEEP_X
+    for _, flag in _TRIPS.values():
+        flag[WEIGHT] = flag[TABLES] = 0
+    for entry in BOUND.values():
+        entry.forget()
+    ROPE_TABLES_KEEP_X = False
 
 
 _UIDS = itertools.count(1)

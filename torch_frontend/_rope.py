@@ -146,10 +146,15 @@ class _Signature:
         (``norm_math.rope_unsafe_reason``), the weight's values read (a host synchronization) once per
         weight version, as for ``rms_norm`` (a write torch does not version is caught by the forward's
         flag, ``_bound.trip``). A trained weight keeps x (and save="output" raises); inside a
-        non-reentrant checkpoint, ``"auto"`` keeps x."""
+        non-reentrant checkpoint, ``"auto"`` keeps x. Once a forward has found tables that are not
+        rotations (``_bound.rope_tables_tripped``, which warns), ``"auto"`` keeps x in this process."""
         cfg, o = self.cfg, self.cfg.opts
+        if cfg.save == "input":
+            return False
+        if _bound.rope_tables_tripped() and cfg.save == "auto":
+            return False
         hooked = _compat.checkpointing()
-        if cfg.save == "input" or (hooked and cfg.save == "auto"):
+        if hooked and cfg.save == "auto":
             return False
 
         def unsafe():
@@ -166,8 +171,9 @@ class _Signature:
         return decide() if weight is None else self.decisions.saves_output(weight, None, decide)
 
     def forward(self, x, weight, cos, sin, store_stats: bool, store_rec: bool) -> tuple:
-        """``(out, rstd, rec)``; rstd and rec None where not stored. Where rec is stored for a weight,
-        the kernel also sets ``_bound.trip`` if the weight breaks the safety rule."""
+        """``(out, rstd, rec)``; rstd and rec None where not stored. Where rec is stored, the kernel also
+        sets ``_bound.trip``'s slots: the weight's if it breaks the safety rule, the tables' if a pair of
+        table columns is not a usable rotation (the backward then gives those rows a NaN dx)."""
         out = _empty_like(x)
         rstd = _empty((self.M,), torch.float32, x.device) if store_stats else None
         rec = _empty((self.D + 1,), torch.float32, x.device) if store_rec else None
@@ -182,7 +188,7 @@ class _Signature:
                 self.D, self.layout.rows, x_dtype, w_dtype, self.cfg.opts, self.cfg.interleaved, store_stats,
                 store_rec, self.fwd_strides, self.w_stride, self.x_shape, table_dtypes=(c_dtype, s_dtype),
                 has_trip=True)
-        trip = _bound.trip(x.device) if store_rec and weight is not None else None
+        trip = _bound.trip(x.device) if store_rec else None
         _launch(call, {"X": x, "W": weight, "COS": cos, "SIN": sin, "TRIP": trip}, {"Y": out, "RSTD": rstd, "REC": rec})
         return out, rstd, rec
 
@@ -297,7 +303,10 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tenso
             ``norm_math.ROPE_PAIR_RATIO``, since the recovery of column j carries its partner's
             rounding error times that ratio); the backward then recovers ``y = R^-1(out)`` (the rotation by -theta; per
             pair through its 2 x 2 determinant, 1 for HF's tables, attention_scaling^2 for tables
-            that carry one) and ``x_hat = y / (weight + offset)``. ``"input"`` keeps x; ``"output"``
+            that carry one) and ``x_hat = y / (weight + offset)``. Rows whose tables have a pair that is
+            not a usable rotation (``norm_math.ROPE_TABLE_RATIO``) get a NaN dx from that backward; the
+            next call warns (``NormkitRopeTablesWarning``) and ``"auto"`` keeps x from then on in the
+            process (``_bound.ROPE_TABLES_KEEP_X``). ``"input"`` keeps x; ``"output"``
             keeps the output and raises where the weight is trained or unsafe.
 
     Returns:
@@ -364,8 +373,13 @@ def _traced_saves_output(cfg: _Config, x, weight) -> bool:
     """``normkit.saving.decide`` where the weight's values are unseen (a trace of fake tensors):
     ``saving.traced_rule`` (no offset, x not float16) for ``"auto"``; the forward's recovery is then
     poisoned (NaN dx) where the weight turns out unsafe, the pair ratio included
-    (``norm_math.rope_recovery_array``), as the kernels' is."""
+    (``norm_math.rope_recovery_array``), as the kernels' is, and the backward's rows where a pair of
+    table columns is not a usable rotation. ``"auto"`` keeps x once the process has met such tables
+    (``_bound.ROPE_TABLES_KEEP_X``: read while tracing, so dynamo guards on it and a graph traced before
+    it was set is traced again)."""
     o = cfg.opts
+    if cfg.save == "auto" and _bound.ROPE_TABLES_KEEP_X:
+        return False
     return saving.decide(rope.RMS_NORM_ROPE, cfg.save, trained=["weight"] if weight is not None and
                          weight.requires_grad else [], needs_dx=x.requires_grad, row_length=x.shape[-1],
                          has_params=weight is not None, has_bias=False, offset=o.offset, x_dtype=_name(x), unsafe=None)
@@ -388,9 +402,13 @@ def _compiled(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save)
 def _op_fwd(x: torch.Tensor, weight: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, eps: float,
             offset: float, casting_mode: str, interleaved: bool, save: str, store_stats: bool,
             store_rec: bool) -> list[torch.Tensor]:
-    """``[out, rstd, rec]`` of real tensors (an absent one: an empty ``(0,)`` tensor): the eager forward."""
+    """``[out, rstd, rec]`` of real tensors (an absent one: an empty ``(0,)`` tensor): the eager forward.
+    Keeping the output, it reads the tables' flag after the launch (``_bound.rope_tables_tripped``: the
+    compiled graph decided while tracing, so the switch it sets takes effect at its next trace)."""
     sig, x, weight, cos, sin = _signature(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save)
     out, rstd, rec = sig.forward(x, weight, cos, sin, store_stats, store_rec)
+    if store_rec:
+        _bound.rope_tables_tripped()
     return [out] + [x.new_empty((0,), dtype=torch.float32) if t is None else t for t in (rstd, rec)]
 
 

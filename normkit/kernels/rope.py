@@ -131,6 +131,12 @@ def _max_all(t):
 
 
 @triton.jit
+def _row_any(t):
+    """Per row of a ``[BLOCK_M, n]`` boolean tile, whether any of it is set."""
+    return tl.max(t.to(tl.int32), axis=1) > 0
+
+
+@triton.jit
 def _store_pair_recovery(REC, TRIP, w1, w2, D: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_TRIP: tl.constexpr,
                          W_MIN: tl.constexpr, BOUND_SCALE: tl.constexpr, Y_MAX: tl.constexpr,
                          PAIR_RATIO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -162,6 +168,16 @@ def _store_pair_recovery(REC, TRIP, w1, w2, D: tl.constexpr, INTERLEAVED: tl.con
 
 
 @triton.jit
+def _unusable_pairs(det, c1, c2, s1, s2, mask, TABLE_RATIO: tl.constexpr):
+    """Where (inside ``mask``) a pair of table columns is not a usable rotation
+    (``norm_math.rope_table_usable``): ``2 |det| < TABLE_RATIO * (c1^2 + s1^2 + c2^2 + s2^2)``, or det 0,
+    infinite or NaN. det = c1 c2 + s1 s2, as the output-saving backward divides by it."""
+    a = tl.abs(det)
+    ok = (2.0 * a >= TABLE_RATIO * (c1 * c1 + s1 * s1 + c2 * c2 + s2 * s2)) & (a > 0.0) & (a < float("inf"))
+    return mask & ~ok
+
+
+@triton.jit
 def _round_table(t, X, CASTING: tl.constexpr):
     """cos or sin in fp32, rounded to x.dtype first under CASTING 0 (HF's ``cos.to(x.dtype)``)."""
     if CASTING == 0:
@@ -185,7 +201,8 @@ def rms_norm_rope_fwd_kernel(
     W,  # weight [D] (HAS_W), any float dtype, element stride W_STRIDE
     COS,  # cos table, broadcast against x: row strides sc0, sc1, sc2 (0 where broadcast), column stride 1
     SIN,  # sin table: row strides ss0, ss1, ss2
-    TRIP,  # int32 [1] (HAS_TRIP): set to 1 when REC's poison is NaN (a flag the host reads)
+    TRIP,  # int32 [2] (HAS_TRIP): flags the host reads: TRIP[0] = 1 where REC's poison is NaN (the weight),
+    # TRIP[1] = 1 where a pair of table columns is not a usable rotation (the backward's NaN rows)
     eps,  # fp32 scalar added to the mean square
     offset,  # fp32 scalar added to the weight (Gemma: 1.0)
     M,  # number of rows
@@ -204,11 +221,12 @@ def rms_norm_rope_fwd_kernel(
     INTERLEAVED: tl.constexpr,  # GPT-J pairs (2i, 2i + 1) instead of rotate_half's (i, i + D/2)
     STORE_STATS: tl.constexpr,  # a backward will run: write RSTD
     STORE_REC: tl.constexpr,  # the backward reads the output: program 0 writes the weight's recovery REC
-    HAS_TRIP: tl.constexpr,  # TRIP is present (with a weight)
+    HAS_TRIP: tl.constexpr,  # TRIP is present (STORE_REC)
     W_MIN: tl.constexpr,  # STORE_REC: a column whose |w_y| is below this (x.dtype's bound) is unsafe
     BOUND_SCALE: tl.constexpr,  # STORE_REC: sqrt(D) (1 + 4u), the largest |x_hat|
     Y_MAX: tl.constexpr,  # STORE_REC: x.dtype's largest finite value
     PAIR_RATIO: tl.constexpr,  # STORE_REC: the largest |w_y[p] / w_y[j]| of a pair (norm_math.ROPE_PAIR_RATIO)
+    TABLE_RATIO: tl.constexpr,  # HAS_TRIP: the smallest usable 2|det| / (sum of squares) of a pair of table columns
     REC_CHUNK: tl.constexpr,  # STORE_REC: columns per step of the recovery
     W_STRIDE: tl.constexpr,  # the weight's element stride
     STRIDES_ALIGNED: tl.constexpr,  # every row stride (and D/2) a multiple of 16 bytes of its array's dtype
@@ -255,6 +273,10 @@ def rms_norm_rope_fwd_kernel(
     if STORE_STATS:
         tl.store(RSTD + rows64, rstd, mask=row_mask)
     if STORE_REC:
+        if HAS_TRIP:  # every program flags its rows' unusable table pairs (the backward's NaN rows)
+            pairs = row_mask[:, None] & (tl.arange(0, BLOCK_D // 2) < D // 2)[None, :]
+            bad = _unusable_pairs(c1 * c2 + s1 * s2, c1, c2, s1, s2, pairs, TABLE_RATIO)
+            tl.store(TRIP + 1, 1, mask=_max_all(bad.to(tl.int32)) > 0)
         if tl.program_id(0) == 0:
             if HAS_W:
                 _store_pair_recovery(REC, TRIP, w1, w2, D, INTERLEAVED, HAS_TRIP, W_MIN, BOUND_SCALE, Y_MAX,
@@ -291,6 +313,7 @@ def rms_norm_rope_bwd_kernel(
     COMPUTE_DX: tl.constexpr,  # x needs a gradient
     COMPUTE_DW: tl.constexpr,  # weight needs a gradient: accumulate and write DW_PART
     FROM_Y: tl.constexpr,  # X holds the output, weight frozen: y = R^-1(out), x_hat = y * REC
+    TABLE_RATIO: tl.constexpr,  # FROM_Y: the smallest usable 2|det| / (sum of squares) of a pair of table columns
     W_STRIDE: tl.constexpr,  # the weight's element stride
     STRIDES_ALIGNED: tl.constexpr,  # every row stride (and D/2) a multiple of 16 bytes of its array's dtype
     BLOCK_M: tl.constexpr,  # rows per tile
@@ -300,7 +323,8 @@ def rms_norm_rope_bwd_kernel(
     # dy_2 = d_2 cos_2 - d_1 sin_1), then RMSNorm's backward:
     # g = dy * w_eff, c1 = mean(g * x_hat), dx = (g - x_hat * c1) * rstd, dW += dy * x_hat.
     # FROM_Y (frozen weight, the output kept instead of x): y = (cos_p * out - sigma * sin * out_p) / det,
-    # det = cos * cos_p + sin * sin_p, and x_hat = y / w_y (REC), so c1 = mean(dy * y). Tiles are dealt
+    # det = cos * cos_p + sin * sin_p, and x_hat = y / w_y (REC), so c1 = mean(dy * y); a row with a pair
+    # of table columns that is not a usable rotation (_unusable_pairs) gets NaN dx. Tiles are dealt
     # round-robin to the programs; with dW each program owns one partial row, so the reduction order is
     # fixed and the result bitwise reproducible (no atomics).
     tl.static_assert(not (FROM_Y and COMPUTE_DW))
@@ -339,6 +363,8 @@ def rms_norm_rope_bwd_kernel(
             mask = row_mask[:, None] & h_mask[None, :]
             xn1 = tl.where(mask, (c2 * x1 + s1 * x2) / det, 0.0)  # masked lanes divide 0 by 0
             xn2 = tl.where(mask, (c1 * x2 - s2 * x1) / det, 0.0)
+            bad = _unusable_pairs(det, c1, c2, s1, s2, mask, TABLE_RATIO)  # not the masked lanes' 0 / 0
+            row_poison = poison + tl.where(_row_any(bad), float("nan"), 0.0)
             if HAS_W:
                 xn1 = xn1 * inv_w1
                 xn2 = xn2 * inv_w2
@@ -356,8 +382,8 @@ def rms_norm_rope_bwd_kernel(
             dx1 = (g1 - xn1 * m[:, None]) * rstd[:, None]
             dx2 = (g2 - xn2 * m[:, None]) * rstd[:, None]
             if FROM_Y:
-                dx1 += poison
-                dx2 += poison
+                dx1 += row_poison[:, None]
+                dx2 += row_poison[:, None]
             _store_rows(DX, _row_starts(i0, i1, i2, sdx0, sdx1, sdx2, DX, STRIDES_ALIGNED), dx1, dx2, row_mask, D,
                         INTERLEAVED, BLOCK_M, BLOCK_D)
         if COMPUTE_DW:

@@ -141,6 +141,20 @@ def _any(v):
     return jnp.max(v.astype(jnp.int32)) > 0
 
 
+def _any_per_row(v):
+    """Per row of a ``[BLOCK_M, n]`` boolean tile, whether any of it is set."""
+    return jnp.max(v.astype(jnp.int32), axis=1) > 0
+
+
+def _unusable_pairs(det, c1, c2, s1, s2, mask, TABLE_RATIO: float):
+    """Where (inside ``mask``) a pair of table columns is not a usable rotation (``rope.py``'s
+    ``_unusable_pairs``, ``norm_math.rope_table_usable``): ``2 |det| < TABLE_RATIO * (c1^2 + s1^2 + c2^2 +
+    s2^2)``, or det 0, infinite or NaN."""
+    a = jnp.abs(det)
+    ok = (2.0 * a >= TABLE_RATIO * (c1 * c1 + s1 * s1 + c2 * c2 + s2 * s2)) & (a > 0.0) & (a < jnp.inf)
+    return mask & ~ok
+
+
 def _store_recovery(rec_ref, w_ref, offset: float, dt, CASTING: int, D: int, HAS_W: bool, INTERLEAVED: bool,
                     W_MIN: float, BOUND_SCALE: float, Y_MAX: float, PAIR_RATIO: float, BLOCK_D: int):
     """REC from the weight w_y as the forward multiplies by it, read as a vector (one program's work)."""
@@ -243,6 +257,7 @@ def rms_norm_rope_bwd_kernel(
     COMPUTE_DX: bool,  # x needs a gradient
     COMPUTE_DW: bool,  # weight needs a gradient: accumulate and write this program's dW partial row
     FROM_Y: bool,  # x_ref holds the output, weight frozen: y = R^-1(out), x_hat = y * REC
+    TABLE_RATIO: float,  # FROM_Y: the smallest usable 2|det| / (sum of squares) of a pair of table columns
     NUM_PROGRAMS: int,  # grid size: tiles are dealt round-robin to the programs
     TILES_PER_PROGRAM: int,  # ceil(tiles / NUM_PROGRAMS): 1 when nothing is reduced
     BLOCK_M: int,  # rows per tile
@@ -251,7 +266,8 @@ def rms_norm_rope_bwd_kernel(
     # dy = R^T(d_out) (dy_1 = d_1 cos_1 + d_2 sin_2, dy_2 = d_2 cos_2 - d_1 sin_1), then RMSNorm's
     # backward: g = dy * w_eff, m = mean(g * x_hat), dx = (g - x_hat * m) * rstd, dW += dy * x_hat.
     # FROM_Y: y = (cos_p * out - sigma * sin * out_p) / det, det = cos * cos_p + sin * sin_p, and
-    # x_hat = y / w_y (REC), plus REC's poison. Tile t of program p is tile p + t * NUM_PROGRAMS (past
+    # x_hat = y / w_y (REC), plus REC's poison, and NaN on a row with a pair of table columns that is not a
+    # usable rotation (_unusable_pairs). Tile t of program p is tile p + t * NUM_PROGRAMS (past
     # the last one: fully masked), the next one prefetched (norm_pallas's _walk_tiles); with dW each
     # program owns one partial row, so the reduction order is fixed and the result bitwise
     # reproducible (no atomics).
@@ -291,6 +307,8 @@ def rms_norm_rope_bwd_kernel(
             mask = row_mask[:, None] & h_mask[None, :]
             xn1 = jnp.where(mask, (c2 * x1 + s1 * x2) / det, 0.0)  # masked lanes divide 0 by 0
             xn2 = jnp.where(mask, (c1 * x2 - s2 * x1) / det, 0.0)
+            bad = _unusable_pairs(det, c1, c2, s1, s2, mask, TABLE_RATIO)  # not the masked lanes' 0 / 0
+            row_poison = poison + jnp.where(_any_per_row(bad), F32(jnp.nan), F32(0.0))[:, None]
             if HAS_W:
                 xn1, xn2 = xn1 * inv1, xn2 * inv2
         else:
@@ -300,7 +318,7 @@ def rms_norm_rope_bwd_kernel(
             m = ((jnp.sum(g1 * xn1, axis=1) + jnp.sum(g2 * xn2, axis=1)) * (1.0 / D))[:, None]
             dx1, dx2 = (g1 - xn1 * m) * rstd, (g2 - xn2 * m) * rstd
             if FROM_Y:
-                dx1, dx2 = dx1 + poison, dx2 + poison
+                dx1, dx2 = dx1 + row_poison, dx2 + row_poison
             _store_pairs(dx_ref, _at_rows(r, row_mask), dx1, dx2, D, INTERLEAVED, BLOCK_D)
         if COMPUTE_DW:
             if CASTING == 1:  # as the forward multiplied by it
