@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import normkit
-from normkit import norm_math, reference, rope
+from normkit import norm_math, reference, rope, saving
 from normkit.ops import CASTING_MODES
 from normkit.testing import assert_close, coarser, poisoned_outputs, rounded
 
@@ -835,8 +835,8 @@ def _torch_tables_case(adapter, case: Case, a: dict) -> None:
 
 
 def _jax_tables_case(adapter, case: Case, a: dict) -> None:
-    """JAX eager (the tables' values read): right, x kept where a row fails; under jit (the tables traced):
-    the output kept, failing rows NaN, the rest right."""
+    """JAX eager (the tables' values read): right, x kept where a row fails; under jit (the tables and the
+    weight traced): the output kept where the traced rule says so, failing rows then NaN, the rest right."""
     import jax
     import jax.numpy as jnp
 
@@ -859,9 +859,12 @@ def _jax_tables_case(adapter, case: Case, a: dict) -> None:
               if "from the argument" in line]
     assert bool(kept_x) == (not from_output or bad.any()), kept_x
     jitted = jax.jit(call)
-    with poisoned_outputs():
+    with normkit.record_launches() as log, poisoned_outputs():
         out, vjp = jax.vjp(lambda x: jitted(x, cos, sin), x)
         (dx,) = vjp(d)
+    traced_output = saving.traced_rule(has_bias=False, offset=case.offset, x_dtype=case.dtype)  # values unseen
+    assert bool(_flags(log, "bwd")["FROM_Y"]) == traced_output
+    bad = _bad_rows(case, a) if traced_output else np.zeros(case.shape[:-1], bool)
     np64 = lambda v: np.asarray(jnp.asarray(v, jnp.float32), np.float64)  # noqa: E731
     check_poisoned_rows(f"{adapter.name} jit", case, a, Run(np64(out), np64(dx), None, []), bad)
 
