@@ -62,15 +62,19 @@ class Backend(Protocol):
 
     def keys(self, *arrays) -> tuple:
         """What a plan fixes of each array: class, shape, strides, dtype and device (None for None), in
-        one call. Optional, for ``Bound`` (its backward plans are kept per the keys of the arrays they
-        read)."""
+        one call. Optional, for a frontend's cache of ``Bound``s."""
 
-    def bind(self, call, like, rows_shape: tuple | None = None):
+    def backward_key(self, grads, saved, weight, bias, aux, rstd, dy, dres) -> tuple:
+        """A hashable key of ``grads`` and of what a backward plan fixes of each array it reads
+        (``keys``' facts; dy is never None). Optional, for ``Bound`` (its backward plans are kept per
+        the keys of the arrays they read)."""
+
+    def bind(self, call, like, rows_shape: tuple | None = None, tail: tuple = ()):
         """Optional, for a frontend that launches one plan many times (``bind_forward``,
         ``bind_backward``): ``launch(*arrays)``, what ``launch`` does with everything that does not
         depend on the arrays done once. ``launch`` takes the arrays in ``call.inputs`` order (an
         absent input is not read) on ``like``'s device, and returns the outputs in ``call.outputs``
-        order, None where absent."""
+        order, None where absent. ``tail``: the last inputs, bound here (``launch`` takes the others)."""
 
 
 def _dtype(backend: Backend, a) -> str | None:
@@ -336,20 +340,32 @@ class Bound:
                                 rec and trip is not None, y2_dtype)
         if self.fwd is None:  # no rows: zeros of each buffer, in the caller's shape, fresh at every call
             return lambda x, *_: _no_rows(backend, op, x, self.store_stats, rec, rec, y2_dtype)
-        launch = backend.bind(self.fwd, x, tuple(x.shape))
-        if any(copies):
-            launch = _copying(backend, launch, {0: "x", 1: "residual"}, copies)
-        if not (rec and trip is not None):
-            trip = None
-        return lambda x, residual, weight, bias: launch(x, residual, weight, bias, trip)
+        # the flag (FWD_INPUTS' last) bound into the launch, which then takes (x, residual, weight, bias)
+        launch = backend.bind(self.fwd, x, tuple(x.shape), (trip if rec else None,))
+        return _copying(backend, launch, {0: "x", 1: "residual"}, copies) if any(copies) else launch
 
     def backward(self, saved, weight, bias, dy, dres, mean, rstd, grads, rec=None) -> tuple:
         """``grads``: a ``Grads``, or its ``(dx, dw, db)`` flags (a tuple hashes faster)."""
-        k = (grads, self.backend.keys(saved, weight, bias if self.from_output else None, dy, dres, rec))
+        from_output = self.from_output
+        if from_output:
+            mean = None  # not read
+        else:
+            bias = rec = None
+        k = self.backend.backward_key(grads, saved, weight, bias, rec if from_output else mean, rstd, dy, dres)
         bound = self._bwd.get(k)
         if bound is None:
             bound = self._bwd[k] = self._bind_backward(saved, weight, bias, dy, dres, grads, rec)
         return bound[1](saved, weight, bias, dy, dres, mean, rstd, rec)
+
+    def bound_backward(self, k):
+        """The launch ``backward`` bound for key ``k``, or None where it has bound none: ``k`` is
+        ``Backend.backward_key(grads, saved, weight, bias, aux, rstd, dy, dres)``, with bias None unless
+        ``from_output`` and aux the recovery (``from_output``) or the mean. The launch takes
+        ``(saved, weight, bias, dy, dres, mean, rstd, rec)``. A frontend whose arrays may need
+        converting before a launch can read them (a saved-tensor hook's) looks its own arrays up
+        first: their key is found only where arrays of that key were launched as they are."""
+        bound = self._bwd.get(k)
+        return None if bound is None else bound[1]
 
     @property
     def backward_plans(self) -> list:

@@ -72,6 +72,18 @@ def test_is_legacy_batched():
     assert seen == [True, False] and not _compat.is_legacy_batched(torch.ones(2))
 
 
+def test_is_legacy_batched_fallback():
+    """Without torch's private answer, a gradient batched by ``is_grads_batched`` (no storage) counts
+    as batched, and a plain tensor does not."""
+    seen = []
+    for batched in (True, False):
+        x = torch.randn(3, requires_grad=True)
+        y = x * 2
+        y.register_hook(lambda g: seen.append(_compat._storage_unreachable(g)))
+        torch.autograd.grad(y, x, torch.eye(3) if batched else torch.ones(3), is_grads_batched=batched)
+    assert seen == [True, False] and not _compat._storage_unreachable(torch.randn(2))
+
+
 def test_checkpointing():
     """True inside a non-reentrant checkpoint, its forward and its recomputation; False under other
     saved-tensor hooks and outside."""

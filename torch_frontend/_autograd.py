@@ -42,6 +42,7 @@ from normkit import norm_math
 from normkit.ops import GRADS, Grads, Op, Options, rec_offset
 from torch_frontend import _compat, _library_ops
 from torch_frontend._backend import TORCH_DTYPES, resolve_neg
+from torch_frontend._backend import backward_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,13 +168,11 @@ _DIRECT_RMS, _DIRECT_LN, _DIRECT_ADD = (_compat.direct_apply(fn) for fn in
                                         (RMSNormFunction, LayerNormFunction, FusedAddRMSNormFunction))
 
 
-def apply(route, op: Op, x, residual, weight, bias, copy=None):
-    """The op's outputs through its Function: y, or ``(y, residual_out)``; with ``copy`` (an eager
-    route's ``(dtype, keep)``), y's copy in that dtype follows them (``WithCopyFunction``)."""
-    if copy is not None:
-        return WithCopyFunction.apply(route, copy, x, residual, weight, bias)
-    if (route.__class__ is not Traced and APPLY == "direct" and _DIRECT_RMS is not None
-            and not torch.compiler.is_compiling() and not _compat.transforms_active()):
+def apply_eager(route, op: Op, x, residual, weight, bias):
+    """``apply`` of an eager route (a ``Bound``) where the caller has seen that nothing is being
+    compiled and no torch.func transform is active: through each Function's C apply
+    (``_compat.direct_apply``) where ``APPLY`` says so."""
+    if APPLY == "direct" and _DIRECT_RMS is not None:
         unwrap = _compat.unwrap_exited  # a tensor left by an exited transform, as Function.apply does
         x, weight = unwrap(x), weight if weight is None else unwrap(weight)
         if op.has_residual:
@@ -181,6 +180,17 @@ def apply(route, op: Op, x, residual, weight, bias, copy=None):
         if op.params == ("weight",):
             return _DIRECT_RMS(route, x, weight)
         return _DIRECT_LN(route, x, weight, bias if bias is None else unwrap(bias))
+    return apply(route, op, x, residual, weight, bias)
+
+
+def apply(route, op: Op, x, residual, weight, bias, copy=None):
+    """The op's outputs through its Function: y, or ``(y, residual_out)``; with ``copy`` (an eager
+    route's ``(dtype, keep)``), y's copy in that dtype follows them (``WithCopyFunction``)."""
+    if copy is not None:
+        return WithCopyFunction.apply(route, copy, x, residual, weight, bias)
+    if (route.__class__ is not Traced and APPLY == "direct" and _DIRECT_RMS is not None
+            and not torch.compiler.is_compiling() and not _compat.transforms_active()):
+        return apply_eager(route, op, x, residual, weight, bias)
     if op.has_residual:
         return FusedAddRMSNormFunction.apply(route, x, residual, weight)
     if op.params == ("weight",):
@@ -188,8 +198,9 @@ def apply(route, op: Op, x, residual, weight, bias, copy=None):
     return LayerNormFunction.apply(route, x, weight, bias)
 
 
-def _saved(ctx, dy, ds, traced: bool) -> tuple:
-    """``(saved, weight, bias, mean, rstd, rec)`` as the kernels read them: the saved rows in the dtype
+def _saved(route, tensors: tuple, dy, ds, traced: bool) -> tuple:
+    """``(saved, weight, bias, mean, rstd, rec)`` as the kernels read them, from a node's unpacked saved
+    ``tensors`` (``route``'s): the saved rows in the dtype
     and on the device of the gradients arriving (the output's), the per-row statistics (and the
     weight's recovery) contiguous, in fp32, on their device.
 
@@ -201,8 +212,8 @@ def _saved(ctx, dy, ds, traced: bool) -> tuple:
     moving or copying them costs little; the rows are converted back only when a hook changed them.
     ``traced``: under ``torch.compile``, where dynamo reads values, not raw memory, and bans
     ``is_neg``."""
-    saved, weight, bias, aux, rstd = ctx.saved_tensors
-    mean, rec = (None, aux) if ctx.route.from_output else (aux, None)
+    saved, weight, bias, aux, rstd = tensors
+    mean, rec = (None, aux) if route.from_output else (aux, None)
     like = dy if dy is not None else ds
     # (dtypes are singletons: ``is`` compares them; ``get_device`` compares devices without making
     # device objects, and is -1 for every CPU tensor)
@@ -266,10 +277,24 @@ def _backward(ctx, flags: tuple, dy, ds) -> tuple:
     or for a batched gradient, by differentiable torch operations."""
     route = ctx.route
     traced = torch.compiler.is_compiling()
+    tensors = ctx.saved_tensors  # unpacked once (a checkpoint's hooks allow no second unpacking)
+    if dy is not None and not traced and route.__class__ is not Traced and not torch.is_grad_enabled():
+        # an eager node's backward whose arrays a launch has read as they are before: one lookup by
+        # their keys (``driver.Bound.bound_backward``), found only where nothing needs converting
+        saved, weight, bias, aux, rstd = tensors
+        if not (_compat.is_legacy_batched(dy) or (ds is not None and _compat.is_legacy_batched(ds))):
+            if route.from_output:
+                launch = route.bound_backward(backward_key(flags, saved, weight, bias, aux, rstd, dy, ds))
+                if launch is not None:
+                    return launch(saved, weight, bias, dy, ds, None, rstd, aux)
+            else:
+                launch = route.bound_backward(backward_key(flags, saved, weight, None, aux, rstd, dy, ds))
+                if launch is not None:
+                    return launch(saved, weight, None, dy, ds, aux, rstd, None)
     batched = False
     if not traced:
         dy, ds, batched = _incoming(dy, ds)
-    saved, weight, bias, mean, rstd, rec = _saved(ctx, dy, ds, traced)
+    saved, weight, bias, mean, rstd, rec = _saved(route, tensors, dy, ds, traced)
     if dy is None and ds is None:
         return None, None, None
     if batched:  # one backward per batch element: torch operations vmap over them

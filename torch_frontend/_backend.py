@@ -97,11 +97,31 @@ def resolve_neg(t: torch.Tensor | None, name: str) -> torch.Tensor | None:
 
 
 def keys(*tensors) -> tuple:
-    """What a plan fixes of each tensor: class, shape, strides, dtype and device (None for None)."""
+    """What a plan fixes of each tensor: class, shape, strides, dtype and device, and whether it is a
+    lazily negated view, which a kernel cannot read (None for None)."""
     out = []
     for t in tensors:  # a loop: a comprehension would be a call of its own, on every backward
-        out.append(None if t is None else (t.__class__, t.shape, t.stride(), t.dtype, t.device))
+        out.append(None if t is None else (t.__class__, t.shape, t.stride(), t.dtype, t.device, t.is_neg()))
     return tuple(out)
+
+
+def backward_key(grads, saved, weight, bias, aux, rstd, dy, dres) -> tuple:
+    """``Bound.backward``'s key: ``grads`` and, of each array the backward reads, ``keys``' facts, the
+    device as its index (``get_device``: -1 for the CPU; an int hashes faster than a device, and the
+    backward's arrays are on the device type of the forward's, or a hook moved them off the GPU), in
+    one flat tuple built inline (every backward makes one; a tensor's six facts, or one None)."""
+    return (grads, saved.__class__, saved.shape, saved.stride(), saved.dtype, saved.get_device(), saved.is_neg(),
+            None if weight is None else (weight.__class__, weight.shape, weight.stride(), weight.dtype,
+                                         weight.get_device(), weight.is_neg()),
+            None if bias is None else (bias.__class__, bias.shape, bias.stride(), bias.dtype, bias.get_device(),
+                                       bias.is_neg()),
+            None if aux is None else (aux.__class__, aux.shape, aux.stride(), aux.dtype, aux.get_device(),
+                                      aux.is_neg()),
+            None if rstd is None else (rstd.__class__, rstd.shape, rstd.stride(), rstd.dtype, rstd.get_device(),
+                                       rstd.is_neg()),
+            dy.__class__, dy.shape, dy.stride(), dy.dtype, dy.get_device(), dy.is_neg(),
+            None if dres is None else (dres.__class__, dres.shape, dres.stride(), dres.dtype, dres.get_device(),
+                                       dres.is_neg()))
 
 
 @functools.lru_cache(maxsize=None)
@@ -145,6 +165,7 @@ class TorchBackend:
     three_index_rows = staticmethod(three_index_view)
     copy_rows = staticmethod(copy_rows)
     keys = staticmethod(keys)
+    backward_key = staticmethod(backward_key)
 
     @staticmethod
     def launch(call: KernelCall, arrays: dict, rows_shape: tuple | None = None, outs: dict | None = None) -> dict:
@@ -163,10 +184,11 @@ class TorchBackend:
         return {name: t for name, t in zip(call.outputs, result) if t is not None}
 
     @staticmethod
-    def bind(call: KernelCall, like: torch.Tensor, rows_shape: tuple | None = None) -> "_BoundLaunch":
-        """``call`` bound to ``like``'s device and its outputs' shapes: ``launch(*inputs)`` (the arrays in
-        ``call.inputs`` order) returns the outputs in ``call.outputs`` order; see ``normkit.driver.Backend``."""
-        return _BoundLaunch(call, like.device, rows_shape)
+    def bind(call: KernelCall, like: torch.Tensor, rows_shape: tuple | None = None, tail: tuple = ()) -> "_BoundLaunch":
+        """``call`` bound to ``like``'s device and its outputs' shapes, and to ``tail``, its last inputs:
+        ``launch(*inputs)`` (the other arrays in ``call.inputs`` order) returns the outputs in
+        ``call.outputs`` order; see ``normkit.driver.Backend``."""
+        return _BoundLaunch(call, like.device, rows_shape, tail)
 
 
 class InductorBackend(TorchBackend):
@@ -225,17 +247,20 @@ class _BoundLaunch:
     compiled kernel's own launch (or ``LAUNCH = "direct"``'s); anything else (unaligned pointers,
     another current device, launch hooks such as a profiler's) takes ``JITFunction.run``."""
 
-    __slots__ = ("call", "present", "index", "compiled", "allocs", "runner", "direct", "scalars")
+    __slots__ = ("call", "present", "index", "compiled", "allocs", "none", "runner", "direct", "scalars", "tail")
 
-    def __init__(self, call: KernelCall, device: torch.device, rows_shape: tuple | None):
+    def __init__(self, call: KernelCall, device: torch.device, rows_shape: tuple | None, tail: tuple = ()):
         self.call = call
+        self.tail = tail  # the last inputs, bound: a call passes the others
         self.present = tuple(name in call.present_inputs for name in call.inputs)
         self.compiled = device.type == "cuda" and not _triton_compat.is_interpreted(call.kernel)
         self.index = device.index  # a CUDA tensor's device always has its index
-        self.allocs = [None if name not in call.out_specs else _allocator(
+        allocs = [None if name not in call.out_specs else _allocator(
             driver.caller_shape(name, call.out_specs[name][0], rows_shape) if rows_shape is not None
             else tuple(call.out_specs[name][0]), TORCH_DTYPES[call.out_specs[name][1]], device)
             for name in call.outputs]
+        self.allocs = tuple((i, alloc) for i, alloc in enumerate(allocs) if alloc is not None)  # (position, alloc)
+        self.none = [None] * len(allocs)  # the outputs' list before allocation
         self.runner = None  # the compiled kernel's launch, once Triton has compiled it for aligned pointers
         self.direct = None  # LAUNCH == "direct": normkit._compat.direct_launch of it
         self.scalars = tuple(call.scalars)
@@ -243,20 +268,27 @@ class _BoundLaunch:
     def __call__(self, *inputs, outs: list | None = None) -> list:
         """``outs``: the outputs in ``call.outputs`` order, allocated by the caller (None: allocated here)."""
         if outs is None:
-            outs = [alloc() if alloc is not None else None for alloc in self.allocs]
+            outs = self.none[:]
+            for i, alloc in self.allocs:  # a loop: a comprehension would be a call of its own
+                outs[i] = alloc()
             if driver.POISON_OUTPUTS:
                 for t in outs:
                     if t is not None:
                         t.fill_(float("nan"))
-        if self.runner is not None and self.index == _compat.current_device():
+        if self.tail:
+            inputs += self.tail
+        direct = self.direct
+        if direct is not None and self.index == _compat.current_device() and not _triton_compat.launch_hooks_active():
+            in_ptrs = [a.data_ptr() if present else None for a, present in zip(inputs, self.present)]
+            if not functools.reduce(operator.or_, filter(None, in_ptrs), 0) & 15:
+                direct(_compat.raw_stream(self.index), in_ptrs, [None if t is None else t.data_ptr() for t in outs])
+                if record.active():
+                    self.call.record("torch", False)
+                return outs
+        elif self.runner is not None and self.index == _compat.current_device():
             args = [a if present else None for a, present in zip(inputs, self.present)]
             if not functools.reduce(operator.or_, [a.data_ptr() for a in args if a is not None], 0) & 15:
-                direct = self.direct
-                if direct is not None and not _triton_compat.launch_hooks_active():
-                    direct(_compat.raw_stream(self.index), [None if a is None else a.data_ptr() for a in args],
-                           [None if t is None else t.data_ptr() for t in outs])
-                else:
-                    self.runner(*args, *self.scalars, *outs, *self.call.constexprs.values())
+                self.runner(*args, *self.scalars, *outs, *self.call.constexprs.values())
                 if record.active():
                     self.call.record("torch", False)
                 return outs

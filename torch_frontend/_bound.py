@@ -71,19 +71,23 @@ _TRIPS: dict = {}
 WEIGHT, TABLES = 0, 1  # the slots
 
 
+_TRIP_FLAGS: list = []  # the ctypes views of ``_TRIPS``, for the per-call look (empty: no flag made yet)
+
+
 def trip(device: torch.device):
     """The flags for launches on ``device``: host memory the kernel writes (pinned, for CUDA kernels)."""
     entry = _TRIPS.get(device.type)
     if entry is None:
         t = torch.zeros(2, dtype=torch.int32, pin_memory=device.type == "cuda")
         entry = _TRIPS[device.type] = (t, (ctypes.c_int32 * 2).from_address(t.data_ptr()))
+        _TRIP_FLAGS.append(entry[1])
     return entry[0]
 
 
 def _tripped() -> bool:
     """Whether a forward has found a weight breaking the safety rule since the last look; then every
     remembered choice is forgotten (and the flag cleared)."""
-    for _, flag in _TRIPS.values():
+    for flag in _TRIP_FLAGS:
         if flag[WEIGHT]:
             flag[WEIGHT] = 0
             for entry in BOUND.values():
@@ -163,26 +167,30 @@ class Decisions:
     call signature, per weight and bias identity, data pointer, version and grad flag: a
     ``Signature``'s, or ``rms_norm_rope``'s signature's (``torch_frontend._rope``)."""
 
-    __slots__ = ("_memo",)
+    __slots__ = ("memo",)
 
     def __init__(self):
-        self._memo: dict = {}
+        self.memo: dict = {}  # (weight's key, bias's key) -> the choice
 
     def forget(self) -> None:
-        self._memo.clear()
+        self.memo.clear()
 
-    def saves_output(self, weight, bias, decide) -> bool:
-        """The remembered choice for this weight and bias version, else ``decide()``'s (remembered,
+    def saves_output(self, weight, bias, decide, *args) -> bool:
+        """The remembered choice for this weight and bias version, else ``decide(*args)``'s (remembered,
         unless a parameter is an inference tensor); a remembered choice to keep the output is made
         again after a forward has found a weight breaking the safety rule (``_tripped``)."""
-        k = (_version_key(weight), _version_key(bias))
-        from_output = self._memo.get(k)
-        if from_output is None or (from_output and _tripped()):
-            from_output = decide()
+        try:  # a weight seen before (its uid given), and a bias seen before or none: ``_version_key``'s, inline
+            k = ((weight._normkit_uid, weight.data_ptr(), weight._version, weight.requires_grad),
+                 bias if bias is None else (bias._normkit_uid, bias.data_ptr(), bias._version, bias.requires_grad))
+        except (AttributeError, RuntimeError):
+            k = (_version_key(weight), _version_key(bias))
+        from_output = self.memo.get(k)
+        if from_output is None or (from_output and _TRIP_FLAGS and _tripped()):
+            from_output = decide(*args)
             if False not in k:
-                if len(self._memo) >= DECISIONS_LIMIT:
-                    self._memo.clear()
-                self._memo[k] = from_output
+                if len(self.memo) >= DECISIONS_LIMIT:
+                    self.memo.clear()
+                self.memo[k] = from_output
         return from_output
 
 
@@ -242,8 +250,21 @@ class Signature:
         hooked = _compat.checkpointing()
         if hooked and self.save == "auto":
             return self._bounds[0] or self.bound(False)
-        from_output = self._decisions.saves_output(weight, bias, lambda: _save.saves_output(
-            self.op, self.save, x, weight, bias, self.opts.offset, self.opts.casting, hooked))
+        try:  # a weight and bias seen before (``Decisions.saves_output``'s key, inline: every call looks)
+            from_output = self._decisions.memo.get((
+                weight if weight is None else (weight._normkit_uid, weight.data_ptr(), weight._version,
+                                               weight.requires_grad),
+                bias if bias is None else (bias._normkit_uid, bias.data_ptr(), bias._version, bias.requires_grad)))
+        except (AttributeError, RuntimeError):
+            from_output = None
+        if from_output:
+            for flag in _TRIP_FLAGS:  # ``_tripped``'s look, inline
+                if flag[WEIGHT]:
+                    from_output = None
+        if from_output is None:
+            opts = self.opts
+            from_output = self._decisions.saves_output(weight, bias, _save.saves_output, self.op, self.save, x, weight,
+                                                       bias, opts.offset, opts.casting, hooked)
         return self._bounds[from_output] or self.bound(from_output, x.device)
 
 

@@ -32,17 +32,19 @@ _functorch = _lookup(torch._C, "_functorch")
 _IS_LEGACY_BATCHED = _lookup(_functorch, "is_legacy_batchedtensor") if _functorch is not None else None
 
 
-def is_legacy_batched(t: torch.Tensor) -> bool:
-    """Whether ``t`` is batched by ``autograd.grad(..., is_grads_batched=True)`` (or a vectorized
-    ``autograd.functional.jacobian``): a tensor without storage, which no kernel can read. Without
-    torch's private answer, a tensor whose storage cannot be reached counts as batched."""
-    if _IS_LEGACY_BATCHED is not None:
-        return _IS_LEGACY_BATCHED(t)
+def _storage_unreachable(t: torch.Tensor) -> bool:
     try:
         t.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return True
     return False
+
+
+# ``is_legacy_batched(t)``: whether ``t`` is batched by ``autograd.grad(..., is_grads_batched=True)`` (or a
+# vectorized ``autograd.functional.jacobian``): a tensor without storage, which no kernel can read. torch's
+# own answer, called directly (every backward asks); without it, a tensor whose storage cannot be reached
+# counts as batched.
+is_legacy_batched = _IS_LEGACY_BATCHED if _IS_LEGACY_BATCHED is not None else _storage_unreachable
 
 
 # --- saved-tensor hooks -------------------------------------------------------------------------------

@@ -108,7 +108,8 @@ def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode, save, k
         # k None (not keyable): not remembered
         sig = _bound.bind(k, op, opts, store_stats, b_dtype, save, None if y2_dtype is None else DTYPE_NAMES[y2_dtype])
     bound = sig.fixed or sig.route(x, weight, bias)
-    if not store_stats and not _compat.transforms_active():  # no-grad
+    transformed = _compat.transforms_active()
+    if not store_stats and not transformed:  # no-grad
         y, s, _, _, _, y2 = bound.forward(x, residual, weight, bias)
         if copy is not None:
             _attach_copy(y, y.to(copy[0]) if y2 is None else y2)
@@ -117,7 +118,9 @@ def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode, save, k
         *outs, y2 = _autograd.apply(bound, op, x, residual, weight, bias, copy)
         _attach_copy(outs[0], y2)
         return tuple(outs) if op.has_residual else outs[0]
-    return _autograd.apply(bound, op, x, residual, weight, bias)  # eager
+    if not transformed:  # eager
+        return _autograd.apply_eager(bound, op, x, residual, weight, bias)
+    return _autograd.apply(bound, op, x, residual, weight, bias)  # eager, under a torch.func transform
 
 
 _COPY = "_normkit_copy"  # the attribute of an output that carries its copy in another dtype
