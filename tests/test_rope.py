@@ -657,6 +657,31 @@ def test_torch_strided_slice_and_empty_rows():
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+@pytest.mark.parametrize("save", ["auto", "input"])
+def test_torch_create_graph_then_a_second_backward_raises(save):
+    """Under ``create_graph=True`` the first-order gradients are the float64 reference's; differentiating
+    them again raises (no double backward), never a silent zero."""
+    import torch
+
+    import torch_frontend as tf
+
+    B, S, H, D = 2, 3, 2, 8
+    rng = np.random.default_rng(5)
+    x = torch.tensor(rng.standard_normal((B, S, H, D)), dtype=torch.float32, requires_grad=True)
+    w = torch.tensor(rng.uniform(0.5, 1.5, D), dtype=torch.float32)
+    theta = torch.tensor(rng.uniform(-4, 4, (1, S, 1, D // 2)))
+    cos, sin = (f(torch.cat([theta, theta], -1)).float() for f in (torch.cos, torch.sin))
+    d = torch.tensor(rng.standard_normal((B, S, H, D)), dtype=torch.float32, requires_grad=True)
+    with poisoned_outputs():
+        (dx,) = torch.autograd.grad(tf.rms_norm_rope(x, w, cos, sin, save=save), x, d, create_graph=True)
+    a = {k: v.detach().double().numpy() for k, v in (("x", x), ("weight", w), ("cos", cos), ("sin", sin))}
+    ref, _ = reference.rms_norm_rope_bwd(a["x"], a["weight"], a["cos"], a["sin"], d.detach().double().numpy())
+    assert_close(dx.detach().numpy(), ref, "float32", "dx")
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dx.sum().backward()
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
 @pytest.mark.parametrize("trained", [False, True])
 def test_torch_attention_gradient_read_in_place(trained, monkeypatch):
     """HF's layout: x the [B, H, S, D] transpose of a [B, S, H, D] projection, cos/sin [B, 1, S, D], and

@@ -9,6 +9,7 @@ from torch_frontend._composite import compile_frozen_with
 from torch_frontend._backend import NormkitRopeTablesWarning
 from torch_frontend.functional import NormkitCopyWarning, fused_add_rms_norm, layer_norm, rms_norm
 from torch_frontend.modules import FusedAddRMSNorm, LayerNorm, RMSNorm
+from torch_frontend._rope import rms_norm_rope
 from torch_frontend._save import SaveDecision, save_decision
 from torch_frontend.patch import PatchReport, patch_model, unpatch_model
 
@@ -19,12 +20,3 @@ __all__ = [
     "patch_model", "unpatch_model", "PatchReport", "compile_frozen_with", "save_decision", "SaveDecision",
 ]
 
-
-def __getattr__(name: str):
-    """``rms_norm_rope``, imported on first use: its module marks it for torch.compile, which imports
-    torch._dynamo (seconds, and torch.distributed with it), a cost plain norms do not pay."""
-    if name == "rms_norm_rope":
-        from torch_frontend._rope import rms_norm_rope
-
-        return rms_norm_rope
-    raise AttributeError(f"module 'torch_frontend' has no attribute {name!r}")

@@ -106,7 +106,7 @@ def rope_tables_tripped() -> bool:
     forward has found a pair of table columns that is not a usable rotation since the last look, the
     flag is cleared, a ``NormkitRopeTablesWarning`` says so, and the switch is turned on."""
     global ROPE_TABLES_KEEP_X
-    for _, flag in _TRIPS.values():
+    for flag in _TRIP_FLAGS:
         if flag[TABLES]:
             flag[TABLES] = 0
             ROPE_TABLES_KEEP_X = True
@@ -122,7 +122,7 @@ def rope_tables_tripped() -> bool:
 
 def rope_tables_state_set() -> bool:
     """Whether ``ROPE_TABLES_KEEP_X`` is on or a tables' flag is set (unread): what ``reset`` clears."""
-    return ROPE_TABLES_KEEP_X or any(flag[TABLES] for _, flag in _TRIPS.values())
+    return ROPE_TABLES_KEEP_X or any(flag[TABLES] for flag in _TRIP_FLAGS)
 
 
 def reset() -> None:
@@ -130,7 +130,7 @@ def reset() -> None:
     process's state as at import, but for the call signatures' plans (for tests, or once the tables
     have been fixed)."""
     global ROPE_TABLES_KEEP_X
-    for _, flag in _TRIPS.values():
+    for flag in _TRIP_FLAGS:
         flag[WEIGHT] = flag[TABLES] = 0
     for entry in BOUND.values():
         entry.forget()

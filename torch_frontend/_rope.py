@@ -37,7 +37,7 @@ from torch.autograd.function import once_differentiable
 from normkit import checks, driver, norm_math, rope, saving
 from normkit.launch import INTERPRETER_NUM_SMS, plan_rope_backward, plan_rope_forward
 from normkit.ops import GRADS, Options
-from torch_frontend import _bound, _compat
+from torch_frontend import _autograd, _bound, _compat
 from torch_frontend._backend import BACKEND, DTYPE_NAMES, NormkitCopyWarning, dtype_name, num_sms, resolve_neg
 from torch_frontend._backend import keys as _backend_keys
 
@@ -118,7 +118,7 @@ class _Signature:
     nor planned again."""
 
     __slots__ = ("cfg", "layout", "M", "D", "dtypes", "w_stride", "x_shape", "fwd_strides", "fwd", "bwd",
-                 "decisions")
+                 "decisions", "trip")
 
     def __init__(self, cfg: _Config, x, weight, cos, sin):
         self.cfg = cfg
@@ -134,9 +134,11 @@ class _Signature:
         self.fwd_strides = tuple(self.layout.strides(t) for t in (x.stride()[:-1], *tables, out_strides))
         self.dtypes = (_name(x), None if weight is None else _name(weight), _name(cos), _name(sin))
         self.w_stride = 1 if weight is None else weight.stride(0)
-        self.fwd: dict = {}  # (store_stats, store_rec) -> plan
-        self.bwd: dict = {}  # (saved strides, dy strides, grads, from_output) -> (layout, strides, plans)
+        self.fwd: dict = {}  # (store_stats, store_rec) -> its bound launch (``Backend.bind``)
+        # (saved strides, dy strides, grads, from_output) -> (dy strides, the bound launch, reduction plan)
+        self.bwd: dict = {}
         self.decisions = _bound.Decisions()
+        self.trip = None  # ``_bound.trip`` of the signature's device, once an output-keeping forward needs it
 
     def forget(self) -> None:
         self.decisions.forget()
@@ -148,7 +150,7 @@ class _Signature:
         flag, ``_bound.trip``). A trained weight keeps x (and save="output" raises); inside a
         non-reentrant checkpoint, ``"auto"`` keeps x. Once a forward has found tables that are not
         rotations (``_bound.rope_tables_tripped``, which warns), ``"auto"`` keeps x in this process."""
-        cfg, o = self.cfg, self.cfg.opts
+        cfg = self.cfg
         if cfg.save == "input":
             return False
         if _bound.rope_tables_tripped() and cfg.save == "auto":
@@ -156,19 +158,23 @@ class _Signature:
         hooked = _compat.checkpointing()
         if hooked and cfg.save == "auto":
             return False
+        if weight is None:
+            return self._decide(x, weight, hooked)
+        return self.decisions.saves_output(weight, None, self._decide, x, weight, hooked)
+
+    def _decide(self, x, weight, hooked: bool) -> bool:
+        """``saves_output``'s ``normkit.saving.decide``, the weight's values read."""
+        cfg, o = self.cfg, self.cfg.opts
 
         def unsafe():
             with torch.no_grad():
                 return norm_math.rope_unsafe_reason(weight.detach(), x_dtype=x.dtype, offset=o.offset,
                                                     casting=o.casting, interleaved=cfg.interleaved)
 
-        def decide():
-            return saving.decide(rope.RMS_NORM_ROPE, cfg.save, trained=["weight"] if weight is not None and
-                                 weight.requires_grad else [], needs_dx=True, row_length=self.D,
-                                 has_params=weight is not None, has_bias=False, offset=o.offset,
-                                 x_dtype=self.dtypes[0], unsafe=unsafe, hooked=hooked)
-
-        return decide() if weight is None else self.decisions.saves_output(weight, None, decide)
+        return saving.decide(rope.RMS_NORM_ROPE, cfg.save, trained=["weight"] if weight is not None and
+                             weight.requires_grad else [], needs_dx=True, row_length=self.D,
+                             has_params=weight is not None, has_bias=False, offset=o.offset,
+                             x_dtype=self.dtypes[0], unsafe=unsafe, hooked=hooked)
 
     def forward(self, x, weight, cos, sin, store_stats: bool, store_rec: bool) -> tuple:
         """``(out, rstd, rec)``; rstd and rec None where not stored. Where rec is stored, the kernel also
@@ -181,20 +187,25 @@ class _Signature:
             if store_rec:  # no rows: no backward will read it
                 rec.zero_()
             return out, rstd, rec
-        call = self.fwd.get((store_stats, store_rec))
-        if call is None:
+        launch = self.fwd.get((store_stats, store_rec))
+        if launch is None:
             x_dtype, w_dtype, c_dtype, s_dtype = self.dtypes
-            call = self.fwd[(store_stats, store_rec)] = plan_rope_forward(
-                self.D, self.layout.rows, x_dtype, w_dtype, self.cfg.opts, self.cfg.interleaved, store_stats,
-                store_rec, self.fwd_strides, self.w_stride, self.x_shape, table_dtypes=(c_dtype, s_dtype),
-                has_trip=True)
-        trip = _bound.trip(x.device) if store_rec else None
-        _launch(call, {"X": x, "W": weight, "COS": cos, "SIN": sin, "TRIP": trip}, {"Y": out, "RSTD": rstd, "REC": rec})
+            call = plan_rope_forward(self.D, self.layout.rows, x_dtype, w_dtype, self.cfg.opts, self.cfg.interleaved,
+                                     store_stats, store_rec, self.fwd_strides, self.w_stride, self.x_shape,
+                                     table_dtypes=(c_dtype, s_dtype), has_trip=True)
+            launch = self.fwd[(store_stats, store_rec)] = BACKEND.bind(call, x)
+        trip = None
+        if store_rec:
+            trip = self.trip
+            if trip is None:
+                trip = self.trip = _bound.trip(x.device)
+        launch(x, weight, cos, sin, trip, outs=[out, rstd, rec])  # ROPE_FWD_INPUTS, ROPE_FWD_OUTPUTS
         return out, rstd, rec
 
     def backward_plan(self, saved, cos, sin, dout, dx, grads, from_output: bool) -> tuple:
-        """``(dy_strides, call, reduce)`` for this output gradient's layout; ``dy_strides`` None where
-        dy must first be copied into x's layout (x of more than four dimensions only)."""
+        """``(dy_strides, launch, reduce)`` for this output gradient's layout: the backward plan's bound
+        launch and the dW reduction's plan (None without dW); ``dy_strides`` None where dy must first be
+        copied into x's layout (x of more than four dimensions only)."""
         k = (saved.stride(), dout.stride(), grads, from_output)
         entry = self.bwd.get(k)
         if entry is None:
@@ -218,7 +229,7 @@ class _Signature:
             call, reduce = plan_rope_backward(self.D, layout.rows, x_dtype, w_dtype, self.cfg.opts,
                                               self.cfg.interleaved, grads, from_output, strides, self.w_stride, sms,
                                               self.x_shape, table_dtypes=(c_dtype, s_dtype))
-            entry = self.bwd[k] = (dy_strides, call, reduce)
+            entry = self.bwd[k] = (dy_strides, BACKEND.bind(call, saved), reduce)
         return entry
 
 
@@ -233,13 +244,12 @@ class _Signature:
             if grads.dw:
                 dw = torch.zeros((self.D,), dtype=weight.dtype, device=weight.device)
             return dx, dw
-        dy_strides, call, reduce = self.backward_plan(saved, cos, sin, dout, dx, grads, from_output)
-        if call is None:  # no three row indices cover dy as well (x of more than four dimensions): x's layout
+        dy_strides, launch, reduce = self.backward_plan(saved, cos, sin, dout, dx, grads, from_output)
+        if launch is None:  # no three row indices cover dy as well (x of more than four dimensions): x's layout
             dout = torch.empty_like(saved).copy_(dout)
-            dy_strides, call, reduce = self.backward_plan(saved, cos, sin, dout, dx, grads, from_output)
-        part = _empty(call.out_specs["DW_PART"][0], torch.float32, saved.device) if grads.dw else None
-        _launch(call, {"X": saved, "W": weight, "COS": cos, "SIN": sin, "DY": dout, "RSTD": rstd, "REC": rec},
-                {"DX": dx, "DW_PART": part})
+            dy_strides, launch, reduce = self.backward_plan(saved, cos, sin, dout, dx, grads, from_output)
+        part = _empty(launch.call.out_specs["DW_PART"][0], torch.float32, saved.device) if grads.dw else None
+        launch(saved, weight, cos, sin, dout, rstd, rec, outs=[dx, part])  # ROPE_BWD_INPUTS, ROPE_BWD_OUTPUTS
         if reduce is not None:
             dw = _empty((self.D,), weight.dtype, weight.device)
             _launch(reduce, {"DW_PART": part}, {"DW": dw})
@@ -258,16 +268,29 @@ class RMSNormRoPEFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dout):
-        saved, weight, cos, sin, rstd, rec = ctx.saved_tensors
-        sig = ctx.sig
-        needs = ctx.needs_input_grad  # (sig, x, weight, cos, sin)
-        grads = GRADS[(bool(needs[1]), bool(needs[2] and weight is not None), False)]
-        if not grads.any:
-            return None, None, None, None, None
-        dx, dw = sig.backward(saved, weight, cos, sin, dout, rstd, rec, grads, ctx.from_output)
-        return None, dx, dw, None, None
+        if torch.is_grad_enabled():  # create_graph=True: a second backward through it raises
+            return _backward_once(ctx, dout)
+        return _backward(ctx, dout)
+
+
+def _backward(ctx, dout) -> tuple:
+    saved, weight, cos, sin, rstd, rec = ctx.saved_tensors
+    sig = ctx.sig
+    needs = ctx.needs_input_grad  # (sig, x, weight, cos, sin)
+    grads = GRADS[(bool(needs[1]), bool(needs[2] and weight is not None), False)]
+    if not grads.any:
+        return None, None, None, None, None
+    dx, dw = sig.backward(saved, weight, cos, sin, dout, rstd, rec, grads, ctx.from_output)
+    return None, dx, dw, None, None
+
+
+# under create_graph=True: the gradients computed without a graph, marked so that differentiating
+# them again raises (torch's ``once_differentiable``)
+_backward_once = once_differentiable(_backward)
+
+# the Function's C apply, as the norms' eager calls enter theirs (``torch_frontend._autograd.APPLY``)
+_DIRECT = _compat.direct_apply(RMSNormRoPEFunction)
 
 
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
@@ -355,13 +378,17 @@ def _signature(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save
     return sig, x, weight, cos, sin
 
 
-@torch.compiler.disable  # never traced: rms_norm_rope sends a compiled call to _compiled
 def _eager(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save) -> torch.Tensor:
-    """The kernels (``normkit.kernels.rope``): the call outside ``torch.compile``. A call signature
-    seen before (``_bound.BOUND``) is launched without validation or planning."""
+    """The kernels (``normkit.kernels.rope``): the call outside ``torch.compile`` (``rms_norm_rope``
+    sends a traced call to ``_compiled``). A call signature seen before (``_bound.BOUND``) is launched
+    without validation or planning; with no torch.func transform active, the Function is entered
+    through its C apply (``_compat.direct_apply``), as the norms' eager calls are."""
     sig, x, weight, cos, sin = _signature(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save)
     if not (torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad))):
         return sig.forward(x, weight, cos, sin, False, False)[0]
+    if _autograd.APPLY == "direct" and _DIRECT is not None and not _compat.transforms_active():
+        unwrap = _compat.unwrap_exited  # a tensor left by an exited transform, as Function.apply does
+        return _DIRECT(sig, unwrap(x), weight if weight is None else unwrap(weight), unwrap(cos), unwrap(sin))
     return RMSNormRoPEFunction.apply(sig, x, weight, cos, sin)
 
 
