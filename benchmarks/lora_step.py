@@ -93,7 +93,8 @@ SCHEMA = "normkit-lora-step/1"
 # run order within a mode; hf first: it is the reference. normkit_input: normkit keeping each norm's input
 # (save="input"), the control of what keeping the output saves; normkit_apart: normkit without the
 # adapters' shared copy (share_adapter_copy=False), the control of what sharing it saves.
-VARIANTS = ("hf", "normkit", "normkit_fused", "normkit_input", "normkit_apart", "normkit_rope", "liger")
+VARIANTS = ("hf", "normkit", "normkit_fused", "normkit_input", "normkit_apart", "normkit_convert", "normkit_rope",
+            "liger")
 TARGETS = {"attn": LORA_TARGETS, "all-linear": ALL_LINEAR_TARGETS}
 MODES = ("eager", "compile", "reduce-overhead")  # reduce-overhead: torch.compile with CUDA graphs
 FWD_SCOPE = "lora_step::norm_forward"
@@ -105,6 +106,7 @@ NORM_KERNELS = {
     "normkit_fused": _NORMKIT_KERNELS,
     "normkit_input": _NORMKIT_KERNELS,
     "normkit_apart": _NORMKIT_KERNELS,
+    "normkit_convert": _NORMKIT_KERNELS,
     "normkit_rope": _NORMKIT_KERNELS,
     "liger": re.compile(r"_(block_)?rms_norm_(forward|backward)_kernel"),
 }
@@ -231,6 +233,23 @@ def _stats(ms: list) -> dict:
     return {"median": statistics.median(ms), "min": min(ms), "max": max(ms), "mean": statistics.fmean(ms)}
 
 
+def _converting(fwd):
+    """``fwd`` with the forward kernel's copy of y for the adapters turned off while it runs
+    (``torch_frontend.functional._KERNEL_COPIES`` emptied): each shared copy is then converted by
+    ``y.to``, as before the kernel wrote it. ``normkit_convert``, the control of what the kernel's copy
+    saves; under torch.compile the adapters convert as PEFT does, so there it is ``normkit``."""
+    from torch_frontend import functional
+
+    def call(*args, **kwargs):
+        kernel_copies = functional._KERNEL_COPIES
+        functional._KERNEL_COPIES = frozenset()
+        try:
+            return fwd(*args, **kwargs)
+        finally:
+            functional._KERNEL_COPIES = kernel_copies
+    return call
+
+
 class Row:
     """One variant in one mode: its model, optimizer and training step, alive while the mode's rounds run."""
 
@@ -250,6 +269,8 @@ class Row:
         self.opt = torch.optim.AdamW(self.params, lr=1e-4)
         self.fwd = self.model if mode == "eager" else torch.compile(
             self.model, mode="reduce-overhead" if mode == "reduce-overhead" else None)
+        if norms_of(variant) == "normkit_convert":
+            self.fwd = _converting(self.fwd)
         self.ids, self.mask = ids, mask
         self.times_ms: list = []
         self.rounds_ms: list = []
@@ -628,7 +649,8 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=3, help="rounds of timed steps, interleaved across a mode's variants")
     p.add_argument("--warmup", type=int, help="steps before timing, the first (checked, compiling) one included")
     p.add_argument("--variants", default="hf,liger,normkit,normkit_fused",
-                   help="comma list of hf, liger, normkit, normkit_fused, normkit_input, normkit_apart")
+                   help="comma list of hf, liger, normkit, normkit_fused, normkit_input, normkit_apart, "
+                        "normkit_convert, normkit_rope")
     p.add_argument("--modes", default=None, help="eager,compile,reduce-overhead (default all on a GPU, eager on CPU)")
     p.add_argument("--no-compile", action="store_true", help="eager rows only")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled steps (no norm share)")

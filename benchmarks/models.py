@@ -33,8 +33,11 @@ import torch
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 ALL_LINEAR_TARGETS = LORA_TARGETS + ("gate_proj", "up_proj", "down_proj")  # PEFT's "all-linear" for a Llama
 # normkit_input: normkit with save="input", the control of what keeping the output saves; normkit_apart:
-# normkit without sharing its output's copy with LoRA layers in another dtype (share_adapter_copy=False)
-NORMS = ("hf", "normkit", "normkit_fused", "normkit_input", "normkit_apart", "normkit_rope", "liger")
+# normkit without sharing its output's copy with LoRA layers in another dtype (share_adapter_copy=False);
+# normkit_convert: normkit whose shared copy is converted by y.to, not written by the forward kernel
+# (benchmarks/lora_step.py turns the kernel's copy off around its steps)
+NORMS = ("hf", "normkit", "normkit_fused", "normkit_input", "normkit_apart", "normkit_convert", "normkit_rope",
+         "liger")
 ARCHS = ("llama", "qwen3", "gemma3")
 _HF_NORMS = ("LlamaRMSNorm", "Qwen3RMSNorm", "Gemma3RMSNorm")
 # the attention modules whose QK-norm patch_model(qk_norm_rope=True) fuses with the rotary embedding
@@ -119,10 +122,13 @@ def swap_norms(model, norms: str) -> dict:
     when the variant cannot run here."""
     if norms == "hf":
         return {"how": "transformers' LlamaRMSNorm, unchanged"}
-    if norms in ("normkit", "normkit_fused", "normkit_input", "normkit_apart", "normkit_rope"):
-        return _patch_normkit(model, fuse_residual_add=norms == "normkit_fused",
-                              save="input" if norms == "normkit_input" else "auto", share=norms != "normkit_apart",
-                              qk_norm_rope=norms == "normkit_rope")
+    if norms in ("normkit", "normkit_fused", "normkit_input", "normkit_apart", "normkit_convert", "normkit_rope"):
+        out = _patch_normkit(model, fuse_residual_add=norms == "normkit_fused",
+                             save="input" if norms == "normkit_input" else "auto", share=norms != "normkit_apart",
+                             qk_norm_rope=norms == "normkit_rope")
+        if norms == "normkit_convert":
+            out["how"] += ", the forward kernel's copy off: each shared copy converted by y.to"
+        return out
     if norms == "liger":
         return _swap_liger(model)
     raise ValueError(f"unknown norms {norms!r}; expected one of {NORMS}")

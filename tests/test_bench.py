@@ -401,6 +401,40 @@ def test_lora_step_runs_an_independent_copy_of_a_variant_as_its_control(tmp_path
         run_script("benchmarks/lora_step.py", "--dry-run", "--variants", "hf,hf", "--out", str(tmp_path))
 
 
+def test_lora_step_normkit_convert_turns_the_kernel_copy_off_while_its_step_runs():
+    """``normkit_convert``'s forward runs with ``torch_frontend.functional._KERNEL_COPIES`` empty (each
+    shared copy converted by ``y.to``), restored afterwards, after a raise too."""
+    from benchmarks import lora_step
+    from torch_frontend import functional
+
+    kernel_copies, seen = functional._KERNEL_COPIES, []
+    assert kernel_copies  # bf16 -> float32 among them: what the control turns off
+    wrapped = lora_step._converting(lambda *a, **k: seen.append((functional._KERNEL_COPIES, a, k)) or "out")
+    assert wrapped(1, b=2) == "out" and seen == [(frozenset(), (1,), {"b": 2})]
+    assert functional._KERNEL_COPIES is kernel_copies
+
+    def fails():
+        raise RuntimeError("step failed")
+    with pytest.raises(RuntimeError, match="step failed"):
+        lora_step._converting(fails)()
+    assert functional._KERNEL_COPIES is kernel_copies
+
+
+@pytest.mark.slow  # a tool's end-to-end dry run: the slow tier
+def test_lora_step_normkit_convert_dry_run(tmp_path):
+    """A bf16 model under PEFT's default fp32 adapters: ``normkit_convert`` shares the copy as ``normkit``
+    does, converted, with HF's first loss and LoRA gradients."""
+    import json
+
+    run_script("benchmarks/lora_step.py", "--dry-run", "--dtype", "bf16", "--variants", "hf,normkit,normkit_convert",
+               "--no-profile", "--out", str(tmp_path))
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "lora_step.json").read_text())["rows"]}
+    for name in ("hf", "normkit", "normkit_convert"):
+        assert rows[name]["status"] == "ok" and rows[name]["checks_ok"], rows[name].get("check_notes")
+    assert rows["normkit_convert"]["prepare"]["shares"] == rows["normkit"]["prepare"]["shares"] == 2
+    assert "converted by y.to" in rows["normkit_convert"]["prepare"]["how"]
+
+
 @pytest.mark.slow  # a tool's end-to-end dry run: the slow tier
 @pytest.mark.parametrize("arch, norms_per_layer, title", [("qwen3", 4, "Qwen3"), ("gemma3", 6, "Gemma 3")])
 def test_lora_step_qk_norm_models_with_the_fused_qk_norm_rope(tmp_path, arch, norms_per_layer, title):
