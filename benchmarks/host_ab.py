@@ -35,6 +35,10 @@ processes and within one over seconds, then lands on every tree alike::
 
     python3 benchmarks/host_ab.py --same-process --tree before=build/ab_old --tree after=. --out "$OUT"
 
+``--rope`` adds ``rms_norm_rope`` on a Qwen3 attention's q (the [B, H, S, D] view of a [2, 4096, 16,
+128] bf16 projection, HF's tables, a frozen weight) against HF's two functions eager (``Qwen3RMSNorm``'s
+``rms_norm``, then the rotation), for trees that have it.
+
 On a CPU (``--dry-run``: 64x256 fp32 in Triton's interpreter, one call per figure, or per block) it
 only exercises the code.
 """
@@ -53,11 +57,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-CASES = [(op, kind) for op in ("rms_norm", "layer_norm", "fused_add_rms_norm") for kind in ("fwd", "fwd+bwd", "infer")]
+KINDS = ("fwd", "fwd+bwd", "infer")
+CASES = [(op, kind) for op in ("rms_norm", "layer_norm", "fused_add_rms_norm") for kind in KINDS]
+# --rope: rms_norm_rope on a Qwen3 attention's q (its [B, H, S, D] view), against HF's two functions eager
+ROPE_CASES = [("rms_norm_rope", kind) for kind in KINDS]
 
 
-def _calls(tf, F, torch, op: str, kind: str, x, r, w, b, dy):
-    """(normkit's call, eager's call) for one case; each takes no argument and returns its last output."""
+def _calls(tf, F, torch, op: str, kind: str, x, r, w, b, dy, rope_in=None):
+    """(normkit's call, eager's call) for one case; each takes no argument and returns its last output.
+    ``rope_in``: ``(q, w, cos, sin, dq)`` for ``rms_norm_rope``."""
     n = x.shape[-1]
     ops = {
         "rms_norm": (lambda: (tf.rms_norm(x, w, 1e-6),), lambda: (F.rms_norm(x, (n,), w, 1e-6),), (x,)),
@@ -65,6 +73,14 @@ def _calls(tf, F, torch, op: str, kind: str, x, r, w, b, dy):
         "fused_add_rms_norm": (lambda: tuple(tf.fused_add_rms_norm(x, r, w, 1e-6)),
                                lambda: (lambda s: (F.rms_norm(s, (n,), w, 1e-6), s))(x + r), (x, r)),
     }
+    if op == "rms_norm_rope":
+        q, wq, cos, sin, dy = rope_in
+        d = q.shape[-1]
+
+        def hf():  # Qwen3RMSNorm then apply_rotary_pos_emb's rotation
+            y = F.rms_norm(q, (d,), wq, 1e-6)
+            return (y * cos + torch.cat((-y[..., d // 2:], y[..., : d // 2]), -1) * sin,)
+        ops[op] = (lambda: (tf.rms_norm_rope(q, wq, cos, sin, 1e-6),), hf, (q,))
     ours, eager, inputs = ops[op]
 
     def wrap(fwd):
@@ -93,7 +109,20 @@ def _inputs(torch, dry: bool):
     return x, r, w, b, dy
 
 
-def worker(dry: bool) -> dict:
+def _rope_inputs(torch, dry: bool):
+    """``(q, w, cos, sin, dq)``: q the [B, H, S, D] view of a [B, S, H, D] projection (Qwen3's, 2 x 4096
+    tokens, 16 heads of 128; dry: 1 x 8, 2 heads of 16), HF's tables [1, 1, S, D], a frozen weight."""
+    device, dtype, (B, S, H, D) = ("cpu", torch.float32, (1, 8, 2, 16)) if dry else ("cuda", torch.bfloat16,
+                                                                                   (2, 4096, 16, 128))
+    gen = torch.Generator(device=device).manual_seed(1)
+    rand = lambda *s: torch.randn(*s, generator=gen, device=device, dtype=dtype)  # noqa: E731
+    q = rand(B, S, H, D).transpose(1, 2).requires_grad_()
+    theta = rand(1, 1, S, D // 2).float() * 3
+    cos, sin = (torch.cat([f(theta), f(theta)], -1).to(dtype) for f in (torch.cos, torch.sin))
+    return q, rand(D) * 0.1 + 1, cos, sin, rand(B, H, S, D)
+
+
+def worker(dry: bool, cases: list = CASES) -> dict:
     """Time every case in this process (the tree to measure is first on sys.path)."""
     import torch
     import torch.nn.functional as F
@@ -102,10 +131,11 @@ def worker(dry: bool) -> dict:
     from benchmarks.timing import Timer, torch_sync
 
     x, r, w, b, dy = _inputs(torch, dry)
+    rope_in = _rope_inputs(torch, dry) if any(op == "rms_norm_rope" for op, _ in cases) else None
     timer = Timer(dry=True) if dry else Timer(warmup_ms=100, rep_ms=400, batches=7)
     out = {"normkit_file": tf.__file__}
-    for op, kind in CASES:
-        ours, eager = _calls(tf, F, torch, op, kind, x, r, w, b, dy)
+    for op, kind in cases:
+        ours, eager = _calls(tf, F, torch, op, kind, x, r, w, b, dy, rope_in)
         for name, fn in (("normkit", ours), ("eager", eager)):
             fn()  # compile / first-call work outside the timing
             out[f"{op} {kind} {name}"] = timer.loop(lambda _i, fn=fn: fn(), torch_sync)
@@ -131,7 +161,7 @@ def renamed_copy(src: Path, dst: Path, i: int) -> tuple[str, str]:
     return nk, tf
 
 
-def same_process_worker(packages: list, dry: bool, blocks: int, block_calls: int) -> dict:
+def same_process_worker(packages: list, dry: bool, blocks: int, block_calls: int, cases: list = CASES) -> dict:
     """Every tree's calls and eager's, in one process, in interleaved blocks (the module docstring)."""
     import importlib
 
@@ -141,13 +171,14 @@ def same_process_worker(packages: list, dry: bool, blocks: int, block_calls: int
     from benchmarks.timing import torch_sync
 
     x, r, w, b, dy = _inputs(torch, dry)
+    rope_in = _rope_inputs(torch, dry) if any(op == "rms_norm_rope" for op, _ in cases) else None
     mods = {name: importlib.import_module(tf) for name, tf in packages}
     out = {"files": {name: m.__file__ for name, m in mods.items()}, "cases": {}}
     sync = torch_sync if not dry else (lambda _out: None)
-    for op, kind in CASES:
+    for op, kind in cases:
         fns = {}
         for name, m in mods.items():
-            fns[name], eager = _calls(m, F, torch, op, kind, x, r, w, b, dy)
+            fns[name], eager = _calls(m, F, torch, op, kind, x, r, w, b, dy, rope_in)
         fns["eager"] = eager
         for fn in fns.values():  # compile / first-call work, and a warm-up, outside the timing
             for _ in range(1 if dry else 20):
@@ -171,8 +202,8 @@ def _same_process(a, trees: dict) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     packages = [(name, renamed_copy(Path(path).resolve(), work, i)[1]) for i, (name, path) in enumerate(trees.items())]
     code = ("import sys, json; sys.path[:0] = [%r, %r]; from benchmarks.host_ab import same_process_worker; "
-            "print(json.dumps(same_process_worker(%r, %r, %d, %d)))"
-            % (str(work), str(REPO), packages, a.dry_run, a.blocks, a.block_calls))
+            "print(json.dumps(same_process_worker(%r, %r, %d, %d, %r)))"
+            % (str(work), str(REPO), packages, a.dry_run, a.blocks, a.block_calls, a.cases))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     if proc.returncode:
         sys.stderr.write(proc.stderr)
@@ -182,7 +213,7 @@ def _same_process(a, trees: dict) -> dict:
         if not res["files"][name].startswith(str(work / tf)):
             raise SystemExit(f"host_ab: tree {name} imported {res['files'][name]}, not its renamed copy")
     names, rows = list(trees), []
-    for op, kind in CASES:
+    for op, kind in a.cases:
         times = res["cases"][f"{op} {kind}"]
         for name in names:
             rows.append({"op": op, "call": kind, "tree": name, "normkit_us": statistics.median(times[name]),
@@ -202,10 +233,13 @@ def main(argv=None) -> int:
                    help="every tree in one process, interleaved blocks of calls (the module docstring)")
     p.add_argument("--blocks", type=int, default=40, help="--same-process: blocks per case")
     p.add_argument("--block-calls", type=int, default=100, help="--same-process: calls per block")
+    p.add_argument("--rope", action="store_true",
+                   help="also rms_norm_rope (Qwen3's q), for trees that have it, against HF's two functions eager")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    a.cases = [tuple(c) for c in CASES + (ROPE_CASES if a.rope else [])]
     if a.worker:
-        print(json.dumps(worker(a.dry_run)))
+        print(json.dumps(worker(a.dry_run, a.cases)))
         return 0
     trees = dict(t.split("=", 1) for t in a.tree)
     if len(trees) < 2:
@@ -224,7 +258,8 @@ def main(argv=None) -> int:
             path = str(Path(trees[name]).resolve())
             code = ("import sys; sys.path[:0] = [%r, %r]; from benchmarks.host_ab import main; "
                     "sys.exit(main(sys.argv[1:]))" % (path, str(REPO)))
-            cmd = [sys.executable, "-c", code, "--worker"] + (["--dry-run"] if a.dry_run else [])
+            cmd = [sys.executable, "-c", code, "--worker"] + (["--dry-run"] if a.dry_run else []) + (
+                ["--rope"] if a.rope else [])
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
             if proc.returncode:
                 sys.stderr.write(proc.stderr)
@@ -236,7 +271,7 @@ def main(argv=None) -> int:
             print(f"round {rnd} {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in res.items() if k.endswith("normkit")),
                   flush=True)
     rows = []
-    for op, kind in CASES:
+    for op, kind in a.cases:
         for name in names:
             ours = [r[f"{op} {kind} normkit"] for r in runs[name]]
             eager = [r[f"{op} {kind} eager"] for r in runs[name]]

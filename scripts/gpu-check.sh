@@ -16,7 +16,8 @@
 #   multi      the two-GPU check (scripts/multi_gpu.py: torchrun + NCCL, then JAX on a 2-device mesh);
 #   host-ab    host time of two checkouts' Torch calls, alternately (benchmarks/host_ab.py; name them
 #              with --tree NAME=PATH, e.g. a `git archive` of an older commit carried in build/;
-#              --same-process interleaves them in one process, the steadier comparison);
+#              --same-process interleaves them in one process, the steadier comparison; --rope adds
+#              rms_norm_rope, for trees that have it);
 #   lora       the LoRA training-step benchmark (benchmarks/lora_step.py);
 #   nnx        the Flax NNX LoRA training-step benchmark (benchmarks/nnx_lora_step.py);
 #   build-notebooks  regenerate the executed .ipynb at full size (notebooks/build.py --size full [names]),

@@ -339,20 +339,20 @@ def test_host_ab_dry_run_alternates_trees_and_reports_every_case(tmp_path):
 
 @pytest.mark.slow
 def test_host_ab_same_process_imports_every_tree_renamed(tmp_path):
-    """benchmarks/host_ab.py --same-process: each tree's packages load under their own names in one
-    process (the renamed copy's files, its own torch.library namespace), a row per case and tree, the
-    first tree's ratio to itself exactly 1."""
+    """benchmarks/host_ab.py --same-process --rope: each tree's packages load under their own names in
+    one process (the renamed copy's files, its own torch.library namespace, rms_norm_rope's custom ops
+    included), a row per case and tree, the first tree's ratio to itself exactly 1."""
     from benchmarks import host_ab
 
     out = tmp_path / "out"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "host_ab.py"), "--dry-run", "--same-process",
+    cmd = [sys.executable, str(REPO / "benchmarks" / "host_ab.py"), "--dry-run", "--same-process", "--rope",
            "--tree", f"a={REPO}", "--tree", f"b={REPO}", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((out / "host_ab.json").read_text())
     assert doc["mode"] == "same-process"
     assert {(r["op"], r["call"], r["tree"]) for r in doc["rows"]} == {
-        (op, kind, t) for op, kind in host_ab.CASES for t in ("a", "b")}
+        (op, kind, t) for op, kind in host_ab.CASES + host_ab.ROPE_CASES for t in ("a", "b")}
     for r in doc["rows"]:
         assert r["normkit_us"] > 0 and r["eager_us"] > 0
         assert r["vs_first"] == 1.0 if r["tree"] == "a" else r["vs_first"] > 0
