@@ -176,8 +176,9 @@ def backward_plan(backend: Backend, op: Op, x, weight, dy, dres, opts: Options, 
     """``(backward call, reduction call or None)`` over rows ``x [M, N]``, or None when there is
     nothing to launch (no gradient asked for, or no rows). Raises on a dy / dres dtype other than x's.
     ``dy``: rows ``[M, N]``, or ``[n0, n1, n2, N]`` rows of three indices (``n0 n1 n2 = M``).
-    ``from_output``: ``x`` is the forward's output y (see ``backward``); ``bias`` is then read too, and
-    the forward's recovery of the weight (REC, or in RSTD: ``rec_in_rstd``)."""
+    ``from_output``: ``x`` is the forward's output y (see ``backward``), in dy's dtype or as its float32
+    widening; ``bias`` is then read too, and the forward's recovery of the weight (REC, or in RSTD:
+    ``rec_in_rstd``)."""
     if not grads.any:
         return None
     M, N = x.shape
@@ -185,6 +186,10 @@ def backward_plan(backend: Backend, op: Op, x, weight, dy, dres, opts: Options, 
     num_sms = backend.num_sms(x)
     d_x, d_dy, d_dres, d_w, d_b = backend.describe(x, dy, dres, weight, bias)
     x_dtype = d_x[0]
+    if from_output and x_dtype == "float32" and d_dy is not None and d_dy[0] != x_dtype:
+        # y kept as its float32 widening (the copy its consumers keep): the kernel reads it as it is and
+        # rounds nothing to X's dtype from y (FROM_Y has no dW); the rows' dtype, dx's, is dy's
+        x_dtype = d_dy[0]
     for name, d in (("dy", d_dy), ("the gradient of residual_out", d_dres)):
         if d is not None and d[0] != x_dtype:
             raise TypeError(f"normkit: {name} has dtype {d[0]}; expected the output's dtype {x_dtype}")
@@ -387,7 +392,7 @@ class Bound:
                              self.from_output, rec is None)
         if plan is None:  # no rows: dx empty, dW/dB sums of nothing, fresh at every call
             M, N = rows[0].shape
-            buffers = op.bwd_buffers(M, N, backend.dtype(saved), grads, _dtype(backend, weight), self.b_dtype)
+            buffers = op.bwd_buffers(M, N, backend.dtype(dy), grads, _dtype(backend, weight), self.b_dtype)
 
             def no_rows(saved, *_):
                 out = {name: backend.zeros(shape, dtype, saved) for name, (shape, dtype) in buffers.items()}

@@ -234,6 +234,54 @@ class _Conversions(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_the_backward_reads_the_kept_copy_as_it_is(op, dtype):
+    """A frozen norm keeping the consumers' fp32 copy (``keep``): its output-keeping backward reads that
+    copy in place, converting nothing of the rows' size, and its gradients are bit for bit those of
+    the same norm keeping y itself; the second call finds its bound launch at once."""
+    spec, tdt = OPS[op], getattr(torch, dtype)
+    rows, n = 6, 40
+    g = torch.Generator().manual_seed(7)
+    rand = lambda *shape: (torch.randn(*shape, generator=g, dtype=torch.float64) + 0.1).to(tdt).to(DEVICE)  # noqa: E731
+    inputs = {name: rand(rows, n) for name in spec.row_inputs}
+    params = {"weight": (torch.rand(n, generator=g, dtype=torch.float64) + 1.0).to(tdt).to(DEVICE)}
+    if "bias" in spec.params:
+        params["bias"] = (torch.randn(n, generator=g, dtype=torch.float64) * 0.3).to(tdt).to(DEVICE)
+    dy, dy2 = rand(rows, n), rand(rows, n).float()
+    opts = spec.options(eps=spec.default_eps)
+
+    class _RowConversions(torch.utils._python_dispatch.TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.found = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and args[0].shape == (rows, n) and args[0].dtype != out.dtype:
+                self.found.append((args[0].dtype, out.dtype))
+            return out
+
+    results = {}
+    for keep in (False, True):
+        for call in range(2):
+            leaves = {k: v.detach().requires_grad_(k in spec.row_inputs) for k, v in {**inputs, **params}.items()}
+            outs = F._apply(spec, *(leaves.get(k) for k in ("x", "residual", "weight", "bias")), opts.eps, 0.0,
+                            "llama", "auto", None, (torch.float32, keep))
+            y = outs[0] if spec.has_residual else outs
+            y2 = F.copy_of(y, torch.float32)
+            with normkit.record_launches() as log, _RowConversions() as conversions:
+                grads = torch.autograd.grad([y, y2], [leaves[k] for k in spec.row_inputs], [dy, dy2])
+            (bwd,) = log.of("norm_bwd_kernel")
+            assert bwd.flags["FROM_Y"] and not bwd.flags["COMPUTE_DW"]
+            # the gradients' sum (dy2 + dy, in fp32, rounded to dy's dtype) is the only conversion
+            assert conversions.found == [(torch.float32, tdt)], (keep, conversions.found)
+            results[keep, call] = grads
+    for keep_y, keep_copy in zip(results[False, 1], results[True, 1]):
+        assert torch.equal(keep_y, keep_copy)
+        assert torch.isfinite(keep_copy).all() and keep_copy.abs().sum() > 0
+
+
 @pytest.mark.parametrize("trained", [False, True])
 def test_the_norm_writes_the_copy_in_its_forward_kernel(trained):
     """An eager PEFT step: the input norm's forward is one launch of ``norm_fwd_kernel`` with HAS_Y2, which

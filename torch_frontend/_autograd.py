@@ -200,7 +200,7 @@ def apply(route, op: Op, x, residual, weight, bias, copy=None):
 
 def _saved(route, tensors: tuple, dy, ds, traced: bool) -> tuple:
     """``(saved, weight, bias, mean, rstd, rec)`` as the kernels read them, from a node's unpacked saved
-    ``tensors`` (``route``'s): the saved rows in the dtype
+    ``tensors`` (``route``'s): the saved rows (a kept output also as its float32 widening) in the dtype
     and on the device of the gradients arriving (the output's), the per-row statistics (and the
     weight's recovery) contiguous, in fp32, on their device.
 
@@ -217,7 +217,10 @@ def _saved(route, tensors: tuple, dy, ds, traced: bool) -> tuple:
     like = dy if dy is not None else ds
     # (dtypes are singletons: ``is`` compares them; ``get_device`` compares devices without making
     # device objects, and is -1 for every CPU tensor)
-    if like is not None and (saved.dtype is not like.dtype or saved.get_device() != like.get_device()):
+    if like is not None and (saved.dtype is not like.dtype or saved.get_device() != like.get_device()) and not (
+            route.from_output and saved.dtype is torch.float32 and saved.get_device() == like.get_device()):
+        # (a kept output in float32, e.g. the fp32 copy PEFT's adapters keep, ``WithCopyFunction``, is
+        # read as it is: the output-keeping backward rounds nothing to its dtype)
         saved = saved.to(like.device, like.dtype)
     if not traced and (saved.is_neg() or (weight is not None and weight.is_neg())
                        or (bias is not None and bias.is_neg())):
