@@ -19,13 +19,14 @@ def frontend(request):
 
 
 @pytest.fixture(autouse=True)
-def _rope_tables_switch_reset():
-    """No test leaks the Torch frontend's process-wide rms_norm_rope switch (``_bound.ROPE_TABLES_KEEP_X``,
-    set once a forward met rotary tables that are not rotations) or a set flag into the next test run
-    by its worker: ``_bound.reset()`` after any test that left either on."""
+def _trip_state_reset():
+    """No test leaks the Torch frontend's process-wide state into the next test run by its worker: the
+    rms_norm_rope switch (``_bound.ROPE_TABLES_KEEP_X``, set once a forward met rotary tables that are not
+    rotations), a set tables' flag, or a weight's trip flag no call has read (which would make the next
+    test's first remembered choice be made again): ``_bound.reset()`` after any test that left one on."""
     yield
     bound = sys.modules.get("torch_frontend._bound")
-    if bound is not None and bound.rope_tables_state_set():
+    if bound is not None and (bound.rope_tables_state_set() or bound.weight_tripped_unread()):
         bound.reset()
 
 

@@ -287,6 +287,7 @@ def test_a_weight_written_behind_the_version_counter(op):
     recovery), so that call's dx is NaN everywhere, never wrong; the call after it keeps the input and
     is right; ``save_decision`` tells why."""
     import torch_frontend as tf
+    from torch_frontend import _bound
 
     spec = OPS[op]
     rng = np.random.default_rng(7)
@@ -299,13 +300,16 @@ def test_a_weight_written_behind_the_version_counter(op):
         outs = _torch_call(op, {**rows, **params})
         return torch.autograd.grad(outs[0], [rows[k] for k in spec.row_inputs], _t(inp["dy"], "float32"))
 
+    assert not _bound.weight_tripped_unread()  # no flag left by another test (conftest's reset)
     step()  # decides: the output
     version = w._version
     w.data[3] = 0.0
     assert w._version == version  # the write went around the counter
     poisoned = step()
     assert all(g.isnan().all() for g in poisoned)
+    assert _bound.weight_tripped_unread()  # set by that forward, read by the next call
     fixed = step()
+    assert not _bound.weight_tripped_unread()
     rows = {k: _t(inp[k], "float32").requires_grad_(True) for k in spec.row_inputs}
     outs = _torch_call(op, {**rows, **params}, save="input")
     want = torch.autograd.grad(outs[0], [rows[k] for k in spec.row_inputs], _t(inp["dy"], "float32"))

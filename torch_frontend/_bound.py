@@ -125,6 +125,12 @@ def rope_tables_state_set() -> bool:
     return ROPE_TABLES_KEEP_X or any(flag[TABLES] for flag in _TRIP_FLAGS)
 
 
+def weight_tripped_unread() -> bool:
+    """Whether a forward has found a weight breaking the safety rule that no call has read since (the
+    next call's decision forgets every remembered choice): what ``reset`` also clears."""
+    return any(flag[WEIGHT] for flag in _TRIP_FLAGS)
+
+
 def reset() -> None:
     """Turn ``ROPE_TABLES_KEEP_X`` off, clear both flags and forget every remembered save choice: the
     process's state as at import, but for the call signatures' plans (for tests, or once the tables
