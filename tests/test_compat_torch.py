@@ -62,26 +62,18 @@ def test_transforms_active():
     assert seen == [True, True, True]
 
 
-def test_is_legacy_batched():
+@pytest.mark.parametrize("answer", ["is_legacy_batched", "_storage_unreachable"])
+def test_is_legacy_batched(answer):
+    """torch's answer, and the fallback without it: a gradient batched by ``is_grads_batched`` (no
+    storage) counts as batched, a plain tensor does not."""
+    is_batched = getattr(_compat, answer)
     seen = []
     for batched in (True, False):
         x = torch.randn(3, requires_grad=True)
         y = x * 2
-        y.register_hook(lambda g: seen.append(_compat.is_legacy_batched(g)))
+        y.register_hook(lambda g: seen.append(is_batched(g)))
         torch.autograd.grad(y, x, torch.eye(3) if batched else torch.ones(3), is_grads_batched=batched)
-    assert seen == [True, False] and not _compat.is_legacy_batched(torch.ones(2))
-
-
-def test_is_legacy_batched_fallback():
-    """Without torch's private answer, a gradient batched by ``is_grads_batched`` (no storage) counts
-    as batched, and a plain tensor does not."""
-    seen = []
-    for batched in (True, False):
-        x = torch.randn(3, requires_grad=True)
-        y = x * 2
-        y.register_hook(lambda g: seen.append(_compat._storage_unreachable(g)))
-        torch.autograd.grad(y, x, torch.eye(3) if batched else torch.ones(3), is_grads_batched=batched)
-    assert seen == [True, False] and not _compat._storage_unreachable(torch.randn(2))
+    assert seen == [True, False] and not is_batched(torch.randn(2))
 
 
 def test_checkpointing():

@@ -286,14 +286,11 @@ def _backward(ctx, flags: tuple, dy, ds) -> tuple:
         # their keys (``driver.Bound.bound_backward``), found only where nothing needs converting
         saved, weight, bias, aux, rstd = tensors
         if not (_compat.is_legacy_batched(dy) or (ds is not None and _compat.is_legacy_batched(ds))):
-            if route.from_output:
-                launch = route.bound_backward(backward_key(flags, saved, weight, bias, aux, rstd, dy, ds))
-                if launch is not None:
-                    return launch(saved, weight, bias, dy, ds, None, rstd, aux)
-            else:
-                launch = route.bound_backward(backward_key(flags, saved, weight, None, aux, rstd, dy, ds))
-                if launch is not None:
-                    return launch(saved, weight, None, dy, ds, aux, rstd, None)
+            # aux: the recovery after an output-keeping forward, else the mean (read with no bias)
+            bias, mean, rec = (bias, None, aux) if route.from_output else (None, aux, None)
+            launch = route.bound_backward(backward_key(flags, saved, weight, bias, aux, rstd, dy, ds))
+            if launch is not None:
+                return launch(saved, weight, bias, dy, ds, mean, rstd, rec)
     batched = False
     if not traced:
         dy, ds, batched = _incoming(dy, ds)

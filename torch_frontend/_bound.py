@@ -181,17 +181,24 @@ class Decisions:
     def forget(self) -> None:
         self.memo.clear()
 
+    def remembered(self, weight, bias):
+        """The choice remembered for this weight and bias version, or None: the key of
+        ``_version_key``, built inline (every call looks) for parameters seen before (their uid given)."""
+        try:
+            return self.memo.get((
+                weight if weight is None else (weight._normkit_uid, weight.data_ptr(), weight._version,
+                                               weight.requires_grad),
+                bias if bias is None else (bias._normkit_uid, bias.data_ptr(), bias._version, bias.requires_grad)))
+        except (AttributeError, RuntimeError):  # not seen before, or an inference tensor
+            return None
+
     def saves_output(self, weight, bias, decide, *args) -> bool:
         """The remembered choice for this weight and bias version, else ``decide(*args)``'s (remembered,
         unless a parameter is an inference tensor); a remembered choice to keep the output is made
         again after a forward has found a weight breaking the safety rule (``_tripped``)."""
-        try:  # a weight seen before (its uid given), and a bias seen before or none: ``_version_key``'s, inline
-            k = ((weight._normkit_uid, weight.data_ptr(), weight._version, weight.requires_grad),
-                 bias if bias is None else (bias._normkit_uid, bias.data_ptr(), bias._version, bias.requires_grad))
-        except (AttributeError, RuntimeError):
-            k = (_version_key(weight), _version_key(bias))
-        from_output = self.memo.get(k)
+        from_output = self.remembered(weight, bias)
         if from_output is None or (from_output and _TRIP_FLAGS and _tripped()):
+            k = (_version_key(weight), _version_key(bias))
             from_output = decide(*args)
             if False not in k:
                 if len(self.memo) >= DECISIONS_LIMIT:
@@ -256,13 +263,7 @@ class Signature:
         hooked = _compat.checkpointing()
         if hooked and self.save == "auto":
             return self._bounds[0] or self.bound(False)
-        try:  # a weight and bias seen before (``Decisions.saves_output``'s key, inline: every call looks)
-            from_output = self._decisions.memo.get((
-                weight if weight is None else (weight._normkit_uid, weight.data_ptr(), weight._version,
-                                               weight.requires_grad),
-                bias if bias is None else (bias._normkit_uid, bias.data_ptr(), bias._version, bias.requires_grad)))
-        except (AttributeError, RuntimeError):
-            from_output = None
+        from_output = self._decisions.remembered(weight, bias)
         if from_output:
             for flag in _TRIP_FLAGS:  # ``_tripped``'s look, inline
                 if flag[WEIGHT]:
