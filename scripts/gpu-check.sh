@@ -7,7 +7,9 @@
 #              jupytext/nbclient, which that machine lacks: the notebooks target runs them instead);
 #              about 560 s on one H200 with 16 workers. TEST_PART=parity runs tests/test_parity.py alone
 #              (about 60% of the work), TEST_PART=rest everything else: two calls that each end well
-#              inside a 10-minute limit; TEST_PART=files runs only the files or node ids given after
+#              inside a 10-minute limit; rest also splits in two of about 250 s each on one H100,
+#              TEST_PART=rest-jax (the JAX, rope, NNX, Pallas, property and math files) and
+#              TEST_PART=rest-torch (every other file); TEST_PART=files runs only the files or node ids given after
 #              the target (`TEST_PART=files bash scripts/gpu-check.sh tests tests/test_nnx.py`);
 #   timing     time per call where the host sets it (bf16 4096x1024), normkit through autograd against
 #              Liger, eager and torch.compile: benchmarks/bench.py at that shape, results in $OUT/timing.json;
@@ -69,12 +71,17 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   # -m "slow or not slow": both tiers (a plain run leaves the slow one out: pyproject.toml); a -m in
   # the arguments overrides it.
   dist=$(python3 -c "import xdist; print('worksteal' if tuple(map(int, xdist.__version__.split('.')[:2])) >= (3, 2) else 'load')")
+  jax_files=(tests/test_jax.py tests/test_rope.py tests/test_nnx.py tests/test_pallas_impl.py
+             tests/test_jax_implementations.py tests/test_distributed_jax.py tests/test_compat_jax.py
+             tests/test_math.py tests/test_properties.py)
   case "${TEST_PART:-all}" in
     all) part=(tests) ;;
     parity) part=(tests/test_parity.py) ;;
     rest) part=(tests --ignore=tests/test_parity.py) ;;
+    rest-jax) part=("${jax_files[@]}") ;;
+    rest-torch) part=(tests --ignore=tests/test_parity.py "${jax_files[@]/#/--ignore=}") ;;
     files) part=() ;;  # only the test files (or node ids) given as arguments
-    *) echo "TEST_PART must be all, parity, rest or files, not ${TEST_PART}"; exit 2 ;;
+    *) echo "TEST_PART must be all, parity, rest, rest-jax, rest-torch or files, not ${TEST_PART}"; exit 2 ;;
   esac
   NORMKIT_FAILURE_LOG="$OUT/failures.txt" NORMKIT_TEST_SHAPES=gpu NORMKIT_TEST_GPUS=$gpus timeout ${TEST_TIMEOUT:-570} \
     python3 -m pytest -q -n ${TEST_WORKERS:-$(nproc)} --dist $dist -p no:cacheprovider -p no:benchmark --durations=15 \
