@@ -19,8 +19,10 @@ Byte model (per tensor of x's size, ``|x|``): 5 |x| (forward read x, write out; 
 dy, write dx) plus the tables read once in each pass (4 |cos|). TB/s divides those bytes by the time.
 
 Timers (benchmarks/timing.py): ``kernel``, do_bench's median with the L2 flushed before each call
-(device time, host time included where the call is host-bound); ``loop``, the median wall time per
-call of back-to-back calls. Each implementation's result is checked against ``hf_eager`` in fp32
+(device time, host time included where the call is host-bound); ``device``, the GPU's own time per
+call (the summed durations of the kernels and copies it launches, from ``torch.profiler``: host time
+left out, so a host-bound call's kernels are seen apart); ``loop``, the median wall time per call of
+back-to-back calls. Each implementation's result is checked against ``hf_eager`` in fp32
 (out and dx) before it is timed.
 
 GPU machine, from the repository root::
@@ -191,6 +193,7 @@ def run(args) -> dict:
                     row["ref_max_abs"] = {n: float(ref[n].abs().max()) for n in got}
             torch_sync()
             row["kernel_us"] = timer.kernel(fwd_bwd)
+            row["device_us"] = timer.device(fwd_bwd)
             row["loop_us"] = timer.loop(lambda _i: fwd_bwd(), torch_sync)
             row["tbps"] = tbps(model_bytes, row["kernel_us"])
             row["status"] = "ok"
@@ -205,6 +208,8 @@ def run(args) -> dict:
         for peer in ("torch_compile", "copy", "hf_eager"):
             if peer in by and peer != r["impl"]:
                 r[f"vs_{peer}"] = r["kernel_us"] / by[peer]["kernel_us"]
+                if r["device_us"] is not None:
+                    r[f"device_vs_{peer}"] = r["device_us"] / by[peer]["device_us"]
     return {"schema": SCHEMA, "argv": sys.argv[1:], "env": {
         "versions": versions(), "device_name": torch.cuda.get_device_name(device) if cuda else "cpu"},
         "config": {"batch": B, "seq": S, "heads": H, "kv_heads": KV, "head_dim": D, "dtype": args.dtype,
@@ -212,7 +217,8 @@ def run(args) -> dict:
         "byte_model": {"x_bytes": x_bytes, "table_bytes": table_bytes, "bytes": model_bytes,
                        "formula": "5 |x| (fwd: read x, write out; bwd: read out and dy, write dx) + 2 passes x "
                                   "(cos + sin), over q and k"},
-        "timer": "kernel: do_bench median, L2 flushed before each call (fwd + bwd through torch.autograd.grad); loop: median "
+        "timer": "kernel: do_bench median, L2 flushed before each call (fwd + bwd through torch.autograd.grad); device: "
+                 "the summed durations of the GPU activity one call launches (torch.profiler), host time left out; loop: median "
                  "wall time per call, back to back",
         "rows": rows}
 
@@ -224,10 +230,12 @@ def markdown(result: dict) -> str:
         ok = r["status"] == "ok"
         cells.append({"impl": r["impl"], "status": r["status"][:80],
                       "fwd+bwd µs (kernel)": f"{r['kernel_us']:.1f}" if ok else "-",
+                      "device µs": f"{r['device_us']:.1f}" if ok and r["device_us"] is not None else "-",
                       "µs per call (loop)": f"{r['loop_us']:.1f}" if ok else "-",
                       "TB/s": f"{r['tbps']:.2f}" if ok else "-",
                       "vs torch_compile": f"{r['vs_torch_compile']:.3f}" if "vs_torch_compile" in r else "-",
-                      "vs copy": f"{r['vs_copy']:.3f}" if "vs_copy" in r else "-"})
+                      "vs copy": f"{r['vs_copy']:.3f}" if "vs_copy" in r else "-",
+                      "device vs copy": f"{r['device_vs_copy']:.3f}" if "device_vs_copy" in r else "-"})
     shape = f"q [{c['batch']}, {c['seq']}, {c['heads']}, {c['head_dim']}]" + (
         f" and k [{c['batch']}, {c['seq']}, {c['kv_heads']}, {c['head_dim']}]" if c["kv_heads"] else "")
     return "\n".join([

@@ -1,6 +1,8 @@
 """Timing, one module for the benchmarks, the scripts and the notebooks (benchmarks/README.md, "Timers").
 
 ``Timer.kernel``: device time, ``triton.testing.do_bench`` median with the L2 flushed before each call.
+``Timer.device``: the GPU's own time per call, the summed durations of the kernels and copies a call
+launches (``torch.profiler``, CUDA activity alone), host time excluded.
 ``Timer.loop``: wall time per call of back-to-back calls, ``torch.utils.benchmark.Timer`` blocks each
 synchronized once at its end (``sync(last output)``), the median over ``batches`` blocks; a call costs
 max(host, device). ``Timer.each``: the wall time of every call, each synchronized before and after.
@@ -60,6 +62,30 @@ class Timer:
         import triton.testing
 
         return 1e3 * float(triton.testing.do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median"))
+
+    def device(self, fn, calls: int = 20, batches: int = 3) -> float | None:
+        """Median over ``batches`` of the device time in µs of one ``fn()``: the summed durations of every
+        GPU activity (kernels, copies, fills) that ``calls`` back-to-back calls launch, over ``calls``.
+        Host time is left out: what a call costs the GPU when the host keeps up. None in a dry run."""
+        if self.dry:
+            return None
+        import torch
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        fn()
+        torch.cuda.synchronize()
+        per_call = []
+        for _ in range(batches):
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(calls):
+                    fn()
+                torch.cuda.synchronize()
+            gpu = [e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA]
+            if not gpu:
+                raise RuntimeError("Timer.device: the profiler recorded no GPU activity")
+            per_call.append(sum(gpu) / calls)
+        return float(statistics.median(per_call))
 
     def loop(self, call, sync) -> float:
         """Median per-call wall time in µs of back-to-back ``call(i)`` (i = 0, 1, ...: the input set

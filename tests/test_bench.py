@@ -103,6 +103,28 @@ def test_loop_rotates_inputs_and_times_per_call():
     assert len(times) == 3 and min(times) >= 2000, times
 
 
+def test_device_time_needs_a_gpu():
+    """Timer.device in a dry run (no GPU to time): None, not a number that would mean nothing."""
+    assert Timer(dry=True).device(lambda: None) is None
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="times the GPU")
+def test_device_time_is_the_gpus_own():
+    """Timer.device on a GPU: the device time of a 256 MiB copy is the copy's alone, not above do_bench's
+    time of the same copy (which adds launch gaps) and not below what the byte count allows at 10 TB/s,
+    above any current GPU's memory bandwidth; a call that launches nothing on the GPU is an error, not
+    a zero."""
+    import torch
+
+    src = torch.empty(2**27, dtype=torch.bfloat16, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    timer = Timer(warmup_ms=5, rep_ms=20)
+    device_us, kernel_us = timer.device(lambda: dst.copy_(src)), timer.kernel(lambda: dst.copy_(src))
+    assert 2 * src.nbytes / 10e12 * 1e6 <= device_us <= 1.1 * kernel_us, (device_us, kernel_us)
+    with pytest.raises(RuntimeError, match="no GPU activity"):
+        timer.device(lambda: None)
+
+
 def test_shape_strings():
     from normkit.shapes import parse, parse_list
 
@@ -474,6 +496,9 @@ def test_rope_bench_dry_run(tmp_path):
     c, bm = result["config"], result["byte_model"]
     assert bm["x_bytes"] == c["batch"] * c["seq"] * (c["heads"] + c["kv_heads"]) * c["head_dim"] * 2
     assert bm["bytes"] == 5 * bm["x_bytes"] + 4 * bm["table_bytes"]
+    for r in rows.values():  # the GPU's own time: none without a GPU
+        if r["status"] == "ok":
+            assert (r["device_us"] is None) if c["dry_run"] else (r["device_us"] > 0), r
     assert "| normkit " in (tmp_path / "rope_bench.md").read_text()
 
 
