@@ -12,6 +12,7 @@ norm rounded up to a power of two, which is exact).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 
@@ -654,6 +655,98 @@ def test_torch_strided_slice_and_empty_rows():
     out = tf.rms_norm_rope(x0, w0, cos[:, :, :1].expand(1, 1, 3, D)[:, :, :3], sin[:, :, :1].expand(1, 1, 3, D))
     out.sum().backward()
     assert out.shape == x0.shape and x0.grad.shape == x0.shape and not w0.grad.any()
+
+
+def _rope_target(t, case: Case) -> str | None:
+    """Which of rms_norm_rope's saved tensors ``t`` is, by its shape: "rows" (x, or the output it kept),
+    "weight", "statistics" (rstd and the weight's recovery) or "tables" (cos and sin)."""
+    M = case.B * case.S * case.H
+    if tuple(t.shape) == case.shape:
+        return "rows"
+    if tuple(t.shape) == case.table_shape:
+        return "tables"
+    if t.dim() == 1:
+        return "weight" if t.numel() == case.D else "statistics" if t.numel() in (M, case.D + 1) else None
+    return None
+
+
+HANDED_BACK = ("widened", "strided", "dense", "negated")  # what a saved-tensor hook's unpack hands back
+
+
+def _handed_back(how: str, t):
+    """``t``'s values as a hook might hand them back: in float64, with every stride doubled (the last
+    dimension's too), copied dense, or as a lazily negated view of its negation."""
+    import torch
+
+    if how == "widened":
+        return t.double()
+    if how == "strided":
+        return torch.stack([t, t], -1)[..., 0]
+    if how == "dense":
+        return t.contiguous()
+    return torch._neg_view(-t)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+@pytest.mark.filterwarnings("ignore::torch_frontend.NormkitCopyWarning")
+@pytest.mark.parametrize("when", ["hooks_active", "registered_after"])
+@pytest.mark.parametrize("handed_back", HANDED_BACK)
+@pytest.mark.parametrize("target", ["rows", "weight", "statistics", "tables"])
+@pytest.mark.parametrize("trained", [False, True], ids=["frozen", "trained"])
+def test_torch_saved_tensor_hooks(trained, target, handed_back, when):
+    """A saved-tensor hook hands the backward one kind of saved tensor in another dtype, layout or as a
+    negated view, either as a ``saved_tensors_hooks`` context around the forward or registered after it
+    on the node's ``grad_fn._raw_saved_tensors``. The same call signature ran plainly first, so its
+    backward plans are cached: the hooked call's gradients must still match the float64 reference."""
+    import torch
+
+    import torch_frontend as tf
+
+    case = Case(B=2, S=3, H=2, D=8, dtype="bfloat16", transposed=True, table="batch", trained=trained)
+    a = inputs(case)
+
+    def unpack(t):
+        return _handed_back(handed_back, t) if _rope_target(t, case) == target else t
+
+    def run(hooked: bool) -> Run:
+        leaf = torch.from_numpy(np.ascontiguousarray(a["x"].swapaxes(1, 2))).to(torch.bfloat16).requires_grad_(True)
+        w = torch.from_numpy(a["weight"]).to(torch.bfloat16).requires_grad_(trained)
+        cos, sin = (torch.from_numpy(a[n]).to(torch.bfloat16) for n in ("cos", "sin"))
+        hooks = (torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack) if hooked and when == "hooks_active"
+                 else contextlib.nullcontext())
+        with poisoned_outputs(), hooks:
+            out = tf.rms_norm_rope(leaf.transpose(1, 2), w, cos, sin, **case.kwargs)
+        if hooked and when == "registered_after":
+            for slot in out.grad_fn._raw_saved_tensors:
+                try:
+                    slot.register_hooks(lambda t: t, unpack)
+                except RuntimeError as e:  # a slot saved as None
+                    assert "value None" in str(e), e
+        with poisoned_outputs():
+            out.backward(torch.from_numpy(a["dout"]).to(torch.bfloat16))
+        np64 = lambda v: None if v is None else v.detach().double().numpy()  # noqa: E731
+        return Run(np64(out), np64(leaf.grad.transpose(1, 2)), np64(w.grad), [])
+
+    run(False)  # the signature's plans, cached
+    check_values(f"{target} {handed_back} {when}", case, a, run(True))
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+def test_torch_saved_tensor_hook_of_another_shape_raises():
+    """A hook that hands back the saved rows in another shape gets a clear error, not a misread."""
+    import torch
+
+    import torch_frontend as tf
+
+    case = Case(B=2, S=3, H=2, D=8, trained=False)
+    a = inputs(case)
+    x = torch.from_numpy(a["x"]).float().requires_grad_(True)
+    reshaped = lambda t: t.reshape(-1, case.D) if tuple(t.shape) == case.shape else t  # noqa: E731
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, reshaped):
+        out = tf.rms_norm_rope(x, torch.from_numpy(a["weight"]).float(), torch.from_numpy(a["cos"]).float(),
+                               torch.from_numpy(a["sin"]).float())
+    with pytest.raises(RuntimeError, match=r"the saved rows came back from its saved-tensor hook with shape \(12, 8\)"):
+        out.backward(torch.from_numpy(a["dout"]).float())
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="needs torch")

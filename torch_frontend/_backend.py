@@ -247,7 +247,8 @@ class _BoundLaunch:
     compiled kernel's own launch (or ``LAUNCH = "direct"``'s); anything else (unaligned pointers,
     another current device, launch hooks such as a profiler's) takes ``JITFunction.run``."""
 
-    __slots__ = ("call", "present", "index", "compiled", "allocs", "none", "runner", "direct", "scalars", "tail")
+    __slots__ = ("call", "present", "index", "compiled", "allocs", "none", "runner", "direct", "scalars", "tail",
+                 "arrays")
 
     def __init__(self, call: KernelCall, device: torch.device, rows_shape: tuple | None, tail: tuple = ()):
         self.call = call
@@ -264,6 +265,7 @@ class _BoundLaunch:
         self.runner = None  # the compiled kernel's launch, once Triton has compiled it for aligned pointers
         self.direct = None  # LAUNCH == "direct": normkit._compat.direct_launch of it
         self.scalars = tuple(call.scalars)
+        self.arrays = None  # interpreted: the inputs' dtypes and devices at the first launch
 
     def __call__(self, *inputs, outs: list | None = None) -> list:
         """``outs``: the outputs in ``call.outputs`` order, allocated by the caller (None: allocated here)."""
@@ -303,6 +305,16 @@ class _BoundLaunch:
         args += call.scalars
         args += outs
         if not self.compiled:
+            # A compiled launch reads pointers with the dtypes of its first launch (Triton specializes on
+            # them, and the kernel's runner is kept); the interpreter reads each array as it is. So that
+            # the CPU tests see what a GPU would misread, every interpreted launch must pass arrays of
+            # its first launch's dtypes and devices.
+            arrays = tuple(None if a is None else (a.dtype, a.device) for a in args if isinstance(a, torch.Tensor) or a is None)
+            if self.arrays is None:
+                self.arrays = arrays
+            elif arrays != self.arrays:
+                raise RuntimeError(f"normkit: internal error: {call.kernel.__name__} bound for arrays of "
+                                   f"{self.arrays} was given {arrays}")
             _triton_compat.interpreted(call.kernel)[call.grid](*args, **call.constexprs, num_warps=call.num_warps,
                                                                num_stages=call.num_stages)
             if record.active():

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 from typing import Optional
 
 import torch
@@ -106,6 +107,24 @@ def _launch(call, inputs: dict, outputs: dict) -> None:
     BACKEND.launch(call, inputs, outs=outputs)
 
 
+def _restored(t, name: str, dtype, device, shape: tuple | None = None, contiguous: bool = False):
+    """``t``, a tensor the forward saved as unpacked for the backward, in ``dtype`` on ``device``, with no
+    lazy negation, its last dimension contiguous (or all of it, ``contiguous``); ``shape``: the one it
+    must have."""
+    if t is None:
+        return None
+    if shape is not None and t.shape != shape:
+        raise RuntimeError(f"normkit: {name} came back from its saved-tensor hook with shape {tuple(t.shape)}; "
+                           f"the forward saved it with shape {shape}")
+    if t.is_neg():
+        t = resolve_neg(t, name)
+    if t.dtype != dtype or t.device != device:
+        t = t.to(device, dtype)
+    if (not t.is_contiguous()) if contiguous else (t.shape[-1] > 1 and t.stride(-1) != 1):
+        t = t.contiguous()
+    return t
+
+
 def _table_strides(t, x) -> tuple:
     return rope.broadcast_strides(tuple(t.shape), t.stride(), tuple(x.shape))[:-1]
 
@@ -117,14 +136,15 @@ class _Signature:
     the Torch frontend's one cache, so that a repeated call (a training loop's) is neither validated
     nor planned again."""
 
-    __slots__ = ("cfg", "layout", "M", "D", "dtypes", "w_stride", "x_shape", "fwd_strides", "fwd", "bwd",
-                 "decisions", "trip")
+    __slots__ = ("cfg", "layout", "M", "D", "dtypes", "torch_dtypes", "device", "index", "sizes", "w_stride", "x_shape", "x_rows",
+                 "fwd_strides", "fwd", "bwd", "decisions", "trip")
 
     def __init__(self, cfg: _Config, x, weight, cos, sin):
         self.cfg = cfg
         self.D = D = x.shape[-1]
         self.M = x.numel() // D if D else 0
         self.x_shape = tuple(x.shape)
+        self.x_rows = x.stride()[:-1]  # x's row strides: their order is the rows' order (rstd's)
         out_strides = torch.empty_like(x).stride()[:-1]  # the output's: allocated like x
         tables = (_table_strides(cos, x), _table_strides(sin, x))
         self.layout = rope.row_layout(self.x_shape[:-1], x.stride()[:-1], *tables, out_strides)
@@ -133,9 +153,13 @@ class _Signature:
                              "that do not merge into three row indices with cos's and sin's; pass x.contiguous()")
         self.fwd_strides = tuple(self.layout.strides(t) for t in (x.stride()[:-1], *tables, out_strides))
         self.dtypes = (_name(x), None if weight is None else _name(weight), _name(cos), _name(sin))
+        self.torch_dtypes = (x.dtype, None if weight is None else weight.dtype, cos.dtype, sin.dtype)
+        self.device, self.index = x.device, x.get_device()
+        self.sizes = (x.shape, None if weight is None else weight.shape, torch.Size((self.M,)), torch.Size((D + 1,)))
         self.w_stride = 1 if weight is None else weight.stride(0)
         self.fwd: dict = {}  # (store_stats, store_rec) -> its bound launch (``Backend.bind``)
-        # (saved strides, dy strides, grads, from_output) -> (dy strides, the bound launch, reduction plan)
+        # ((the saved rows', cos's and sin's strides), dy strides, grads, from_output, weight stride, cos's and
+        # sin's shapes) -> (dy strides, the bound launch, reduction plan)
         self.bwd: dict = {}
         self.decisions = _bound.Decisions()
         self.trip = None  # ``_bound.trip`` of the signature's device, once an output-keeping forward needs it
@@ -202,52 +226,90 @@ class _Signature:
         launch(x, weight, cos, sin, trip, outs=[out, rstd, rec])  # ROPE_FWD_INPUTS, ROPE_FWD_OUTPUTS
         return out, rstd, rec
 
-    def backward_plan(self, saved, cos, sin, dout, dx, grads, from_output: bool) -> tuple:
-        """``(dy_strides, launch, reduce)`` for this output gradient's layout: the backward plan's bound
-        launch and the dW reduction's plan (None without dW); ``dy_strides`` None where dy must first be
-        copied into x's layout (x of more than four dimensions only)."""
-        k = (saved.stride(), dout.stride(), grads, from_output)
+    def backward_plan(self, saved, weight, cos, sin, dout, dx, grads, from_output: bool, strides: tuple) -> tuple:
+        """``(dy_strides, launch, reduce)`` for the layouts of the arrays it reads (the saved rows', the
+        output gradient's, the weight's and the tables', which a saved-tensor hook may have changed): the
+        backward plan's bound launch and the dW reduction's plan (None without dW); ``dy_strides`` None
+        where dy must first be copied into x's layout (x of more than four dimensions only). ``strides``:
+        the saved rows', cos's and sin's."""
+        w_stride = self.w_stride if weight is None else weight.stride(0)
+        k = (strides, dout.stride(), grads, from_output, w_stride, cos.shape, sin.shape)
         entry = self.bwd.get(k)
         if entry is None:
+            rows = (saved.stride()[:-1], _table_strides(cos, saved), _table_strides(sin, saved), dout.stride()[:-1],
+                    dx.stride()[:-1] if dx is not None else None)
             layout = self.layout
-            if layout.strides(dout.stride()[:-1]) is None:
-                # dy does not merge into the forward's row grouping (attention's [B, H, S, D] gradient of
-                # an output laid out [B, S, H, D]): a grouping of its own that every array of the
-                # backward merges into. Groups merge adjacent dimensions in x's memory order, so a row's
-                # flat index, and rstd's order, is the same under any of them.
-                layout = rope.row_layout(self.x_shape[:-1], saved.stride()[:-1], _table_strides(cos, saved),
-                                         _table_strides(sin, saved), dout.stride()[:-1],
-                                         *(() if dx is None else (dx.stride()[:-1],))) or layout
-            dy_strides = layout.strides(dout.stride()[:-1])
-            if dy_strides is None:
-                return None, None, None
-            strides = (layout.strides(saved.stride()[:-1]), layout.strides(_table_strides(cos, saved)),
-                       layout.strides(_table_strides(sin, saved)), dy_strides,
-                       layout.strides(dx.stride()[:-1]) if dx is not None else (0, 0, 0))
+            if any(r is not None and layout.strides(r) is None for r in rows):
+                # an array that does not merge into the forward's row grouping (attention's [B, H, S, D]
+                # gradient of an output laid out [B, S, H, D], or an array a saved-tensor hook laid out
+                # anew): a grouping of its own that every array of the backward merges into. Groups merge
+                # adjacent dimensions in x's memory order (x's strides first), so a row's flat index, and
+                # rstd's order, is the same under any of them.
+                layout = rope.row_layout(self.x_shape[:-1], self.x_rows, *(r for r in rows if r is not None))
+                if layout is None:
+                    return None, None, None
+            strides = tuple((0, 0, 0) if r is None else layout.strides(r) for r in rows)
+            dy_strides = strides[3]
             sms = num_sms(saved.device) if saved.device.type == "cuda" else INTERPRETER_NUM_SMS
             x_dtype, w_dtype, c_dtype, s_dtype = self.dtypes
             call, reduce = plan_rope_backward(self.D, layout.rows, x_dtype, w_dtype, self.cfg.opts,
-                                              self.cfg.interleaved, grads, from_output, strides, self.w_stride, sms,
+                                              self.cfg.interleaved, grads, from_output, strides, w_stride, sms,
                                               self.x_shape, table_dtypes=(c_dtype, s_dtype))
             entry = self.bwd[k] = (dy_strides, BACKEND.bind(call, saved), reduce)
         return entry
 
+
+    def as_saved(self, saved, weight, cos, sin, rstd, rec, kept: tuple) -> tuple:
+        """What the forward kept, as it kept it. A saved-tensor hook (``torch.autograd.graph.
+        saved_tensors_hooks``, or one registered after the forward on ``grad_fn._raw_saved_tensors``)
+        may hand back another dtype, device or shape, a lazily negated view, or other strides; so may a
+        write to ``.data`` of a tensor saved as it was given. Each array gets the forward's dtype and
+        device back, negations applied, the statistics contiguous; a shape other than the forward's
+        raises. The rows', weight's and tables' strides the backward's plan reads as they are (its key).
+        ``kept``: the statistics the forward saved (rstd, the weight's recovery), as the forward's own
+        objects, which only a hook can replace."""
+        x_dtype, w_dtype, c_dtype, s_dtype = self.torch_dtypes
+        index, sizes = self.index, self.sizes
+        if saved.dtype is not x_dtype or saved.get_device() != index or saved.is_neg() or saved.shape != sizes[0]:
+            saved = _restored(saved, "the saved rows", x_dtype, self.device, sizes[0])
+        if weight is not None and (weight.dtype is not w_dtype or weight.get_device() != index or weight.is_neg()
+                                   or weight.shape != sizes[1]):
+            weight = _restored(weight, "the saved weight", w_dtype, self.device, sizes[1])
+        if cos.dtype is not c_dtype or cos.get_device() != index or cos.is_neg():
+            cos = _restored(cos, "the saved cos", c_dtype, self.device)
+        if sin.dtype is not s_dtype or sin.get_device() != index or sin.is_neg():
+            sin = _restored(sin, "the saved sin", s_dtype, self.device)
+        if rstd is not kept[0]:
+            rstd = _restored(rstd, "the saved rstd", torch.float32, self.device, sizes[2], contiguous=True)
+        if rec is not kept[1]:
+            rec = _restored(rec, "the saved recovery", torch.float32, self.device, sizes[3], contiguous=True)
+        return saved, weight, cos, sin, rstd, rec
 
     def backward(self, saved, weight, cos, sin, dout, rstd, rec, grads, from_output: bool) -> tuple:
         """``(dx, dw)`` (None where not asked for) from what the forward kept: ``saved`` (x, or the
         output ``from_output``), rstd and the weight's recovery ``rec``."""
         if dout.dtype != saved.dtype or (self.D > 1 and dout.stride(-1) != 1) or dout.is_neg():
             dout = _columns_contiguous(dout, "the output gradient", warn=False).to(saved.dtype)
+        strides = (saved.stride(), cos.stride(), sin.stride())
+        if self.D > 1 and (strides[0][-1] != 1 or strides[1][-1] != 1 or strides[2][-1] != 1):  # a hook's
+            saved, cos, sin = (_columns_contiguous(t, name, warn=False) for t, name in
+                               ((saved, "the saved rows"), (cos, "the saved cos"), (sin, "the saved sin")))
+            strides = (saved.stride(), cos.stride(), sin.stride())
         dx = _empty_like(saved) if grads.dx else None
         dw = None
         if self.M == 0:
             if grads.dw:
                 dw = torch.zeros((self.D,), dtype=weight.dtype, device=weight.device)
             return dx, dw
-        dy_strides, launch, reduce = self.backward_plan(saved, cos, sin, dout, dx, grads, from_output)
+        dy_strides, launch, reduce = self.backward_plan(saved, weight, cos, sin, dout, dx, grads, from_output, strides)
         if launch is None:  # no three row indices cover dy as well (x of more than four dimensions): x's layout
             dout = torch.empty_like(saved).copy_(dout)
-            dy_strides, launch, reduce = self.backward_plan(saved, cos, sin, dout, dx, grads, from_output)
+            dy_strides, launch, reduce = self.backward_plan(saved, weight, cos, sin, dout, dx, grads, from_output,
+                                                            strides)
+            if launch is None:  # the saved rows or tables as a saved-tensor hook laid them out anew
+                raise RuntimeError(f"normkit: the saved rows {tuple(saved.shape)} (strides {saved.stride()}) and "
+                                   f"tables cos {cos.stride()}, sin {sin.stride()} that saved-tensor hooks handed "
+                                   "back share no three row indices; hand back the layouts the forward saved")
         part = _empty(launch.call.out_specs["DW_PART"][0], torch.float32, saved.device) if grads.dw else None
         launch(saved, weight, cos, sin, dout, rstd, rec, outs=[dx, part])  # ROPE_BWD_INPUTS, ROPE_BWD_OUTPUTS
         if reduce is not None:
@@ -264,6 +326,7 @@ class RMSNormRoPEFunction(torch.autograd.Function):
         from_output = sig.saves_output(x, weight)
         out, rstd, rec = sig.forward(x, weight, cos, sin, True, from_output)
         ctx.sig, ctx.from_output = sig, from_output
+        ctx.kept = (weakref.ref(rstd), None if rec is None else weakref.ref(rec))  # not kept alive by it
         ctx.save_for_backward(out if from_output else x, weight, cos, sin, rstd, rec)
         return out
 
@@ -275,8 +338,9 @@ class RMSNormRoPEFunction(torch.autograd.Function):
 
 
 def _backward(ctx, dout) -> tuple:
-    saved, weight, cos, sin, rstd, rec = ctx.saved_tensors
     sig = ctx.sig
+    rstd_ref, rec_ref = ctx.kept
+    saved, weight, cos, sin, rstd, rec = sig.as_saved(*ctx.saved_tensors, (rstd_ref(), rec_ref and rec_ref()))
     needs = ctx.needs_input_grad  # (sig, x, weight, cos, sin)
     grads = GRADS[(bool(needs[1]), bool(needs[2] and weight is not None), False)]
     if not grads.any:
