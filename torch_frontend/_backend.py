@@ -309,7 +309,8 @@ class _BoundLaunch:
             # them, and the kernel's runner is kept); the interpreter reads each array as it is. So that
             # the CPU tests see what a GPU would misread, every interpreted launch must pass arrays of
             # its first launch's dtypes and devices.
-            arrays = tuple(None if a is None else (a.dtype, a.device) for a in args if isinstance(a, torch.Tensor) or a is None)
+            arrays = tuple(None if a is None else (a.dtype, a.device) for a in args
+                           if a is None or isinstance(a, torch.Tensor))
             if self.arrays is None:
                 self.arrays = arrays
             elif arrays != self.arrays:

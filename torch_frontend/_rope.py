@@ -109,20 +109,17 @@ def _launch(call, inputs: dict, outputs: dict) -> None:
 
 def _restored(t, name: str, dtype, device, shape: tuple | None = None, contiguous: bool = False):
     """``t``, a tensor the forward saved as unpacked for the backward, in ``dtype`` on ``device``, with no
-    lazy negation, its last dimension contiguous (or all of it, ``contiguous``); ``shape``: the one it
-    must have."""
+    lazy negation, and dense where ``contiguous``; ``shape``: the one it must have. (The rows' and
+    tables' last dimension is made contiguous by ``_Signature.backward``.)"""
     if t is None:
         return None
     if shape is not None and t.shape != shape:
         raise RuntimeError(f"normkit: {name} came back from its saved-tensor hook with shape {tuple(t.shape)}; "
                            f"the forward saved it with shape {shape}")
-    if t.is_neg():
-        t = resolve_neg(t, name)
+    t = resolve_neg(t, name)
     if t.dtype != dtype or t.device != device:
         t = t.to(device, dtype)
-    if (not t.is_contiguous()) if contiguous else (t.shape[-1] > 1 and t.stride(-1) != 1):
-        t = t.contiguous()
-    return t
+    return t.contiguous() if contiguous else t
 
 
 def _table_strides(t, x) -> tuple:
@@ -136,8 +133,8 @@ class _Signature:
     the Torch frontend's one cache, so that a repeated call (a training loop's) is neither validated
     nor planned again."""
 
-    __slots__ = ("cfg", "layout", "M", "D", "dtypes", "torch_dtypes", "device", "index", "sizes", "w_stride", "x_shape", "x_rows",
-                 "fwd_strides", "fwd", "bwd", "decisions", "trip")
+    __slots__ = ("cfg", "layout", "M", "D", "dtypes", "torch_dtypes", "device", "index", "sizes", "w_stride",
+                 "x_shape", "x_rows", "fwd_strides", "fwd", "bwd", "decisions", "trip")
 
     def __init__(self, cfg: _Config, x, weight, cos, sin):
         self.cfg = cfg
@@ -261,7 +258,7 @@ class _Signature:
 
     def as_saved(self, saved, weight, cos, sin, rstd, rec, kept: tuple) -> tuple:
         """What the forward kept, as it kept it. A saved-tensor hook (``torch.autograd.graph.
-        saved_tensors_hooks``, or one registered after the forward on ``grad_fn._raw_saved_tensors``)
+        saved_tensors_hooks``, or one registered after the forward on one of the node's saved tensors)
         may hand back another dtype, device or shape, a lazily negated view, or other strides; so may a
         write to ``.data`` of a tensor saved as it was given. Each array gets the forward's dtype and
         device back, negations applied, the statistics contiguous; a shape other than the forward's
