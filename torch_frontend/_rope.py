@@ -38,7 +38,7 @@ from torch.autograd.function import once_differentiable
 from normkit import checks, driver, norm_math, rope, saving
 from normkit.launch import INTERPRETER_NUM_SMS, plan_rope_backward, plan_rope_forward
 from normkit.ops import GRADS, Options
-from torch_frontend import _autograd, _bound, _compat
+from torch_frontend import _bound, _compat
 from torch_frontend._backend import BACKEND, DTYPE_NAMES, NormkitCopyWarning, dtype_name, num_sms, resolve_neg
 from torch_frontend._backend import keys as _backend_keys
 
@@ -350,9 +350,6 @@ def _backward(ctx, dout) -> tuple:
 # them again raises (torch's ``once_differentiable``)
 _backward_once = once_differentiable(_backward)
 
-# the Function's C apply, as the norms' eager calls enter theirs (``torch_frontend._autograd.APPLY``)
-_DIRECT = _compat.direct_apply(RMSNormRoPEFunction)
-
 
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                   eps: float = 1e-6, *, offset: float = 0.0, casting_mode: str = "llama", interleaved: bool = False,
@@ -442,14 +439,12 @@ def _signature(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save
 def _eager(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save) -> torch.Tensor:
     """The kernels (``normkit.kernels.rope``): the call outside ``torch.compile`` (``rms_norm_rope``
     sends a traced call to ``_compiled``). A call signature seen before (``_bound.BOUND``) is launched
-    without validation or planning; with no torch.func transform active, the Function is entered
-    through its C apply (``_compat.direct_apply``), as the norms' eager calls are."""
+    without validation or planning. The Function is entered through torch's ``Function.apply``: its C
+    apply (``_compat.direct_apply``, which the norms' eager calls take) saved this op no measurable
+    host time (docs/PERFORMANCE_RECORD.md)."""
     sig, x, weight, cos, sin = _signature(x, weight, cos, sin, eps, offset, casting_mode, interleaved, save)
     if not (torch.is_grad_enabled() and (x.requires_grad or (weight is not None and weight.requires_grad))):
         return sig.forward(x, weight, cos, sin, False, False)[0]
-    if _autograd.APPLY == "direct" and _DIRECT is not None and not _compat.transforms_active():
-        unwrap = _compat.unwrap_exited  # a tensor left by an exited transform, as Function.apply does
-        return _DIRECT(sig, unwrap(x), weight if weight is None else unwrap(weight), unwrap(cos), unwrap(sin))
     return RMSNormRoPEFunction.apply(sig, x, weight, cos, sin)
 
 
