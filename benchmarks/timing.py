@@ -77,7 +77,7 @@ class Timer:
         torch.cuda.synchronize()
         per_call = []
         for _ in range(batches):
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:  # one batch: no cycles to clear
                 for _ in range(calls):
                     fn()
                 torch.cuda.synchronize()
