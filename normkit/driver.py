@@ -372,6 +372,13 @@ class Bound:
         bound = self._bwd.get(k)
         return None if bound is None else bound[1]
 
+    def keep_backward(self, k, entry) -> None:
+        """Keep a frontend's own ``entry`` under ``k`` (a key unlike ``Backend.backward_key``'s), beside the
+        bound backward plans: ``bound_backward(k)`` returns it. A frontend keeps there what lets it
+        find a launch it has bound with less work than the full key (the Torch frontend: a check of
+        the arrays' layouts and the launch that read arrays of those layouts)."""
+        self._bwd[k] = (None, entry)
+
     @property
     def backward_plans(self) -> list:
         """The backward plans bound so far: ``(backward call, reduction call or None)`` each."""

@@ -16,6 +16,7 @@ def test_private_entry_points_are_found():
     assert _compat._IS_LEGACY_BATCHED is not None
     assert _compat._TOP_HOOKS is not None
     assert _compat._C_APPLY is not None and _compat.unwrap_exited is not None
+    assert _compat.LAYOUT_CHECKS
     if torch.cuda.is_available():  # a CPU-only torch has no CUDA entries (the public fallbacks are never reached)
         assert _compat._GET_DEVICE is not None and _compat._RAW_STREAM is not None
 
@@ -74,6 +75,45 @@ def test_is_legacy_batched(answer):
         y.register_hook(lambda g: seen.append(is_batched(g)))
         torch.autograd.grad(y, x, torch.eye(3) if batched else torch.ones(3), is_grads_batched=batched)
     assert seen == [True, False] and not is_batched(torch.randn(2))
+
+
+def _batched_gradient(like):
+    """A gradient batched by ``is_grads_batched``, of ``like``'s shape and dtype, as a backward sees it."""
+    seen = []
+    x = torch.randn(like.shape, dtype=like.dtype, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: seen.append(g) or g)
+    torch.autograd.grad(y, x, torch.randn(2, *like.shape, dtype=like.dtype), is_grads_batched=True)
+    assert _compat.is_legacy_batched(seen[0]) and seen[0].shape == like.shape and seen[0].dtype == like.dtype
+    return seen[0]
+
+
+def test_layout_check_tells_layouts_apart():
+    """``layout_check``: the tensors it was made from, and others of their layouts, pass; another
+    stride, shape, dtype, grad flag, a lazy negation, a batched gradient, a subclass that dispatches, a
+    missing tensor or a tensor on another device do not."""
+    a, w = torch.randn(4, 6), torch.randn(6, dtype=torch.bfloat16)
+    check = _compat.layout_check((a, w))
+    assert check(a, w) and check(torch.randn(4, 6), torch.zeros(6, dtype=torch.bfloat16))
+    assert check(torch.randn(4, 7)[:, :6].contiguous(), w)  # its own storage offset does not matter
+    others = {
+        "strides": (torch.randn(6, 4).t(), w), "sliced rows": (torch.randn(4, 7)[:, :6], w), "shape": (a[:3], w),
+        "dtype": (a.double(), w), "grad flag": (a.clone().requires_grad_(), w), "negated": (torch._neg_view(a), w),
+        "batched": (a, _batched_gradient(w)), "None": (a, None), "subclass": (a, _subclass(w)),
+    }
+    if torch.cuda.is_available():
+        others["device"] = (a.cuda(), w)
+    for what, args in others.items():
+        assert not check(*args), what
+    with pytest.raises(TypeError):
+        check(a)
+
+
+def _subclass(t):
+    """``t`` as a tensor subclass that dispatches (``__torch_dispatch__``): DTensor's kind."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    return TwoTensor(t, t.clone())
 
 
 def test_checkpointing():

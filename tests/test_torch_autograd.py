@@ -176,6 +176,101 @@ def test_hooks_on_one_nodes_saved_tensors(op, hook, trained):
                          reduced_over=8 if name in spec.params else 1)
 
 
+def _swap_weight_data(leaves: dict, how: str) -> None:
+    """Each parameter's ``.data`` replaced, after the forward, by the same values in float64 or as a
+    strided view: a write torch's version counter does not see, which the saved weight follows."""
+    for name in leaves:
+        if name in ("weight", "bias"):
+            v = leaves[name].detach()
+            leaves[name].data = v.double() if how == "dtype" else torch.stack([v, -v], -1)[:, 0]
+
+
+PERTURBATIONS = [f"context:{h}" for h in sorted(HOOKS)] + [f"registered:{h}" for h in sorted(HOOKS)] + [
+    "negated_dy", "strided_dy", "expanded_dy", "batched_dy"]
+# (a trained parameter's gradient takes the dtype of its new data: the swap is a frozen weight's case)
+CASES = [(p, t) for p in PERTURBATIONS for t in (True, False)] + [("weight_data:dtype", False),
+                                                                   ("weight_data:strides", False)]
+
+
+@pytest.mark.filterwarnings("ignore:normkit. the (saved input|output gradient).*:torch_frontend.NormkitCopyWarning")
+@pytest.mark.parametrize("perturbation, trained", CASES)
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_checked_backward_reads_what_it_is_handed(op, perturbation, trained, monkeypatch):
+    """Plain calls of one signature until the backward finds its launch by the check of the arrays'
+    layouts (``_compat.layout_check``, seen passing), then one call whose backward is handed something
+    else: a hooked saved tensor, an output gradient of another layout, a batched one, or a parameter
+    whose ``.data`` was swapped after the forward. Every gradient is compared with float64."""
+    from torch_frontend import _bound, _compat
+
+    _bound.BOUND.clear()  # this signature's launches found first by their full keys
+    spec = OPS[op]
+    passed = []
+    made = _compat.layout_check
+
+    def counted(tensors):
+        check = made(tensors)
+        return lambda *a: passed.append(check(*a)) or passed[-1]
+    monkeypatch.setattr(_compat, "layout_check", counted)
+    kind, _, what = perturbation.partition(":")
+    for i in range(4):
+        seed = 5000 + 100 * i
+        last = i == 3
+        inputs = _strided_inputs(op, seed, strided_x=False, strided_w=False)
+        leaves = {k: v.detach().requires_grad_(trained or k in spec.row_inputs) for k, v in inputs.items()}
+        ref_inputs = {k: np64(v) for k, v in leaves.items()}
+        dy = randn(8, D, seed=seed + 20)
+        context = HOOKS[what]() if last and kind == "context" else _no_hook
+        with context:
+            y = run(op, leaves, spec.inputs)[0]
+        if last and kind == "registered":
+            hooks = HOOKS[what]()
+            assert _register_on_saved_tensors(y.grad_fn, hooks.pack_hook, hooks.unpack_hook) >= 3
+        if last and kind == "weight_data":
+            _swap_weight_data(leaves, what)
+        if last and kind == "negated_dy":
+            dy = torch._neg_view(-dy)
+        elif last and kind == "strided_dy":
+            dy = torch.stack([dy, -dy], -1)[..., 0]
+        elif last and kind == "expanded_dy":
+            dy = randn(8, 1, seed=seed + 21).expand(8, D)
+        wrt = [n for n in leaves if leaves[n].requires_grad]
+        if last and kind == "batched_dy":
+            V = torch.stack([dy, randn(8, D, seed=seed + 22)])
+            grads = torch.autograd.grad(y, [leaves[n] for n in wrt], V, is_grads_batched=True)
+            cots = [np64(v) for v in V]
+        else:
+            grads = [g[None] for g in torch.autograd.grad(y, [leaves[n] for n in wrt], dy)]
+            cots = [np64(dy)]
+        if i == 2:
+            assert passed and passed[-1], "the backward did not find its launch by the layout check"
+        for b, cot in enumerate(cots):
+            _, ref_grads = spec.run_reference(ref_inputs, spec.options(eps=spec.default_eps), {"y": cot})
+            for name, g in zip(wrt, grads):
+                assert_close(np64(g[b]), ref_grads[name], "float32", f"{op}, {perturbation}, call {i}: d{name}",
+                             reduced_over=8 if name in spec.params else 1)
+
+
+def test_backward_without_the_layout_check(monkeypatch):
+    """Where torch has no usable layout check (``_compat.LAYOUT_CHECKS`` off), repeated backwards find their
+    launch by the full key of the arrays they read, and are right."""
+    from torch_frontend import _compat
+
+    from torch_frontend import _bound
+
+    _bound.BOUND.clear()
+    monkeypatch.setattr(_compat, "LAYOUT_CHECKS", False)
+    monkeypatch.setattr(_compat, "layout_check", lambda tensors: pytest.fail("layout_check called"))
+    spec = OPS["rms_norm"]
+    for i in range(3):
+        inputs = _strided_inputs("rms_norm", 7000 + i, strided_x=False, strided_w=False)
+        leaves = {k: v.detach().requires_grad_(k == "x") for k, v in inputs.items()}
+        dy = randn(8, D, seed=7020 + i)
+        dx, = torch.autograd.grad(run("rms_norm", leaves, ("x",))[0], leaves["x"], dy)
+        _, ref = spec.run_reference({k: np64(v) for k, v in leaves.items()}, spec.options(eps=spec.default_eps),
+                                    {"y": np64(dy)})
+        assert_close(np64(dx), ref["x"], "float32", f"call {i}: dx")
+
+
 def _identity_hook(t):
     return t
 

@@ -34,6 +34,7 @@ receive separate tensors, and their ``.grad`` never alias.
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import array_api_compat.torch as _xp  # named, not looked up: dynamo warns on array_namespace's lru_cache
 import torch
@@ -282,14 +283,22 @@ def _backward(ctx, flags: tuple, dy, ds) -> tuple:
     traced = torch.compiler.is_compiling()
     tensors = ctx.saved_tensors  # unpacked once (a checkpoint's hooks allow no second unpacking)
     if dy is not None and not traced and route.__class__ is not Traced and not torch.is_grad_enabled():
-        # an eager node's backward whose arrays a launch has read as they are before: one lookup by
-        # their keys (``driver.Bound.bound_backward``), found only where nothing needs converting
+        # an eager node's backward whose arrays a launch has read as they are before: found by a check
+        # of their layouts against the arrays that launch last read (``_checked``), or else by one
+        # lookup of their keys (``driver.Bound.bound_backward``); either only where nothing needs
+        # converting
         saved, weight, bias, aux, rstd = tensors
+        # aux: the recovery after an output-keeping forward, else the mean (read with no bias)
+        bias, mean, rec = (bias, None, aux) if route.from_output else (None, aux, None)
+        short = (flags, ds is None)
+        checked = route.bound_backward(short)
+        if checked is not None and checked[0](tensors, dy, ds):
+            return checked[1](saved, weight, bias, dy, ds, mean, rstd, rec)
         if not (_compat.is_legacy_batched(dy) or (ds is not None and _compat.is_legacy_batched(ds))):
-            # aux: the recovery after an output-keeping forward, else the mean (read with no bias)
-            bias, mean, rec = (bias, None, aux) if route.from_output else (None, aux, None)
             launch = route.bound_backward(backward_key(flags, saved, weight, bias, aux, rstd, dy, ds))
             if launch is not None:
+                if checked is None and _compat.LAYOUT_CHECKS:
+                    route.keep_backward(short, (_checked(tensors, dy, ds), launch))
                 return launch(saved, weight, bias, dy, ds, mean, rstd, rec)
     batched = False
     if not traced:
@@ -307,6 +316,28 @@ def _backward(ctx, flags: tuple, dy, ds) -> tuple:
         with torch.no_grad():
             return _kernel_backward(route, flags, saved, weight, bias, dy, ds, mean, rstd, rec, traced)
     return _kernel_backward(route, flags, saved, weight, bias, dy, ds, mean, rstd, rec, traced)
+
+
+def _checked(tensors: tuple, dy, ds):
+    """``check(tensors, dy, ds) -> bool``: whether a backward's unpacked saved ``tensors`` and incoming
+    gradients are arrays of these ones' layouts (``_compat.layout_check``: dtype, device, sizes, strides,
+    lazy negation, batching), each present where these are and absent where these are absent; a
+    launch that read these reads those as they are."""
+    arrays = (*tensors, dy, ds)
+    present = tuple(i for i, t in enumerate(arrays) if t is not None)
+    absent = tuple(i for i, t in enumerate(arrays) if t is None)
+    check, pick = _compat.layout_check(tuple(arrays[i] for i in present)), operator.itemgetter(*present)
+    if absent == (2, 3, 6):  # rms_norm, and fused_add_rms_norm with residual_out unused (the short key
+        # tells ds's absence; a saved None is handed back as None, never through a hook)
+        return lambda t, dy, ds: check(t[0], t[1], t[4], dy)
+
+    def checked(tensors, dy, ds):
+        arrays = (*tensors, dy, ds)
+        for i in absent:
+            if arrays[i] is not None:
+                return False
+        return check(*pick(arrays))
+    return checked
 
 
 def _kernel_backward(route, flags: tuple, saved, weight, bias, dy, ds, mean, rstd, rec, traced: bool) -> tuple:

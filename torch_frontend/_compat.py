@@ -87,6 +87,46 @@ def direct_apply(function):
 unwrap_exited = _UNWRAP_IF_DEAD
 
 
+# --- dynamo's C++ tensor check ---------------------------------------------------------------------------
+
+try:
+    from torch._C._dynamo.guards import TensorGuards as _TENSOR_GUARDS
+except ImportError:  # pragma: no cover - a torch without dynamo's C++ guards
+    _TENSOR_GUARDS = None
+
+
+def _layout_check(tensors: tuple):
+    return _TENSOR_GUARDS(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                          dynamic_dims_strides=[list(t.stride()) for t in tensors]).check
+
+
+def _layout_check_works() -> bool:
+    """Whether dynamo's check tells apart what a kernel launch must: the same tensors pass; another
+    stride, shape, dtype, a lazy negation, a None or a missing tensor do not."""
+    if _TENSOR_GUARDS is None:
+        return False
+    try:
+        a, b = torch.ones(2, 3), torch.ones(3, dtype=torch.int32)
+        check = _layout_check((a, b))
+        return (check(a, b) and check(torch.zeros(2, 3), torch.zeros(3, dtype=torch.int32))
+                and not check(a.t().contiguous().t(), b) and not check(a[:1], b) and not check(a.double(), b)
+                and not check(torch._neg_view(a), b) and not check(a, None) and not check(a, b.view(1, 3)))
+    except Exception:  # noqa: BLE001 - any failure means: do not use it
+        return False
+
+
+LAYOUT_CHECKS = _layout_check_works()
+
+
+def layout_check(tensors: tuple):
+    """``check(*others) -> bool``: True only where ``others`` are tensors of ``tensors``' dtypes, devices,
+    sizes, strides, dispatch keys (a lazy negation, a batched gradient, a subclass that dispatches) and
+    grad flags, one for one (dynamo's C++ guard of a compiled graph's tensor inputs, a few hundred ns for
+    several tensors). None where this torch lacks it or it fails the check at import: the caller then
+    compares the facts itself."""
+    return _layout_check(tensors) if LAYOUT_CHECKS else None
+
+
 # --- CUDA device and stream -----------------------------------------------------------------------------
 
 _GET_DEVICE = _lookup(torch._C, "_cuda_getDevice")
