@@ -254,7 +254,7 @@ def forced_plan(monkeypatch, frontend, name, value, kernel, forced):
         if importlib.util.find_spec("torch") is not None:
             from torch_frontend import _bound
 
-            _bound.BOUND.clear()
+            _bound.clear()
         if importlib.util.find_spec("jax") is not None:
             import jax
 

@@ -318,7 +318,7 @@ def test_a_call_with_the_copy_and_one_without_do_not_share_a_plan():
     g = torch.Generator().manual_seed(26)
     x = torch.randn(8, HIDDEN, generator=g).to(torch.bfloat16).to(DEVICE).requires_grad_()
     w = (torch.rand(HIDDEN, generator=g) + 0.5).to(torch.bfloat16).to(DEVICE)
-    _bound.BOUND.clear()
+    _bound.clear()
     for grad in (True, False):
         with torch.set_grad_enabled(grad):
             for copy_ in [(torch.float32, True), None, (torch.float32, False), None]:

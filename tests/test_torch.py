@@ -375,7 +375,7 @@ def test_repeated_calls_reuse_bound_plans(op, frozen, monkeypatch):
     from torch_frontend import _bound, functional
 
     spec = OPS[op]
-    _bound.BOUND.clear()
+    _bound.clear()
     real_check = functional._check
     for call, shape in enumerate([(2, 3, 40)] * 3 + [(7, 40)]):
         inp = {name: randn(*shape, seed=100 + 10 * call + i) for i, name in enumerate(spec.row_inputs)}
@@ -400,6 +400,98 @@ def test_repeated_calls_reuse_bound_plans(op, frozen, monkeypatch):
     assert len(_bound.BOUND) == 2  # two signatures
 
 
+FIELDS = ("op", "M", "N", "dtype", "layout", "weight", "eps", "save", "x_grad", "w_grad", "grad_mode")
+
+
+def _call_spec(st):
+    """One call's make-up: op, rows, x's dtype and layout, the weight's kind, eps, save, grad flags."""
+    return st.fixed_dictionaries({
+        "op": st.sampled_from(sorted(OPS)), "M": st.sampled_from([2, 3]), "N": st.sampled_from([8, 16]),
+        "dtype": st.sampled_from([torch.float32, BF16]), "layout": st.sampled_from(["dense", "sliced", "3d"]),
+        "weight": st.sampled_from(["fp32", "bf16", "strided", "none"]),
+        "eps": st.sampled_from([1e-6, np.float64(1e-6), 1e-5]), "save": st.sampled_from(["auto", "input"]),
+        "x_grad": st.booleans(), "w_grad": st.booleans(), "grad_mode": st.booleans()})
+
+
+def _make_call(spec: dict, seed: int) -> dict:
+    M, N, dtype = spec["M"], spec["N"], spec["dtype"]
+    op = OPS[spec["op"]]
+
+    def rows(s):
+        if spec["layout"] == "sliced":
+            return randn(M, N + 5, dtype=dtype, seed=s)[:, :N]
+        return randn(M, N, dtype=dtype, seed=s).reshape((1, M, N) if spec["layout"] == "3d" else (M, N))
+    inputs = {name: rows(seed + i).requires_grad_(spec["x_grad"]) for i, name in enumerate(op.row_inputs)}
+    for i, name in enumerate(op.params):
+        kind = spec["weight"]
+        if kind == "none":
+            continue
+        w = randn(2 * N, seed=seed + 10 + i)[::2] if kind == "strided" else randn(N, seed=seed + 10 + i,
+                                                                                 dtype=BF16 if kind == "bf16" else
+                                                                                 torch.float32)
+        inputs[name] = w.requires_grad_(spec["w_grad"])
+    return inputs
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_each_call_takes_its_keys_signature(seed, monkeypatch):
+    """Random sequences of calls (ops, shapes, dtypes, row layouts, weights, eps of another class,
+    save, grad flags and grad mode), several repeated: each op's last signatures (``_bound.last``), when
+    one is found, are exactly the one ``BOUND`` holds under the call's full key, and every output and
+    gradient matches the float64 reference."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from torch_frontend import _bound
+
+    real_last = _bound.last
+    fields = _call_spec(st)
+
+    @settings(max_examples=8, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(base=fields, other=fields, changed=st.lists(st.sampled_from(FIELDS[1:]), min_size=1, max_size=2),
+           order=st.lists(st.integers(0, 2), min_size=4, max_size=8))
+    def run(base, other, changed, order):
+        # the base call, one that differs from it in one or two fields (often a layout alone), and another
+        specs = [base, {**base, **{f: other[f] for f in changed}}, other]
+        _bound.clear()
+        hits = []
+
+        def last(op, opts, x, residual, weight, bias):
+            sig = real_last(op, opts, x, residual, weight, bias)
+            if sig is not None:
+                k = _bound.key(op, opts[6], opts[7], opts[8], opts[0], x, residual, weight, bias, opts[1], opts[2])
+                assert _bound.BOUND.get(k) is sig, "the last signature found is not the call's own"
+                hits.append(op.name)
+            return sig
+        monkeypatch.setattr(_bound, "last", last)
+        for n, i in enumerate(order):
+            spec = specs[i % len(specs)]
+            op = OPS[spec["op"]]
+            inputs = _make_call(spec, seed=1000 * seed + 17 * n)
+            kwargs = {"eps": spec["eps"], "save": spec["save"]}
+            with torch.set_grad_enabled(spec["grad_mode"]):
+                outs = getattr(tf, spec["op"])(*(inputs.get(name) for name in op.inputs), **kwargs)
+            outs = outs if op.has_residual else (outs,)
+            leaves = [(k, v) for k, v in inputs.items() if v.requires_grad and outs[0].requires_grad]
+            dys = [randn(*o.shape, dtype=o.dtype, seed=seed + 50 + n + j) for j, o in enumerate(outs)]
+            grads = torch.autograd.grad(outs, [v for _, v in leaves], dys) if leaves else ()
+            ref_out, ref_grads = op.run_reference({k: np64(v) for k, v in inputs.items()},
+                                                  op.options(eps=float(spec["eps"])),
+                                                  {name: np64(d) for name, d in zip(op.outputs, dys)})
+            tol = "bfloat16" if spec["dtype"] == BF16 else "float32"
+            for name, o in zip(op.outputs, outs):
+                assert_close(np64(o), ref_out[name], tol, f"call {n} {spec}: {name}")
+            for (name, _), g in zip(leaves, grads):
+                assert_close(np64(g), ref_grads[name], tol, f"call {n} {spec}: d{name}",
+                             reduced_over=spec["M"] if name in op.params else 1)
+        all_hits.extend(hits)
+
+    all_hits = []
+    run()
+    assert all_hits, "no call found its signature among the op's last ones"
+
+
 @pytest.mark.parametrize("save", ["input", "output"])
 def test_bound_backward_takes_each_gradient_layout(save):
     """A bound signature's backward plans are keyed by the gradient's class and strides: contiguous,
@@ -411,7 +503,7 @@ def test_bound_backward_takes_each_gradient_layout(save):
 
     from torch_frontend import _bound
 
-    _bound.BOUND.clear()
+    _bound.clear()
     w = randn(40, seed=400)
     layouts = {
         "contiguous": lambda seed: randn(6, 40, seed=seed),
@@ -906,7 +998,7 @@ def test_bound_launches_match_tritons_launcher_and_respect_alignment(launch, mon
     from torch_frontend import _backend, _bound
 
     monkeypatch.setattr(_backend, "LAUNCH", launch)
-    _bound.BOUND.clear()  # fresh bound launches, made under this mode
+    _bound.clear()  # fresh bound launches, made under this mode
 
     def run(x, w, dy):
         x = x.detach().requires_grad_(True)

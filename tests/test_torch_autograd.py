@@ -128,7 +128,7 @@ def test_saved_tensor_hooks_with_cached_plans(op, hook, layout):
 
     strided_x, strided_w = layout in ("strided_x", "both"), layout in ("strided_weight", "both")
     for order in (("plain", hook), (hook, "plain")):
-        _bound.BOUND.clear()
+        _bound.clear()
         for i, which in enumerate(order):
             seed = 1000 + 100 * i + 37 * (order[0] == "plain")
             inputs = _strided_inputs(op, seed, strided_x, strided_w)
@@ -202,7 +202,7 @@ def test_checked_backward_reads_what_it_is_handed(op, perturbation, trained, mon
     whose ``.data`` was swapped after the forward. Every gradient is compared with float64."""
     from torch_frontend import _bound, _compat
 
-    _bound.BOUND.clear()  # this signature's launches found first by their full keys
+    _bound.clear()  # this signature's launches found first by their full keys
     spec = OPS[op]
     passed = []
     made = _compat.layout_check
@@ -257,7 +257,7 @@ def test_backward_without_the_layout_check(monkeypatch):
 
     from torch_frontend import _bound
 
-    _bound.BOUND.clear()
+    _bound.clear()
     monkeypatch.setattr(_compat, "LAYOUT_CHECKS", False)
     monkeypatch.setattr(_compat, "layout_check", lambda tensors: pytest.fail("layout_check called"))
     spec = OPS["rms_norm"]

@@ -290,7 +290,7 @@ def _backward(ctx, flags: tuple, dy, ds) -> tuple:
         saved, weight, bias, aux, rstd = tensors
         # aux: the recovery after an output-keeping forward, else the mean (read with no bias)
         bias, mean, rec = (bias, None, aux) if route.from_output else (None, aux, None)
-        short = (flags, ds is None)
+        short = (flags, ds is None, ds is dy)
         checked = route.bound_backward(short)
         if checked is not None and checked[0](tensors, dy, ds):
             return checked[1](saved, weight, bias, dy, ds, mean, rstd, rec)
@@ -321,23 +321,15 @@ def _backward(ctx, flags: tuple, dy, ds) -> tuple:
 def _checked(tensors: tuple, dy, ds):
     """``check(tensors, dy, ds) -> bool``: whether a backward's unpacked saved ``tensors`` and incoming
     gradients are arrays of these ones' layouts (``_compat.layout_check``: dtype, device, sizes, strides,
-    lazy negation, batching), each present where these are and absent where these are absent; a
-    launch that read these reads those as they are."""
-    arrays = (*tensors, dy, ds)
-    present = tuple(i for i, t in enumerate(arrays) if t is not None)
-    absent = tuple(i for i, t in enumerate(arrays) if t is None)
-    check, pick = _compat.layout_check(tuple(arrays[i] for i in present)), operator.itemgetter(*present)
-    if absent == (2, 3, 6):  # rms_norm, and fused_add_rms_norm with residual_out unused (the short key
-        # tells ds's absence; a saved None is handed back as None, never through a hook)
-        return lambda t, dy, ds: check(t[0], t[1], t[4], dy)
-
-    def checked(tensors, dy, ds):
-        arrays = (*tensors, dy, ds)
-        for i in absent:
-            if arrays[i] is not None:
-                return False
-        return check(*pick(arrays))
-    return checked
+    lazy negation, batching), one for one; a launch that read these reads those as they are. (A slot
+    saved as None is handed back as None, never through a hook; whether ds is absent, or dy itself, is
+    in the key this check is kept under.)"""
+    pick = operator.itemgetter(*[i for i, t in enumerate(tensors) if t is not None])
+    if ds is None or ds is dy:  # (one gradient for both outputs: the check passes no tensor twice)
+        check = _compat.layout_check((*pick(tensors), dy))
+        return lambda tensors, dy, ds: check(*pick(tensors), dy)
+    check = _compat.layout_check((*pick(tensors), dy, ds))
+    return lambda tensors, dy, ds: check(*pick(tensors), dy, ds)
 
 
 def _kernel_backward(route, flags: tuple, saved, weight, bias, dy, ds, mean, rstd, rec, traced: bool) -> tuple:

@@ -210,15 +210,82 @@ class Decisions:
 def remember(k: tuple, entry) -> None:
     """Keep ``entry`` (whose ``forget()`` drops its save choices) for call signature ``k``."""
     if len(BOUND) >= BOUND_LIMIT:
-        BOUND.clear()
+        clear()
     BOUND[k] = entry
+
+
+def clear() -> None:
+    """Forget every call signature (and each op's last one, ``last``)."""
+    BOUND.clear()
+    _LAST.clear()
+
+
+# --- each op's last signatures, tried first ------------------------------------------------------
+# A training loop calls each norm with few signatures, again and again. Each op's last few signatures
+# found in ``BOUND`` (op name -> [(options, check, Signature)], the most recent first) are tried
+# before the key is built: the call's options compared as a tuple, its tensors by a C++ check of
+# their layouts (``_compat.layout_check``, made once per signature), which costs less than building
+# and hashing ``key``. Pointers into BOUND, not a second table: they name BOUND's signatures and are
+# forgotten with them.
+_LAST: dict = {}
+LAST_PER_OP = 4
+
+
+def options(store_stats: bool, save, copy, eps, offset, casting_mode) -> tuple:
+    """What ``key`` holds of a call besides its tensors' layouts, each option's class before its value (so
+    that a comparison stops at the class: ``1e-6`` and ``np.float64(1e-6)`` differ there)."""
+    return (store_stats, save, copy, eps.__class__, offset.__class__, casting_mode.__class__, eps, offset, casting_mode)
+
+
+def last(op: Op, opts: tuple, x, residual, weight, bias):
+    """One of the op's last signatures (``note``) made for this call's options and its tensors' layouts
+    (dtype, device, sizes, strides, dispatch keys, grad flags), else None."""
+    entries = _LAST.get(op.name)
+    if entries is not None:
+        for entry in entries:
+            if entry[0] == opts and entry[1](x, residual, weight, bias):
+                return entry[2]
+    return None
+
+
+def note(op: Op, opts: tuple, x, residual, weight, bias, sig) -> None:
+    """Make ``sig``, found in BOUND (or just put there) for this call, the op's most recent signature."""
+    if not _compat.LAYOUT_CHECKS:
+        return
+    same = sig.layouts
+    if same is None:
+        same = sig.layouts = _layouts(x, residual, weight, bias)
+    entries = _LAST.setdefault(op.name, [])
+    entries[:] = [(opts, same, sig)] + [e for e in entries if e[2] is not sig][:LAST_PER_OP - 1]
+
+
+def _layouts(x, residual, weight, bias):
+    """``same(x, residual, weight, bias) -> bool``: whether a call's tensors are present where these are,
+    with these layouts."""
+    arrays = (x, residual, weight, bias)
+    present = tuple(i for i, t in enumerate(arrays) if t is not None)
+    check = _compat.layout_check(tuple(arrays[i] for i in present))
+    if present == (0, 2):  # rms_norm with a weight
+        return lambda x, r, w, b: r is None and b is None and w is not None and check(x, w)
+    if present == (0, 1, 2):  # fused_add_rms_norm with a weight
+        return lambda x, r, w, b: b is None and r is not None and w is not None and check(x, r, w)
+    if present == (0, 2, 3):  # layer_norm with a weight and a bias
+        return lambda x, r, w, b: r is None and w is not None and b is not None and check(x, w, b)
+
+    def same(*tensors):
+        for i, t in enumerate(tensors):
+            if (t is None) != (i not in present):
+                return False
+        return check(*[t for t in tensors if t is not None])
+    return same
 
 
 class Signature:
     """A validated call signature: its ``Bound`` for each choice of what the backward keeps, and the
     choices made for the weights seen with it."""
 
-    __slots__ = ("op", "opts", "store_stats", "b_dtype", "save", "y2_dtype", "fixed", "_bounds", "_decisions")
+    __slots__ = ("op", "opts", "store_stats", "b_dtype", "save", "y2_dtype", "fixed", "layouts", "_bounds",
+                 "_decisions")
 
     def __init__(self, op: Op, opts: Options, store_stats: bool, b_dtype: str, save: str,
                  y2_dtype: str | None = None):
@@ -226,6 +293,7 @@ class Signature:
         self.y2_dtype = y2_dtype  # the dtype of y's copy that each Bound's forward writes (None: none)
         self._bounds = [None, None]  # keeping the input, keeping the output
         self._decisions = Decisions()
+        self.layouts = None  # the check of its tensors' layouts, once made (``note``)
         # where there is nothing to decide (no backward, or save="input"), every call's Bound: the
         # input-keeping one; else None, and ``route`` decides per call
         self.fixed = self.bound(False) if not store_stats or save == "input" else None

@@ -110,7 +110,8 @@ def _layout_check_works() -> bool:
         check = _layout_check((a, b))
         return (check(a, b) and check(torch.zeros(2, 3), torch.zeros(3, dtype=torch.int32))
                 and not check(a.t().contiguous().t(), b) and not check(a[:1], b) and not check(a.double(), b)
-                and not check(torch._neg_view(a), b) and not check(a, None) and not check(a, b.view(1, 3)))
+                and not check(torch._neg_view(a), b) and not check(a, None) and not check(a, b.view(1, 3))
+                and not _layout_check((a, a))(a, a))
     except Exception:  # noqa: BLE001 - any failure means: do not use it
         return False
 
@@ -121,7 +122,7 @@ LAYOUT_CHECKS = _layout_check_works()
 def layout_check(tensors: tuple):
     """``check(*others) -> bool``: True only where ``others`` are tensors of ``tensors``' dtypes, devices,
     sizes, strides, dispatch keys (a lazy negation, a batched gradient, a subclass that dispatches) and
-    grad flags, one for one (dynamo's C++ guard of a compiled graph's tensor inputs, a few hundred ns for
+    grad flags, one for one, and no tensor among them twice (dynamo's C++ guard of a compiled graph's tensor inputs, a few hundred ns for
     several tensors). None where this torch lacks it or it fails the check at import: the caller then
     compares the facts itself."""
     return _layout_check(tensors) if LAYOUT_CHECKS else None

@@ -90,8 +90,13 @@ def _apply(op: Op, x, residual, weight, bias, eps, offset, casting_mode, save, k
                                          ((x, "x"), (residual, "residual"), (weight, "weight"), (bias, "bias")))
         if copy is not None and (x.dtype, copy[0]) in _KERNEL_COPIES:
             y2_dtype = copy[0]
-        k = _bound.key(op, eps, offset, casting_mode, store_stats, x, residual, weight, bias, save, y2_dtype)
-        sig = _bound.BOUND.get(k)  # hashes the key: raises TypeError for an unhashable option
+        call = _bound.options(store_stats, save, y2_dtype, eps, offset, casting_mode)
+        sig = _bound.last(op, call, x, residual, weight, bias)
+        if sig is None:
+            k = _bound.key(op, eps, offset, casting_mode, store_stats, x, residual, weight, bias, save, y2_dtype)
+            sig = _bound.BOUND.get(k)  # hashes the key: raises TypeError for an unhashable option
+            if sig is not None:
+                _bound.note(op, call, x, residual, weight, bias, sig)
     except (AttributeError, TypeError, RuntimeError):  # not a tensor, an unhashable option, a tensor without
         # strides or sizes (sparse, mkldnn, nested): the checks below name it
         k = sig = None
