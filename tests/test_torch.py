@@ -523,7 +523,7 @@ def test_bound_backward_takes_each_gradient_layout(save):
     (sig,) = _bound.BOUND.values()
     (bound,) = sig.bounds
     assert bound.from_output == (save == "output")
-    assert len(bound._bwd) == 3  # contiguous, broadcast, transposed; the second contiguous one reused
+    assert len(bound.backward_plans) == 3  # contiguous, broadcast, transposed; the second contiguous one reused
 
 
 def _qk_norm_backward(op: str, trained: bool, save: str, dy):

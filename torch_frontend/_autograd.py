@@ -22,7 +22,10 @@ twice (the statistics it would need are gone): that raises, naming ``save="input
 gradient (``autograd.grad(..., is_grads_batched=True)``, a vectorized ``autograd.functional.jacobian``)
 has no storage a kernel could read: it takes differentiable torch operations too, which vmap
 batches. Tensors handed back by a saved-tensor hook, and incoming gradients, are read as their
-values whatever their dtype, device, strides or lazy negation (``_saved``, ``_incoming``).
+values whatever their dtype, device, strides or lazy negation (``_saved``, ``_incoming``). An eager
+backward launches without converting only what a launch bound before has read as it is: found first
+by a C++ check that its arrays have the layouts of the arrays that launch last read (``_checked``),
+else by the full key of their layouts.
 
 Under compiled autograd (``torch._dynamo.compiled_autograd``), which traces the backward of an eager
 forward, the backward runs through the torch.library ops, as a ``Traced`` route's does.

@@ -4,8 +4,9 @@ A call signature is the op, its options (``save`` among them), whether the forwa
 for a backward, the dtype of the copy of y it writes for y's consumers (if any: ``key``'s ``copy``),
 and each tensor's class, shape, strides, dtype and device: everything
 ``normkit.driver.Bound``'s plans fix. Its first eager call is validated (``bind``); a repeated one (a
-training loop's) finds its ``Signature`` by ``key`` and launches a ``Bound`` with no validation,
-planning or reshaping.
+training loop's) finds its ``Signature`` among the op's last few (``last``: its options compared, its
+tensors' layouts checked in C++) or by ``key``, and launches a ``Bound`` with no validation, planning
+or reshaping.
 
 A signature holds one ``Bound`` per choice of what the backward keeps (the input, or the output) and
 remembers that choice per frozen weight: its identity, data pointer, version and grad flag
