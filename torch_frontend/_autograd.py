@@ -293,15 +293,18 @@ def _backward(ctx, flags: tuple, dy, ds) -> tuple:
         saved, weight, bias, aux, rstd = tensors
         # aux: the recovery after an output-keeping forward, else the mean (read with no bias)
         bias, mean, rec = (bias, None, aux) if route.from_output else (None, aux, None)
-        short = (flags, ds is None, ds is dy)
+        one = ds is None or ds is dy  # one incoming gradient to check (a check passes no tensor twice)
+        short = (flags, ds is None, one)
         checked = route.bound_backward(short)
-        if checked is not None and checked[0](tensors, dy, ds):
-            return checked[1](saved, weight, bias, dy, ds, mean, rstd, rec)
+        if checked is not None:
+            pick, check, launch = checked
+            if check(*pick(tensors), dy) if one else check(*pick(tensors), dy, ds):
+                return launch(saved, weight, bias, dy, ds, mean, rstd, rec)
         if not (_compat.is_legacy_batched(dy) or (ds is not None and _compat.is_legacy_batched(ds))):
             launch = route.bound_backward(backward_key(flags, saved, weight, bias, aux, rstd, dy, ds))
             if launch is not None:
                 if checked is None and _compat.LAYOUT_CHECKS:
-                    route.keep_backward(short, (_checked(tensors, dy, ds), launch))
+                    route.keep_backward(short, (*_checked(tensors, dy, ds, one), launch))
                 return launch(saved, weight, bias, dy, ds, mean, rstd, rec)
     batched = False
     if not traced:
@@ -321,18 +324,15 @@ def _backward(ctx, flags: tuple, dy, ds) -> tuple:
     return _kernel_backward(route, flags, saved, weight, bias, dy, ds, mean, rstd, rec, traced)
 
 
-def _checked(tensors: tuple, dy, ds):
-    """``check(tensors, dy, ds) -> bool``: whether a backward's unpacked saved ``tensors`` and incoming
-    gradients are arrays of these ones' layouts (``_compat.layout_check``: dtype, device, sizes, strides,
-    lazy negation, batching), one for one; a launch that read these reads those as they are. (A slot
-    saved as None is handed back as None, never through a hook; whether ds is absent, or dy itself, is
-    in the key this check is kept under.)"""
+def _checked(tensors: tuple, dy, ds, one: bool) -> tuple:
+    """``(pick, check)``: ``check(*pick(tensors), dy)`` (``one``: no ds, or ds is dy) or ``check(*pick(tensors),
+    dy, ds)`` is True only where a backward's unpacked saved ``tensors`` and incoming gradients are arrays
+    of these ones' layouts (``_compat.layout_check``: dtype, device, sizes, strides, lazy negation,
+    batching), one for one; a launch that read these reads those as they are. ``pick`` takes the
+    saved tensors that are not None (a slot saved as None is handed back as None, never through a
+    hook)."""
     pick = operator.itemgetter(*[i for i, t in enumerate(tensors) if t is not None])
-    if ds is None or ds is dy:  # (one gradient for both outputs: the check passes no tensor twice)
-        check = _compat.layout_check((*pick(tensors), dy))
-        return lambda tensors, dy, ds: check(*pick(tensors), dy)
-    check = _compat.layout_check((*pick(tensors), dy, ds))
-    return lambda tensors, dy, ds: check(*pick(tensors), dy, ds)
+    return pick, _compat.layout_check((*pick(tensors), dy) if one else (*pick(tensors), dy, ds))
 
 
 def _kernel_backward(route, flags: tuple, saved, weight, bias, dy, ds, mean, rstd, rec, traced: bool) -> tuple:
