@@ -122,9 +122,9 @@ LAYOUT_CHECKS = _layout_check_works()
 def layout_check(tensors: tuple):
     """``check(*others) -> bool``: True only where ``others`` are tensors of ``tensors``' dtypes, devices,
     sizes, strides, dispatch keys (a lazy negation, a batched gradient, a subclass that dispatches) and
-    grad flags, one for one, and no tensor among them twice (dynamo's C++ guard of a compiled graph's tensor inputs, a few hundred ns for
-    several tensors). None where this torch lacks it or it fails the check at import: the caller then
-    compares the facts itself."""
+    grad flags, one for one, and no tensor among them twice (dynamo's C++ guard of a compiled graph's
+    tensor inputs, a few hundred ns for several tensors). None where this torch lacks it or it fails
+    the check at import: the caller then compares the facts itself."""
     return _layout_check(tensors) if LAYOUT_CHECKS else None
 
 
