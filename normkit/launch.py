@@ -141,8 +141,9 @@ def rms_forward_tiles(table: dict) -> dict:
 
 def backward_tiles(table: dict) -> dict:
     """tiles.json's dx-only backward entries: {(op name, from_output, elem_bytes, BLOCK_N): (num_warps, CHUNK_N,
-    programs per SM (0: one program per tile; a fraction: fewer programs than SMs), LOOP_STAGES)}."""
-    return {(e["op"], e["from_output"], e["elem_bytes"], e["block_n"]): tuple(e["tile"])
+    programs per SM (0: one program per tile; a fraction: fewer programs than SMs), LOOP_STAGES, BLOCK_M (0:
+    tile_config's))}; an entry of four values keeps tile_config's BLOCK_M."""
+    return {(e["op"], e["from_output"], e["elem_bytes"], e["block_n"]): (*e["tile"], 0)[:5]
             for e in table.get("backward_dx", [])}
 
 
@@ -155,7 +156,9 @@ _RMS_FWD_TILES = rms_forward_tiles(_TILES)
 # two passes over chunks (the row sums, then dx from the chunks again, from L2), so that fewer
 # per-column vectors (the weight, its recovery, the bias) are live beside the row; programs per SM
 # > 0 makes the grid persistent: each program loads those vectors once and loops over many rows,
-# the next ones prefetched (LOOP_STAGES), instead of reading them from L2 with every row.
+# the next ones prefetched (LOOP_STAGES), instead of reading them from L2 with every row; BLOCK_M > 0
+# (a power of two) sets the rows per tile, over which a program shares those vectors too. Each entry
+# depends on N alone, as tile_config does (batch invariance).
 _BWD_TILES = backward_tiles(_TILES)
 
 
@@ -293,9 +296,11 @@ def plan_backward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_d
     chunk = per_sm = 0
     stages = 1
     if grads.dx and not reduces:
-        num_warps, chunk, per_sm, stages = _BWD_TILES.get((op.name, from_output, ELEM_BYTES[x_dtype], block_n),
-                                                          (num_warps, 0, 0, 1))
+        num_warps, chunk, per_sm, stages, rows = _BWD_TILES.get((op.name, from_output, ELEM_BYTES[x_dtype], block_n),
+                                                                (num_warps, 0, 0, 1, 0))
         assert chunk == 0 or (block_n % chunk == 0 and 16 <= chunk < block_n), chunk
+        assert rows >= 0 and rows & (rows - 1) == 0, rows
+        block_m = rows or block_m
         stages = _stages(block_m, block_n, ELEM_BYTES[x_dtype], 3 if has_dres else 2, stages)
     tiles = -(-M // block_m)
     grid = num_partials(M, N, num_sms) if reduces else min(tiles, max(1, round(per_sm * num_sms))) if per_sm else tiles

@@ -583,6 +583,33 @@ def test_nnx_qwen3_smoke_run_with_the_fused_qk_norm_rope(tmp_path):
     assert "| normkit_rope" in (tmp_path / "nnx_lora_step_qwen3_smoke.md").read_text()
 
 
+@pytest.mark.parametrize("N", [256, 2048, 3000, 8192])
+def test_save_ab_sweep_tiles_plan_as_named(monkeypatch, N):
+    """Each tile ``save_ab.py --sweep`` tries is planned as it says when set in ``launch._BWD_TILES``:
+    warps, chunks, persistence and rows per tile (``m<rows>``: several rows per tile, from 2048 columns)."""
+    from benchmarks.save_ab import sweep_configs
+    from normkit import launch
+    from normkit.ops import GRADS, OPS, Options
+
+    configs = sweep_configs(N)
+    block_n = launch.tile_config(1, N)[1]
+    assert any(rows for *_, rows in configs.values()) == (block_n >= 2048), configs
+    M = 1 << 17  # more tiles than any persistent grid has programs
+    for name, tile in configs.items():
+        monkeypatch.setattr(launch, "_BWD_TILES", {("layer_norm", True, 2, block_n): tile})
+        launch.plan_backward.cache_clear()
+        call, _ = launch.plan_backward(OPS["layer_norm"], M, N, "bfloat16", "bfloat16", None, False, Options(1e-5),
+                                       GRADS[(True, False, False)], (N, 1, N, 1, 0, 1, 1, 1), 132, True, True, True)
+        num_warps, chunk, per_sm, _, rows = tile
+        c = call.constexprs
+        block_m = rows or launch.tile_config(1, N)[0]
+        assert (call.num_warps, c["CHUNK_N"], c["PERSISTENT"], c["BLOCK_M"]) == (
+            num_warps, chunk, bool(per_sm), block_m), name
+        assert call.grid == ((min(-(-M // block_m), round(per_sm * 132)) if per_sm else -(-M // block_m)),), name
+        assert name.startswith(f"m{rows}_") == bool(rows), name
+    launch.plan_backward.cache_clear()
+
+
 @pytest.mark.slow  # a tool's end-to-end dry run: the slow tier
 def test_save_ab_dry_run(tmp_path):
     """benchmarks/save_ab.py on the CPU: every cell of the (dry) table has both backwards, both forwards,

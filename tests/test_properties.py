@@ -232,24 +232,25 @@ def check_launches(log, M: int, trained: frozenset) -> None:
 
 
 @st.composite
-def shapes(draw):
+def shapes(draw, d_range=(1, 300)):
     """(*lead, D): lead of rank 1-3 with at most 27 rows, about one in ten without rows (a leading
     dim of 0, which passes without a launch, so drawing it as often as the others would waste
-    examples); D from 1 to 300."""
+    examples); D in ``d_range`` (from 1 to 300)."""
     rank = draw(st.integers(1, 3))
     lead = [draw(st.integers(1, {1: 12, 2: 5, 3: 3}[rank])) for _ in range(rank)]
     if draw(st.integers(0, 9)) == 0:
         lead[draw(st.integers(0, rank - 1))] = 0
-    return tuple(lead) + (draw(st.integers(1, 300)),)
+    return tuple(lead) + (draw(st.integers(*d_range)),)
 
 
 @st.composite
 def specs(draw, *, ops=tuple(OPS), row_layouts=("contiguous",), param_layouts=("contiguous",), tie=False,
-          param_dtypes=None, train=(), need_weight=False):
+          param_dtypes=None, train=(), need_weight=False, d_range=(1, 300)):
     """A Spec. ``param_dtypes``: the dtypes a present weight / bias draws from (default: x's dtype or
-    another supported one); ``train``: inputs that are always trained; ``need_weight``: always a weight."""
+    another supported one); ``train``: inputs that are always trained; ``need_weight``: always a weight;
+    ``d_range``: the row length's range."""
     op = OPS[draw(st.sampled_from(ops))]
-    shape = draw(shapes())
+    shape = draw(shapes(d_range))
     dtype = draw(st.sampled_from(X_DTYPES))
     choices = param_dtypes or (dtype,) + tuple(d for d in X_DTYPES if d != dtype)  # shrinks to x's dtype
 
@@ -352,8 +353,8 @@ class _HalfRowsBackward(dict):
     passes over half-row chunks, from the input and from the output alike."""
 
     def get(self, key, default):
-        num_warps, _, per_sm, stages = default
-        return num_warps, key[3] // 2 if key[3] >= 32 else 0, per_sm, stages
+        num_warps, _, per_sm, stages, rows = default
+        return num_warps, key[3] // 2 if key[3] >= 32 else 0, per_sm, stages, rows
 
 
 # the frontends that launch the Triton kernels (jax: its default implementation, Triton where it can run)
@@ -373,8 +374,17 @@ class _PersistentBackward(dict):
     over its tiles with the next two prefetched."""
 
     def get(self, key, default):
-        num_warps, chunk, _, _ = default
-        return num_warps, chunk, 0.02, 3
+        num_warps, chunk, _, _, rows = default
+        return num_warps, chunk, 0.02, 3, rows
+
+
+class _RowsBackward(dict):
+    """A ``launch._BWD_TILES`` that plans every dx-only backward over rows of 2048 to 8192 columns in
+    tiles of 4 rows (tile_config's hold 1 or 2), one program per tile, at twice the warps."""
+
+    def get(self, key, default):
+        num_warps, chunk, per_sm, stages, rows = default
+        return (min(32, 2 * num_warps), 0, 0, 1, 4) if 2048 <= key[3] <= 8192 else default
 
 
 @pytest.fixture
@@ -382,6 +392,13 @@ def persistent_backward(monkeypatch, frontend):
     """Every dx-only backward planned on a persistent grid (programs loop over tiles)."""
     yield from forced_plan(monkeypatch, frontend, "_BWD_TILES", _PersistentBackward(), "norm_bwd_kernel",
                            lambda flags: flags["PERSISTENT"])
+
+
+@pytest.fixture
+def rows_backward(monkeypatch, frontend):
+    """Every dx-only backward over rows of 2048 to 8192 columns planned in tiles of 4 rows."""
+    yield from forced_plan(monkeypatch, frontend, "_BWD_TILES", _RowsBackward(), "norm_bwd_kernel",
+                           lambda flags: flags["BLOCK_M"] == 4 and flags["BLOCK_N"] >= 2048)
 
 
 @pytest.fixture
@@ -444,6 +461,19 @@ def test_persistent_backward_matches_reference(frontend, tier, persistent_backwa
                                            tie=True), explicit=[
         Spec("layer_norm", (9, 2048), "bfloat16", "bfloat16", "float32", trained=("x",)),
         Spec("fused_add_rms_norm", (3, 2, 4096), "float32", "float32", trained=("residual",), x_layout="strided_rows"),
+    ])
+
+
+@TRITON_FRONTENDS
+@pytest.mark.parametrize("tier", TIERS)
+def test_backward_tiles_of_several_rows_match_reference(frontend, tier, rows_backward):
+    """Every op's dx-only backward over 4-row tiles where its own tiles hold 1 or 2 rows (rows of 2048
+    to 8192 columns; a block of rows past M masked): row layouts, the tie, parameter layouts."""
+    run_property(frontend, tier, 16, specs(row_layouts=layouts.ROW_LAYOUTS, param_layouts=layouts.PARAM_LAYOUTS,
+                                           tie=True, train=("x",), d_range=(2048, 4100)), explicit=[
+        Spec("layer_norm", (7, 2048), "bfloat16", "bfloat16", "float32", trained=("x",)),
+        Spec("rms_norm", (5, 4097), "float32", "float32", trained=("x",), x_layout="strided_rows"),
+        Spec("fused_add_rms_norm", (3, 2, 2100), "bfloat16", "float32", trained=("residual", "x")),
     ])
 
 

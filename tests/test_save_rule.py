@@ -482,14 +482,14 @@ def test_each_planned_backward_tile_at_its_shape(entry):
     op, from_output, elem_bytes, block_n = entry
     spec = OPS[op]
     dtype = {2: "bfloat16", 4: "float32"}[elem_bytes]
-    _, _, per_sm, _ = _BWD_TILES[entry]
+    num_warps, chunk, per_sm, _, rows = _BWD_TILES[entry]
     M = 3 * max(1, round(per_sm * num_sms(DEVICE))) + 5 if per_sm else 7
     N = block_n - 40  # a row that does not fill the tile
     case = Case(op, Shape("planned", (M, N), frozenset()), dtype, has_b="bias" in spec.params,
                 trainable=frozenset(spec.row_inputs), eps=spec.default_eps)
     inp = _edge_inputs(op, N, dtype, "plain", np.random.default_rng(block_n), rows=M)
-    num_warps, chunk, _, _ = _BWD_TILES[entry]
     with np.errstate(over="ignore", invalid="ignore"), normkit.record_launches() as log:
         _check_case(FRONTENDS["torch"](), case, inp)
     bwd = log.of("norm_bwd_kernel")[0]
     assert (bwd.num_warps, bwd.flags["CHUNK_N"], bwd.flags["PERSISTENT"]) == (num_warps, chunk, per_sm > 0), bwd
+    assert rows == 0 or bwd.flags["BLOCK_M"] == rows, bwd
