@@ -383,8 +383,7 @@ class _RowsBackward(dict):
     tiles of 4 rows (tile_config's hold 1 or 2), one program per tile, at twice the warps."""
 
     def get(self, key, default):
-        num_warps, chunk, per_sm, stages, rows = default
-        return (min(32, 2 * num_warps), 0, 0, 1, 4) if 2048 <= key[3] <= 8192 else default
+        return (min(32, 2 * default[0]), 0, 0, 1, 4) if 2048 <= key[3] <= 8192 else default
 
 
 @pytest.fixture
