@@ -16,7 +16,7 @@ The byte model is ``bytemodel.backward_terms(frozen=True)`` for both backwards (
 same bytes). Writes ``--out`` (JSON) and a Markdown table beside it. ``--dry-run``: one tiny shape
 through Triton's interpreter, numbers that mean nothing. ``--host-ab``: host time of an eager forward
 and frozen backward at 4096 x 1024 bf16 under each of ``torch_frontend._backend.LAUNCH``'s launch
-paths, interleaved blocks in one process.
+paths, interleaved blocks in one process. ``--only op:dtype:MxN[,...]``: those cells alone.
 """
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ from benchmarks.timing import Timer, num_sets, tbps, torch_sync  # noqa: E402
 QK_ROWS = ("bf16", "262144x128")
 
 
-def _cells(ops, dry: bool):
+def _cells(ops, dry: bool, only=()):
+    """``(op, dtype, (M, N))`` of every cell of ``ops`` (``only``: those named ``op:dtype:MxN``)."""
     from benchmarks import report
 
     if dry:
@@ -50,7 +51,11 @@ def _cells(ops, dry: bool):
             if (dtype, shape) == QK_ROWS and op != "rms_norm":
                 continue
             M, N = (int(v) for v in shape.split("x"))
-            out.append((op, dtype, (M, N)))
+            if not only or f"{op}:{dtype}:{shape}" in only:
+                out.append((op, dtype, (M, N)))
+    unknown = set(only) - {f"{op}:{dtype}:{M}x{N}" for op, dtype, (M, N) in out}
+    if unknown:
+        raise SystemExit(f"--only: no such cell {sorted(unknown)} (op:dtype:MxN, e.g. rms_norm:bf16:8192x8192)")
     return out
 
 
@@ -332,8 +337,10 @@ def main(argv=None) -> int:
     p.add_argument("--no-jax", action="store_true")
     p.add_argument("--host-ab", action="store_true", help="also the launch paths' host time")
     p.add_argument("--sweep", action="store_true", help="only the output-saving backward's tiles, kernel time")
+    p.add_argument("--only", default="", help="only these cells: op:dtype:MxN[,...] (e.g. rms_norm:bf16:8192x8192)")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
+    only = tuple(c for c in args.only.split(",") if c)
     import datetime
 
     import torch
@@ -348,7 +355,7 @@ def main(argv=None) -> int:
     if not dry:
         results["copy"] = timer.copy_bandwidth()
     if args.sweep:
-        for op, dtype, (M, N) in _cells(args.ops.split(","), dry):
+        for op, dtype, (M, N) in _cells(args.ops.split(","), dry, only):
             row = sweep_cell(op, dtype, M, N, timer)
             results["cells"].append({"op": op, "dtype": dtype, "M": M, "N": N, "sweep": row})
             best = min((v, k) for k, v in row.items() if k not in ("input", "planned"))
@@ -357,7 +364,7 @@ def main(argv=None) -> int:
                   + f" | best {best[1]}", flush=True)
             Path(args.out).write_text(json.dumps(results, indent=1, default=str))  # each cell, as it ends
         return 0
-    for op, dtype, (M, N) in _cells(args.ops.split(","), dry):
+    for op, dtype, (M, N) in _cells(args.ops.split(","), dry, only):
         t0 = time.perf_counter()
         cell = {"op": op, "dtype": dtype, "M": M, "N": N, "torch": torch_cell(op, dtype, M, N, timer, args.rounds,
                                                                             device)}

@@ -638,3 +638,15 @@ def test_save_ab_dry_run(tmp_path):
 
     assert set(cell["sweep"]) == {"input", "planned", *sweep_configs(256)}
     assert all(v > 0 for v in cell["sweep"].values()), cell
+
+
+def test_save_ab_only_picks_the_named_cells():
+    """save_ab.py --only: the cells named op:dtype:MxN, in the table's order; a cell not in the table
+    stops the run, naming it."""
+    from benchmarks.save_ab import _cells
+
+    got = _cells(["rms_norm", "layer_norm"], False, ("layer_norm:fp32:8192x8192", "rms_norm:bf16:262144x128"))
+    assert got == [("rms_norm", "bf16", (262144, 128)), ("layer_norm", "fp32", (8192, 8192))]
+    assert len(_cells(["rms_norm"], False)) == 10
+    with pytest.raises(SystemExit, match="layer_norm:bf16:262144x128"):
+        _cells(["rms_norm", "layer_norm"], False, ("layer_norm:bf16:262144x128",))
