@@ -16,7 +16,8 @@ The byte model is ``bytemodel.backward_terms(frozen=True)`` for both backwards (
 same bytes). Writes ``--out`` (JSON) and a Markdown table beside it. ``--dry-run``: one tiny shape
 through Triton's interpreter, numbers that mean nothing. ``--host-ab``: host time of an eager forward
 and frozen backward at 4096 x 1024 bf16 under each of ``torch_frontend._backend.LAUNCH``'s launch
-paths, interleaved blocks in one process. ``--only op:dtype:MxN[,...]``: those cells alone.
+paths, interleaved blocks in one process. ``--only op:dtype:MxN[,...]``: those cells alone; ``--tiles m2,m4``: with ``--sweep``,
+the tiles whose names start so.
 """
 from __future__ import annotations
 
@@ -185,9 +186,10 @@ def sweep_configs(N: int) -> dict:
     return out
 
 
-def sweep_cell(op_name: str, dtype: str, M: int, N: int, timer: Timer) -> dict:
+def sweep_cell(op_name: str, dtype: str, M: int, N: int, timer: Timer, tiles=()) -> dict:
     """Device time of the frozen backward from the input (its plan) and from the output at each of
-    ``sweep_configs``' tiles (set in ``normkit.launch._BWD_TILES`` for this op, dtype and row length)."""
+    ``sweep_configs``' tiles (``tiles``: those whose names start with one of them), each set in
+    ``normkit.launch._BWD_TILES`` for this op, dtype and row length, and as planned."""
     from benchmarks.impls_torch import EPS, TorchInputs
     from normkit import driver, launch
     from normkit.ops import ELEM_BYTES, OPS, Grads
@@ -217,6 +219,8 @@ def sweep_cell(op_name: str, dtype: str, M: int, N: int, timer: Timer) -> dict:
     out = {"input": timed(False), "planned": None}
     try:
         for name, tile in sweep_configs(N).items():
+            if tiles and not name.startswith(tuple(tiles)):
+                continue
             launch._BWD_TILES = {**planned, key: tile}
             launch.plan_backward.cache_clear()
             try:
@@ -338,6 +342,7 @@ def main(argv=None) -> int:
     p.add_argument("--host-ab", action="store_true", help="also the launch paths' host time")
     p.add_argument("--sweep", action="store_true", help="only the output-saving backward's tiles, kernel time")
     p.add_argument("--only", default="", help="only these cells: op:dtype:MxN[,...] (e.g. rms_norm:bf16:8192x8192)")
+    p.add_argument("--tiles", default="", help="--sweep: only the tiles whose names start so (e.g. m2,m4,w1)")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
     only = tuple(c for c in args.only.split(",") if c)
@@ -356,9 +361,9 @@ def main(argv=None) -> int:
         results["copy"] = timer.copy_bandwidth()
     if args.sweep:
         for op, dtype, (M, N) in _cells(args.ops.split(","), dry, only):
-            row = sweep_cell(op, dtype, M, N, timer)
+            row = sweep_cell(op, dtype, M, N, timer, tuple(t for t in args.tiles.split(",") if t))
             results["cells"].append({"op": op, "dtype": dtype, "M": M, "N": N, "sweep": row})
-            best = min((v, k) for k, v in row.items() if k not in ("input", "planned"))
+            best = min(((v, k) for k, v in row.items() if k != "input"), default=(0, "planned"))
             print(f"{op} {dtype} {M}x{N}: input {row['input']:.1f} | " + " ".join(
                 f"{k} {v:.1f} ({v / row['input']:.3f})" for k, v in row.items() if k != "input")
                   + f" | best {best[1]}", flush=True)
