@@ -16,8 +16,8 @@ The byte model is ``bytemodel.backward_terms(frozen=True)`` for both backwards (
 same bytes). Writes ``--out`` (JSON) and a Markdown table beside it. ``--dry-run``: one tiny shape
 through Triton's interpreter, numbers that mean nothing. ``--host-ab``: host time of an eager forward
 and frozen backward at 4096 x 1024 bf16 under each of ``torch_frontend._backend.LAUNCH``'s launch
-paths, interleaved blocks in one process. ``--only op:dtype:MxN[,...]``: those cells alone; ``--tiles m2,m4``: with ``--sweep``,
-the tiles whose names start so.
+paths, interleaved blocks in one process. ``--only op:dtype:MxN[,...]``: those cells alone; ``--tiles w1,m*``: with ``--sweep``,
+those tiles alone (``*``: any whose names start so).
 """
 from __future__ import annotations
 
@@ -188,7 +188,7 @@ def sweep_configs(N: int) -> dict:
 
 def sweep_cell(op_name: str, dtype: str, M: int, N: int, timer: Timer, tiles=()) -> dict:
     """Device time of the frozen backward from the input (its plan) and from the output at each of
-    ``sweep_configs``' tiles (``tiles``: those whose names start with one of them), each set in
+    ``sweep_configs``' tiles (``tiles``: those named, ``m*``: those whose names start so), each set in
     ``normkit.launch._BWD_TILES`` for this op, dtype and row length, and as planned."""
     from benchmarks.impls_torch import EPS, TorchInputs
     from normkit import driver, launch
@@ -219,7 +219,7 @@ def sweep_cell(op_name: str, dtype: str, M: int, N: int, timer: Timer, tiles=())
     out = {"input": timed(False), "planned": None}
     try:
         for name, tile in sweep_configs(N).items():
-            if tiles and not name.startswith(tuple(tiles)):
+            if tiles and not any(name == t or (t.endswith("*") and name.startswith(t[:-1])) for t in tiles):
                 continue
             launch._BWD_TILES = {**planned, key: tile}
             launch.plan_backward.cache_clear()
@@ -342,7 +342,7 @@ def main(argv=None) -> int:
     p.add_argument("--host-ab", action="store_true", help="also the launch paths' host time")
     p.add_argument("--sweep", action="store_true", help="only the output-saving backward's tiles, kernel time")
     p.add_argument("--only", default="", help="only these cells: op:dtype:MxN[,...] (e.g. rms_norm:bf16:8192x8192)")
-    p.add_argument("--tiles", default="", help="--sweep: only the tiles whose names start so (e.g. m2,m4,w1)")
+    p.add_argument("--tiles", default="", help="--sweep: only these tiles (e.g. w1,w2_p1s3,m*: * ends a prefix)")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
     only = tuple(c for c in args.only.split(",") if c)
