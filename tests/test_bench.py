@@ -650,3 +650,14 @@ def test_save_ab_only_picks_the_named_cells():
     assert len(_cells(["rms_norm"], False)) == 10
     with pytest.raises(SystemExit, match="layer_norm:bf16:262144x128"):
         _cells(["rms_norm", "layer_norm"], False, ("layer_norm:bf16:262144x128",))
+
+
+def test_registers_reports_each_backward_compiled_for_sm90():
+    """benchmarks/registers.py: one row per backward (from x, from y), registers of a compiled sm_90
+    kernel and the programs per SM they allow."""
+    out = run_script("benchmarks/registers.py", "--ops", "rms_norm", "--dtypes", "bfloat16", "--n", "256")
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| rms_norm")]
+    assert [r[3].strip() for r in rows] == ["from x", "from y"], out
+    for r in rows:
+        regs, stack, per_sm = int(r[8]), int(r[9]), int(r[11])
+        assert 0 < regs <= 255 and stack == 0 and per_sm == min(65536 // (32 * int(r[4]) * regs), 2048 // (32 * int(r[4])))

@@ -32,43 +32,18 @@ from normkit.ops import OPS, Grads
 import triton  # noqa: E402
 
 M, N, SMS = 8192, 4096, 132
-TYPES = {"bfloat16": "bf16", "float32": "fp32"}
 
 
 def ptx(call, dtypes: dict, *, integer_hints: bool, float_type: str = "fp32", constants=()) -> str:
-    """The PTX of ``call``'s kernel for sm_90, its parameters named ``<kernel>_param_<name>``.
-    ``dtypes``: the element dtype of each present array input (absent ones are fp32 placeholders, as
-    both frontends pass them). Pointers are marked 16-byte aligned (both launchers do); integers
-    divisible by 16 only with ``integer_hints`` (Triton's launcher, not jax-triton's), which also
-    compiles an integer equal to 1 as a constant, as Triton's launcher specializes it. ``float_type``:
-    how the launcher types a Python float argument (Triton's launcher and jax-triton: fp32; Inductor,
-    for a user kernel: fp64). ``constants``: runtime scalars compiled as constants of their values."""
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import CUDABackend
-    from triton.compiler import ASTSource
+    """The PTX of ``call``'s kernel for sm_90 (``benchmarks.registers.compile_sm90``: how each launcher
+    specializes the arguments), its parameters named ``<kernel>_param_<name>``."""
+    from benchmarks.registers import compile_sm90
 
-    pointer = {name: "*" + TYPES[dtypes[name]] for name in call.present_inputs}
-    pointer.update({name: "*" + TYPES[dtype] for name, (_, dtype) in call.out_specs.items()})
-    signature, attrs, constexprs = {}, {}, dict(call.constexprs)
-    for i, name in enumerate(call.inputs + call.scalar_names + call.outputs):
-        if name in call.scalar_names:
-            value = call.scalars[call.scalar_names.index(name)]
-            if name in constants or (integer_hints and value == 1 and isinstance(value, int)):
-                signature[name], constexprs[name] = "constexpr", value
-                continue
-            signature[name] = float_type if isinstance(value, float) else "i32"
-            if integer_hints and isinstance(value, int) and value % 16 == 0 and value != 0:
-                attrs[(i,)] = CUDABackend.parse_attr("D")
-        else:
-            signature[name] = pointer.get(name, "*fp32")
-            attrs[(i,)] = CUDABackend.parse_attr("D")
-    signature.update({name: "constexpr" for name in call.constexprs})
-    src = ASTSource(call.kernel, signature, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": call.num_warps, "num_stages": call.num_stages, "enable_fp_fusion": call.fp_fusion}
-    code = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
-    params = [name for name, kind in signature.items() if kind != "constexpr"]  # then Triton's scratch pointers
+    compiled, params = compile_sm90(call, dtypes, integer_hints=integer_hints, float_type=float_type,
+                                    constants=constants)  # then Triton's scratch pointers
     return re.sub(rf"\b{call.name}_param_(\d+)\b",
-                  lambda m: f"{call.name}_param_{params[int(m[1])] if int(m[1]) < len(params) else 'scratch'}", code)
+                  lambda m: f"{call.name}_param_{params[int(m[1])] if int(m[1]) < len(params) else 'scratch'}",
+                  compiled.asm["ptx"])
 
 
 def instructions(code: str) -> list:
@@ -433,3 +408,20 @@ def test_pallas_rms_norm_rope_compiles_with_rows_128_bits_wide(interleaved):
             assert_rows_128_bits_wide(global_accesses(kernels["normkit_rms_norm_rope_fwd"]), f"{weight} forward")
     plain, with_rec = (global_accesses(steps[w]["normkit_rms_norm_rope_fwd"]) for w in ("trained", "frozen"))
     assert with_rec["ld.global.v4.b32"] == plain["ld.global.v4.b32"], (plain, with_rec)
+
+
+@pytest.mark.slow  # two sm_90 compilations per entry
+@pytest.mark.parametrize("entry", sorted(__import__("normkit.launch", fromlist=["_BWD_TILES"])._BWD_TILES),
+                         ids=lambda k: f"{k[0]}-{'output' if k[1] else 'input'}-{k[2]}B-{k[3]}")
+def test_each_planned_backward_tile_fits_an_sm_without_spilling(entry):
+    """Each measured backward tile (``normkit/tiles.json``'s ``backward_dx``) and the input-saving plan
+    at the same row length compile for sm_90 without spilling registers, and one SM holds at least
+    one of their programs (``benchmarks/registers.py``, which reports the counts)."""
+    from benchmarks.registers import frozen_backward, resources
+
+    op, from_output, elem_bytes, block_n = entry
+    dtype = {2: "bfloat16", 4: "float32"}[elem_bytes]
+    for from_y in sorted({False, from_output}):
+        call, dtypes = frozen_backward(op, dtype, 4096, block_n, from_y)
+        got = resources(call, dtypes)
+        assert got["stack"] == 0 and 0 < got["regs"] <= 255 and got["programs_per_sm"] >= 1, (entry, from_y, got)
