@@ -129,7 +129,8 @@ def rows(ops, dtypes, lengths, sweep: bool) -> list[dict]:
                     c = call.constexprs
                     out.append({"op": op_name, "dtype": TYPES[dtype], "N": N, "backward": what,
                                 "warps": call.num_warps, "BLOCK_M": c["BLOCK_M"], "CHUNK_N": c["CHUNK_N"],
-                                "persistent": c["PERSISTENT"], **resources(call, types)})
+                                "persistent": c["PERSISTENT"], "per_tile": c["PARAMS_PER_TILE"],
+                                **resources(call, types)})
     return out
 
 

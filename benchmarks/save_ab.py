@@ -154,35 +154,38 @@ def torch_cell(op_name: str, dtype: str, M: int, N: int, timer: Timer, rounds: i
 
 def sweep_configs(N: int) -> dict:
     """The output-saving backward's tiles to try at row length N: ``{name: (num_warps, CHUNK_N, programs
-    per SM, LOOP_STAGES, BLOCK_M)}`` (``normkit.launch._BWD_TILES``' values; BLOCK_M 0: tile_config's):
+    per SM, LOOP_STAGES, BLOCK_M, PARAMS_PER_TILE)}`` (``normkit.launch._BWD_TILES``' values; BLOCK_M 0:
+    tile_config's):
     tile_config's warps (``w1``) and twice as many (``w2``), each with one program per tile, in one pass
     and, for rows of >= 2048 columns, in two passes over half- and quarter-row chunks (``c<CHUNK_N>``);
     persistent grids (``p<programs per SM>s<stages>``): 1 or 2 programs per SM at 1, 2 and 4 times the
     warps, 3 or 4 at 1 and 2 times; and, for rows of >= 2048 columns, tiles of 2 and 4 rows
-    (``m<rows>``) at as many times the warps and twice that, one program per tile."""
+    (``m<rows>``) at as many times the warps and twice that, one program per tile; and each one-pass
+    tile again with the parameters loaded in every tile (``<name>_t``: ``PARAMS_PER_TILE``)."""
     from normkit import launch
 
     _, block_n, warps = launch.tile_config(1, N)
     out = {}
     for scale in (1, 2):
         w = min(32, warps * scale)
-        out[f"w{scale}"] = (w, 0, 0, 1, 0)
+        out[f"w{scale}"] = (w, 0, 0, 1, 0, 0)
         for chunk in (block_n // 2, block_n // 4) if block_n >= 2048 else ():
-            out[f"w{scale}_c{chunk}"] = (w, chunk, 0, 1, 0)
+            out[f"w{scale}_c{chunk}"] = (w, chunk, 0, 1, 0, 0)
     for scale in (1, 2, 4):
         w = min(32, warps * scale)
         for per_sm in (1, 2):
             for stages in (1, 3):
-                out.setdefault(f"w{w // warps}_p{per_sm}s{stages}", (w, 0, per_sm, stages, 0))
+                out.setdefault(f"w{w // warps}_p{per_sm}s{stages}", (w, 0, per_sm, stages, 0, 0))
     for scale in (1, 2):
         w = min(32, warps * scale)
         for per_sm in (3, 4):
             for stages in (2, 4):
-                out.setdefault(f"w{w // warps}_p{per_sm}s{stages}", (w, 0, per_sm, stages, 0))
+                out.setdefault(f"w{w // warps}_p{per_sm}s{stages}", (w, 0, per_sm, stages, 0, 0))
     for rows in (2, 4) if block_n >= 2048 else ():
         for scale in (1, 2):
             w = min(32, warps * rows * scale)
-            out.setdefault(f"m{rows}_w{w // warps}", (w, 0, 0, 1, rows))
+            out.setdefault(f"m{rows}_w{w // warps}", (w, 0, 0, 1, rows, 0))
+    out.update({f"{name}_t": (*tile[:5], 1) for name, tile in out.items() if not tile[1]})
     return out
 
 

@@ -142,8 +142,9 @@ def rms_forward_tiles(table: dict) -> dict:
 def backward_tiles(table: dict) -> dict:
     """tiles.json's dx-only backward entries: {(op name, from_output, elem_bytes, BLOCK_N): (num_warps, CHUNK_N,
     programs per SM (0: one program per tile; a fraction: fewer programs than SMs), LOOP_STAGES, BLOCK_M (0:
-    tile_config's))}; an entry of four values keeps tile_config's BLOCK_M."""
-    return {(e["op"], e["from_output"], e["elem_bytes"], e["block_n"]): (*e["tile"], 0)[:5]
+    tile_config's), PARAMS_PER_TILE (0 or 1))}; an entry of four values keeps tile_config's BLOCK_M, one of
+    four or five holds the parameters once per program (PARAMS_PER_TILE 0)."""
+    return {(e["op"], e["from_output"], e["elem_bytes"], e["block_n"]): (*e["tile"], 0, 0)[:6]
             for e in table.get("backward_dx", [])}
 
 
@@ -157,8 +158,10 @@ _RMS_FWD_TILES = rms_forward_tiles(_TILES)
 # per-column vectors (the weight, its recovery, the bias) are live beside the row; programs per SM
 # > 0 makes the grid persistent: each program loads those vectors once and loops over many rows,
 # the next ones prefetched (LOOP_STAGES), instead of reading them from L2 with every row; BLOCK_M > 0
-# (a power of two) sets the rows per tile, over which a program shares those vectors too. Each entry
-# depends on N alone, as tile_config does (batch invariance).
+# (a power of two) sets the rows per tile, over which a program shares those vectors too;
+# PARAMS_PER_TILE 1 (from y, one pass) loads them in every tile where used instead of holding them
+# across the loop and the row sums: fewer registers per thread (benchmarks/registers.py), more reads
+# from L1/L2. Each entry depends on N alone, as tile_config does (batch invariance).
 _BWD_TILES = backward_tiles(_TILES)
 
 
@@ -293,13 +296,14 @@ def plan_backward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_d
     reduces = grads.reduces
     assert not (from_output and reduces), "the output-saving backward computes dx alone"
     block_m, block_n, num_warps = tile_config(M, N)
-    chunk = per_sm = 0
+    chunk = per_sm = per_tile = 0
     stages = 1
     if grads.dx and not reduces:
-        num_warps, chunk, per_sm, stages, rows = _BWD_TILES.get((op.name, from_output, ELEM_BYTES[x_dtype], block_n),
-                                                                (num_warps, 0, 0, 1, 0))
+        num_warps, chunk, per_sm, stages, rows, per_tile = _BWD_TILES.get(
+            (op.name, from_output, ELEM_BYTES[x_dtype], block_n), (num_warps, 0, 0, 1, 0, 0))
         assert chunk == 0 or (block_n % chunk == 0 and 16 <= chunk < block_n), chunk
         assert rows >= 0 and rows & (rows - 1) == 0, rows
+        assert per_tile in (0, 1) and not (per_tile and (chunk or not from_output)), per_tile
         block_m = rows or block_m
         stages = _stages(block_m, block_n, ELEM_BYTES[x_dtype], 3 if has_dres else 2, stages)
     tiles = -(-M // block_m)
@@ -357,6 +361,7 @@ def plan_backward(op: Op, M: int, N: int, x_dtype: str, w_dtype: str | None, b_d
             LOOP_STAGES=stages,
             PERSISTENT=grid < tiles,
             CHUNK_N=chunk,
+            PARAMS_PER_TILE=bool(per_tile),
         ),
     )
     return bwd, _plan_reduce(N, grid, w_dtype if grads.dw else None, b_dtype if grads.db else None)

@@ -586,14 +586,15 @@ def test_nnx_qwen3_smoke_run_with_the_fused_qk_norm_rope(tmp_path):
 @pytest.mark.parametrize("N", [256, 2048, 3000, 8192])
 def test_save_ab_sweep_tiles_plan_as_named(monkeypatch, N):
     """Each tile ``save_ab.py --sweep`` tries is planned as it says when set in ``launch._BWD_TILES``:
-    warps, chunks, persistence and rows per tile (``m<rows>``: several rows per tile, from 2048 columns)."""
+    warps, chunks, persistence, rows per tile (``m<rows>``: several rows per tile, from 2048 columns) and
+    the parameters loaded per tile (``_t``)."""
     from benchmarks.save_ab import sweep_configs
     from normkit import launch
     from normkit.ops import GRADS, OPS, Options
 
     configs = sweep_configs(N)
     planned_m, block_n, _ = launch.tile_config(1, N)
-    assert any(rows for *_, rows in configs.values()) == (block_n >= 2048), configs
+    assert any(tile[4] for tile in configs.values()) == (block_n >= 2048), configs
     M = 1 << 17  # more tiles than any persistent grid has programs
     try:
         for name, tile in configs.items():
@@ -602,14 +603,15 @@ def test_save_ab_sweep_tiles_plan_as_named(monkeypatch, N):
             call, _ = launch.plan_backward(OPS["layer_norm"], M, N, "bfloat16", "bfloat16", None, False,
                                            Options(1e-5), GRADS[(True, False, False)], (N, 1, N, 1, 0, 1, 1, 1), 132,
                                            True, True, True)
-            num_warps, chunk, per_sm, _, rows = tile
+            num_warps, chunk, per_sm, _, rows, per_tile = tile
             c = call.constexprs
             block_m = rows or planned_m
             tiles = -(-M // block_m)
-            assert (call.num_warps, c["CHUNK_N"], c["PERSISTENT"], c["BLOCK_M"]) == (
-                num_warps, chunk, bool(per_sm), block_m), name
+            assert (call.num_warps, c["CHUNK_N"], c["PERSISTENT"], c["BLOCK_M"], c["PARAMS_PER_TILE"]) == (
+                num_warps, chunk, bool(per_sm), block_m, bool(per_tile)), name
             assert call.grid == (min(tiles, round(per_sm * 132)) if per_sm else tiles,), name
             assert name.startswith(f"m{rows}_") == bool(rows), name
+            assert name.endswith("_t") == bool(per_tile) and not (per_tile and chunk), name
     finally:  # no plan of a forced tile outlives the test
         launch.plan_backward.cache_clear()
 
@@ -659,5 +661,5 @@ def test_registers_reports_each_backward_compiled_for_sm90():
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| rms_norm")]
     assert [r[3].strip() for r in rows] == ["from x", "from y"], out
     for r in rows:
-        regs, stack, per_sm = int(r[8]), int(r[9]), int(r[11])
+        regs, stack, per_sm = int(r[9]), int(r[10]), int(r[12])
         assert 0 < regs <= 255 and stack == 0 and per_sm == min(65536 // (32 * int(r[4]) * regs), 2048 // (32 * int(r[4])))

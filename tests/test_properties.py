@@ -353,8 +353,8 @@ class _HalfRowsBackward(dict):
     passes over half-row chunks, from the input and from the output alike."""
 
     def get(self, key, default):
-        num_warps, _, per_sm, stages, rows = default
-        return num_warps, key[3] // 2 if key[3] >= 32 else 0, per_sm, stages, rows
+        num_warps, _, per_sm, stages, rows, _ = default
+        return num_warps, key[3] // 2 if key[3] >= 32 else 0, per_sm, stages, rows, 0
 
 
 # the frontends that launch the Triton kernels (jax: its default implementation, Triton where it can run)
@@ -374,8 +374,8 @@ class _PersistentBackward(dict):
     over its tiles with the next two prefetched."""
 
     def get(self, key, default):
-        num_warps, chunk, _, _, rows = default
-        return num_warps, chunk, 0.02, 3, rows
+        num_warps, chunk, _, _, rows, per_tile = default
+        return num_warps, chunk, 0.02, 3, rows, per_tile
 
 
 class _RowsBackward(dict):
@@ -383,7 +383,24 @@ class _RowsBackward(dict):
     tiles of 4 rows (tile_config's hold 1 or 2), one program per tile, at twice the warps."""
 
     def get(self, key, default):
-        return (min(32, 2 * default[0]), 0, 0, 1, 4) if 2048 <= key[3] <= 8192 else default
+        return (min(32, 2 * default[0]), 0, 0, 1, 4, 0) if 2048 <= key[3] <= 8192 else default
+
+
+class _PerTileBackward(dict):
+    """A ``launch._BWD_TILES`` that plans every output-saving backward in one pass with the parameters
+    loaded in each tile (``PARAMS_PER_TILE``), on a persistent grid where ``persistent`` (as
+    ``_PersistentBackward``'s), else one program per tile (tests/test_save_rule.py: these properties
+    keep the input)."""
+
+    def __init__(self, persistent: bool):
+        super().__init__()
+        self.persistent = persistent
+
+    def get(self, key, default):
+        if not key[1]:  # from the input: as planned
+            return default
+        num_warps, _, per_sm, stages, rows, _ = default
+        return (num_warps, 0, 0.02, 3, rows, 1) if self.persistent else (num_warps, 0, 0, 1, rows, 1)
 
 
 @pytest.fixture

@@ -130,15 +130,20 @@ def test_auto_follows_the_rule_on_every_frontend(frontend, op, dtype, N, regime,
         _check_case(frontend, case, inp)
 
 
-@pytest.fixture(params=["two passes", "persistent"])
+@pytest.fixture(params=["two passes", "persistent", "per tile", "per tile, persistent"])
 def backward_plan(request, monkeypatch, frontend):
     """Every dx-only backward planned in two passes over half-row chunks (``CHUNK_N``), or on a
-    persistent grid (programs loop over tiles, keeping the weight's recovery loaded)."""
-    from tests.test_properties import _HalfRowsBackward, _PersistentBackward
+    persistent grid (programs loop over tiles, keeping the weight's recovery loaded), or with the
+    parameters loaded in each tile (``PARAMS_PER_TILE``), one program per tile or persistent."""
+    from tests.test_properties import _HalfRowsBackward, _PersistentBackward, _PerTileBackward
 
     if request.param == "two passes":
         yield from forced_plan(monkeypatch, frontend, "_BWD_TILES", _HalfRowsBackward(), "norm_bwd_kernel",
                                lambda flags: flags["CHUNK_N"] > 0 and flags["FROM_Y"])
+    elif request.param.startswith("per tile"):
+        persistent = request.param.endswith("persistent")
+        yield from forced_plan(monkeypatch, frontend, "_BWD_TILES", _PerTileBackward(persistent), "norm_bwd_kernel",
+                               lambda flags: flags["PARAMS_PER_TILE"] and flags["PERSISTENT"] == persistent)
     else:
         yield from forced_plan(monkeypatch, frontend, "_BWD_TILES", _PersistentBackward(), "norm_bwd_kernel",
                                lambda flags: flags["PERSISTENT"] and flags["FROM_Y"])
@@ -147,8 +152,8 @@ def backward_plan(request, monkeypatch, frontend):
 @pytest.mark.parametrize("frontend", [n for n in ("jax", "torch") if n in FRONTENDS], indirect=True)
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_output_saving_backward_in_two_passes_and_on_a_persistent_grid(frontend, op, backward_plan):
-    """The output-saving backward with rows read in two passes (the row sums, then dx), and on a
-    persistent grid: right against float64 at row lengths that fill, and that do not fill, the chunks, in each dtype, with and without
+    """The output-saving backward with rows read in two passes (the row sums, then dx), on a
+    persistent grid, and with its parameters loaded in each tile: right against float64 at row lengths that fill, and that do not fill, the chunks, in each dtype, with and without
     a bias (JAX under ``jit`` keeps the input of a norm with a bias: ``saving.traced_rule``)."""
     spec = OPS[op]
     for seed, (dtype, N) in enumerate([("bfloat16", 64), ("float32", 200), ("float16", 96)]):
@@ -482,7 +487,7 @@ def test_each_planned_backward_tile_at_its_shape(entry):
     op, from_output, elem_bytes, block_n = entry
     spec = OPS[op]
     dtype = {2: "bfloat16", 4: "float32"}[elem_bytes]
-    num_warps, chunk, per_sm, _, rows = _BWD_TILES[entry]
+    num_warps, chunk, per_sm, _, rows, per_tile = _BWD_TILES[entry]
     M = 3 * max(1, round(per_sm * num_sms(DEVICE))) + 5 if per_sm else 7
     N = block_n - 40  # a row that does not fill the tile
     case = Case(op, Shape("planned", (M, N), frozenset()), dtype, has_b="bias" in spec.params,
@@ -493,3 +498,4 @@ def test_each_planned_backward_tile_at_its_shape(entry):
     bwd = log.of("norm_bwd_kernel")[0]
     assert (bwd.num_warps, bwd.flags["CHUNK_N"], bwd.flags["PERSISTENT"]) == (num_warps, chunk, per_sm > 0), bwd
     assert rows == 0 or bwd.flags["BLOCK_M"] == rows, bwd
+    assert bwd.flags["PARAMS_PER_TILE"] == bool(per_tile), bwd

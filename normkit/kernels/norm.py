@@ -441,6 +441,9 @@ def norm_bwd_kernel(
     # load the weight's recovery once per program too, not once per tile
     CHUNK_N: tl.constexpr,  # 0: each row in registers, read once; else (dx alone) two passes over
     # CHUNK_N-column chunks: the row sums, then a second read (from L2) to write dx
+    PARAMS_PER_TILE: tl.constexpr,  # FROM_Y, CHUNK_N 0: the weight, bias and recovery loaded in each tile
+    # where used (the weight again after the row sums), none held across the loop or the sums: fewer
+    # registers, more reads of those vectors from L1/L2
 ):
     # Tiles are dealt round-robin to the programs; with dW/dB each program owns one partial row,
     # so the reduction order is fixed and the result bitwise reproducible (no atomics).
@@ -452,6 +455,7 @@ def norm_bwd_kernel(
     tl.static_assert(not (FROM_Y and (COMPUTE_DW or COMPUTE_DB)))
     tl.static_assert(CHUNK_N == 0 or (COMPUTE_DX and not (COMPUTE_DW or COMPUTE_DB) and BLOCK_N % CHUNK_N == 0
                                       and CHUNK_N < BLOCK_N))
+    tl.static_assert(not PARAMS_PER_TILE or (FROM_Y and CHUNK_N == 0))
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
     offset = tl.cast(offset, tl.float32)  # fp64 when Inductor launches the kernel (see norm_fwd_kernel)
@@ -466,7 +470,8 @@ def norm_bwd_kernel(
         else:
             rec_ptr = REC
         poison = tl.load(rec_ptr + N)
-    if CHUNK_N == 0:  # the one-pass tiles hold the parameters in registers, loaded once per program
+    if CHUNK_N == 0 and not PARAMS_PER_TILE:  # the one-pass tiles hold the parameters in registers, loaded
+        # once per program
         if HAS_W:
             w = _bwd_weight(W, cols, col_mask, offset, W_STRIDE)
         if FROM_Y and HAS_B:
@@ -494,27 +499,37 @@ def norm_bwd_kernel(
             dy_rows = _three_index_rows(rows64, dy_n1, dy_n2, stride_dym, stride_dy1, stride_dy2)
         if CHUNK_N == 0:
             mask = row_mask[:, None] & col_mask[None, :]
+            wt = w  # the parameters this tile reads: the program's, or (PARAMS_PER_TILE) loaded here
+            bt = b
+            if PARAMS_PER_TILE:
+                if HAS_B:
+                    bt = tl.load(B + cols * B_STRIDE, mask=col_mask, other=0.0).to(tl.float32)
+                if HAS_W and not IS_RMS:  # LayerNorm's sum of g = dy w; RMSNorm's sum needs no weight
+                    wt = _bwd_weight(W, cols, col_mask, offset, W_STRIDE)
             x, dy = _bwd_rows(X, DY, rows64, dy_rows, cols, mask, stride_xm, stride_dym, N, ROWS_CONTIGUOUS,
                               DY_ROWS3, X_COL_STRIDE, DY_COL_STRIDE, "")
-            t = _bwd_centred(x, b, mean, FROM_Y, IS_RMS, HAS_B)
+            t = _bwd_centred(x, bt, mean, FROM_Y, IS_RMS, HAS_B)
             xn = t
             if not FROM_Y:
                 xn = _bwd_xhat(t, rec, rstd, mask, FROM_Y, IS_RMS, HAS_W)
             if COMPUTE_DX:
-                s1, g = _bwd_sums(dy, t, xn, w, FROM_Y, IS_RMS, HAS_W)
+                s1, g = _bwd_sums(dy, t, xn, wt, FROM_Y, IS_RMS, HAS_W)
                 c1 = tl.sum(s1, axis=1) * (1.0 / N)
                 c2 = c1
                 if not IS_RMS:
                     c2 = tl.sum(g, axis=1) * (1.0 / N)
             if FROM_Y:
                 if HAS_W:
-                    if PERSISTENT:
+                    if PARAMS_PER_TILE:  # after the sums, the weight again: neither live across them
+                        wt = _bwd_weight(W, cols, col_mask, offset, W_STRIDE)
+                        rec = tl.load(rec_ptr + cols, mask=col_mask, other=0.0)
+                    elif PERSISTENT:
                         rec = rec_once
                     else:  # after the sums: not live across them
                         rec = tl.load(rec_ptr + cols, mask=col_mask, other=0.0)
                 xn = _bwd_xhat(t, rec, rstd, mask, FROM_Y, IS_RMS, HAS_W)
             if COMPUTE_DX:
-                dx = _bwd_dx(dy, xn, w, c1, c2, rstd, IS_RMS, HAS_W)
+                dx = _bwd_dx(dy, xn, wt, c1, c2, rstd, IS_RMS, HAS_W)
                 _bwd_store_dx(DX, DRES, dx, poison, rows64, cols, mask, stride_dresm, N, ROWS_CONTIGUOUS,
                               DRES_COL_STRIDE, HAS_DRES, FROM_Y)
             if COMPUTE_DW:
