@@ -153,7 +153,8 @@ _RMS_FWD_TILES = rms_forward_tiles(_TILES)
 # The dx-only backward (every frozen-parameter backward) over rows of one tile each: tile_config's
 # tiles, except the entries of tiles.json's "backward_dx", found by benchmarks/save_ab.py --sweep
 # (the output-saving backward's warps and CHUNK_N per op, element size and BLOCK_N; evidence:
-# docs/PERFORMANCE_RECORD.md, "The output-saving backward's tiles"). CHUNK_N > 0 reads the row in
+# docs/PERFORMANCE_RECORD.md, "The output-saving backward's tiles" and "Tiles that load the
+# parameters in each tile"). CHUNK_N > 0 reads the row in
 # two passes over chunks (the row sums, then dx from the chunks again, from L2), so that fewer
 # per-column vectors (the weight, its recovery, the bias) are live beside the row; programs per SM
 # > 0 makes the grid persistent: each program loads those vectors once and loops over many rows,

@@ -480,7 +480,7 @@ def test_each_planned_backward_tile_at_its_shape(entry):
     grid has programs, where it is persistent): dx through autograd against float64, launched with
     the tile's warps, chunks and grid."""
     import normkit
-    from normkit.launch import _BWD_TILES
+    from normkit.launch import _BWD_TILES, tile_config
     from tests.frontend_torch import DEVICE
     from torch_frontend._backend import num_sms
 
@@ -488,7 +488,8 @@ def test_each_planned_backward_tile_at_its_shape(entry):
     spec = OPS[op]
     dtype = {2: "bfloat16", 4: "float32"}[elem_bytes]
     num_warps, chunk, per_sm, _, rows, per_tile = _BWD_TILES[entry]
-    M = 3 * max(1, round(per_sm * num_sms(DEVICE))) + 5 if per_sm else 7
+    block_m = rows or tile_config(1, block_n)[0]  # rows per tile: more tiles than a persistent grid's programs
+    M = (3 * max(1, round(per_sm * num_sms(DEVICE))) + 5) * block_m if per_sm else 7
     N = block_n - 40  # a row that does not fill the tile
     case = Case(op, Shape("planned", (M, N), frozenset()), dtype, has_b="bias" in spec.params,
                 trainable=frozenset(spec.row_inputs), eps=spec.default_eps)
