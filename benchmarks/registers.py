@@ -15,6 +15,7 @@ compiles through ``compile_sm90`` too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import subprocess
 import sys
@@ -78,16 +79,16 @@ def resources(call, dtypes: dict) -> dict:
         path.write_bytes(compiled.asm["cubin"])
         text = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", str(path)], capture_output=True, text=True,
                               check=True).stdout
-    usage = {key.lower(): int(value) for key, value in re.findall(r"\b(REG|STACK|SHARED):(\d+)", text)}
+    usage = {key: int(value) for key, value in re.findall(r"\b(REG|STACK|SHARED):(\d+)", text)}
     threads = 32 * call.num_warps
-    usage["programs_per_sm"] = min(REGS_PER_SM // (threads * max(usage["reg"], 1)), THREADS_PER_SM // threads)
-    return {"regs": usage["reg"], "stack": usage["stack"], "shared": usage["shared"],
-            "programs_per_sm": usage["programs_per_sm"]}
+    return {"regs": usage["REG"], "stack": usage["STACK"], "shared": usage["SHARED"],
+            "programs_per_sm": min(REGS_PER_SM // (threads * max(usage["REG"], 1)), THREADS_PER_SM // threads)}
 
 
 def frozen_backward(op_name: str, dtype: str, M: int, N: int, from_output: bool, tile=None):
     """``(plan, input dtypes)`` of the frozen backward (dx alone) of contiguous rows, from x or from y;
     ``tile``: a ``normkit.launch._BWD_TILES`` value to plan it with instead of the table's."""
+    from benchmarks.save_ab import backward_tile
     from normkit import launch
     from normkit.ops import ELEM_BYTES, OPS, Grads
 
@@ -95,18 +96,10 @@ def frozen_backward(op_name: str, dtype: str, M: int, N: int, from_output: bool,
     b = dtype if "bias" in op.params else None
     layout = (N, 1, N, 1, *((N, 1) if op.has_residual else (0, 1)), 1, 1)
     key = (op_name, from_output, ELEM_BYTES[dtype], launch.tile_config(1, N)[1])
-    planned = launch._BWD_TILES
-    try:
-        if tile is not None:
-            launch._BWD_TILES = {**planned, key: tile}
-            launch.plan_backward.cache_clear()
+    with contextlib.nullcontext() if tile is None else backward_tile(key, tile):
         call, _ = launch.plan_backward(op, M, N, dtype, dtype, b, op.has_residual, op.options(eps=op.default_eps),
                                        Grads(True, False, False), layout, SMS, from_output=from_output,
                                        has_bias=b is not None)
-    finally:
-        if tile is not None:
-            launch._BWD_TILES = planned
-            launch.plan_backward.cache_clear()
     dtypes = {**dict.fromkeys(("X", "DY", "DRES", "W", "B"), dtype), "MEAN": "float32", "RSTD": "float32",
               "REC": "float32"}
     return call, dtypes

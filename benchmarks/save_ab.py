@@ -22,6 +22,7 @@ those tiles alone (``*``: any whose names start so).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -189,6 +190,22 @@ def sweep_configs(N: int) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def backward_tile(key: tuple, tile: tuple):
+    """``normkit.launch``'s backward planned with ``tile`` (a ``_BWD_TILES`` value) at ``key`` (op,
+    from_output, element bytes, BLOCK_N) inside the block, the table and its plans as before after it."""
+    from normkit import launch
+
+    planned = launch._BWD_TILES
+    launch._BWD_TILES = {**planned, key: tile}
+    launch.plan_backward.cache_clear()
+    try:
+        yield
+    finally:
+        launch._BWD_TILES = planned
+        launch.plan_backward.cache_clear()
+
+
 def sweep_cell(op_name: str, dtype: str, M: int, N: int, timer: Timer, tiles=()) -> dict:
     """Device time of the frozen backward from the input (its plan) and from the output at each of
     ``sweep_configs``' tiles (``tiles``: those named, ``m*``: those whose names start so), each set in
@@ -218,21 +235,15 @@ def sweep_cell(op_name: str, dtype: str, M: int, N: int, timer: Timer, tiles=())
         return timer.kernel(call)
 
     key = (op_name, True, ELEM_BYTES[str(inp.x[0].dtype).removeprefix("torch.")], launch.tile_config(1, N)[1])
-    planned = dict(launch._BWD_TILES)
     out = {"input": timed(False), "planned": None}
-    try:
-        for name, tile in sweep_configs(N).items():
-            if tiles and not any(name == t or (t.endswith("*") and name.startswith(t[:-1])) for t in tiles):
-                continue
-            launch._BWD_TILES = {**planned, key: tile}
-            launch.plan_backward.cache_clear()
-            try:
+    for name, tile in sweep_configs(N).items():
+        if tiles and not any(name == t or (t.endswith("*") and name.startswith(t[:-1])) for t in tiles):
+            continue
+        try:
+            with backward_tile(key, tile):
                 out[name] = timed(True)
-            except Exception as e:  # a tile the device cannot run (shared memory, registers)
-                print(f"{op_name} {dtype} {M}x{N} {name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-    finally:
-        launch._BWD_TILES = planned
-        launch.plan_backward.cache_clear()
+        except Exception as e:  # a tile the device cannot run (shared memory, registers)
+            print(f"{op_name} {dtype} {M}x{N} {name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
     out["planned"] = timed(True)
     return out
 
@@ -349,6 +360,7 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
     only = tuple(c for c in args.only.split(",") if c)
+    tiles = tuple(t for t in args.tiles.split(",") if t)
     import datetime
 
     import torch
@@ -364,7 +376,7 @@ def main(argv=None) -> int:
         results["copy"] = timer.copy_bandwidth()
     if args.sweep:
         for op, dtype, (M, N) in _cells(args.ops.split(","), dry, only):
-            row = sweep_cell(op, dtype, M, N, timer, tuple(t for t in args.tiles.split(",") if t))
+            row = sweep_cell(op, dtype, M, N, timer, tiles)
             results["cells"].append({"op": op, "dtype": dtype, "M": M, "N": N, "sweep": row})
             best = min(((v, k) for k, v in row.items() if k != "input"), default=(0, "planned"))
             print(f"{op} {dtype} {M}x{N}: input {row['input']:.1f} | " + " ".join(
