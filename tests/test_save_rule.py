@@ -500,3 +500,47 @@ def test_each_planned_backward_tile_at_its_shape(entry):
     assert (bwd.num_warps, bwd.flags["CHUNK_N"], bwd.flags["PERSISTENT"]) == (num_warps, chunk, per_sm > 0), bwd
     assert rows == 0 or bwd.flags["BLOCK_M"] == rows, bwd
     assert bwd.flags["PARAMS_PER_TILE"] == bool(per_tile), bwd
+
+
+@requires_torch
+@pytest.mark.parametrize("plan", ["per tile", "per tile, persistent", "as planned"])
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_output_saving_backward_reads_strided_and_expanded_parameters(op, plan, monkeypatch):
+    """The output-saving backward with a frozen weight read every other element of a larger buffer and
+    a frozen bias expanded from one value (stride 0), each tile loading them (``PARAMS_PER_TILE``) or
+    the program holding them: dx against float64, the output kept."""
+    import torch
+
+    import normkit
+    import torch_frontend as tf
+    from tests.frontend_torch import DEVICE
+    from tests.test_properties import _PerTileBackward
+
+    spec = OPS[op]
+    rows, N = 70, 96
+    rng = np.random.default_rng(7)
+    w_buf = rng.uniform(1.0, 2.0, 2 * N)
+    b_val = 0.25
+    x, dy = rng.standard_normal((rows, N)), rng.standard_normal((rows, N))
+    res = rng.standard_normal((rows, N)) * 0.1
+    t = lambda a: torch.tensor(a, dtype=torch.float32, device=DEVICE)  # noqa: E731
+    xt = t(x).requires_grad_()
+    args = [xt] + ([t(res).requires_grad_()] if spec.has_residual else []) + [t(w_buf)[::2]]
+    if "bias" in spec.params:
+        args.append(t(np.array([b_val])).expand(N))
+    with contextlib.ExitStack() as stack:
+        if plan != "as planned":
+            persistent = plan.endswith("persistent")
+            stack.enter_context(contextlib.contextmanager(forced_plan)(
+                monkeypatch, FRONTENDS["torch"](), "_BWD_TILES", _PerTileBackward(persistent), "norm_bwd_kernel",
+                lambda flags: flags["PARAMS_PER_TILE"] and flags["PERSISTENT"] == persistent))
+        with normkit.record_launches() as log:
+            out = getattr(tf, op)(*args)
+            y = out[0] if spec.has_residual else out
+            dx = torch.autograd.grad(y, xt, t(dy))[0]
+    assert [launch.flags["FROM_Y"] for launch in log.of("norm_bwd_kernel")] == [True], log
+    inputs = {"x": x, "weight": w_buf[::2], "bias": np.full(N, b_val) if "bias" in spec.params else None,
+              "residual": res if spec.has_residual else None}
+    _, grads = spec.run_reference({k: inputs.get(k) for k in spec.inputs}, spec.options(eps=spec.default_eps),
+                                  {"y": dy})
+    assert_close(dx.detach().cpu().numpy(), grads["x"], "float32", f"{op} {plan}: dx")
