@@ -29,6 +29,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, seed, settings
 from hypothesis import strategies as st
 
+from normkit import norm_math, saving
 from normkit.ops import OPS, X_DTYPES
 from normkit.testing import assert_close, coarser, rounded
 from tests import layouts
@@ -90,6 +91,7 @@ class Spec:
     dy_layout: str = "contiguous"
     ds_layout: str = "contiguous"  # d_residual_out, or "absent": only y's gradient flows back
     freeze: bool = False  # jax: freeze the frozen inputs with jax_frontend.freeze (else: leave them out of the vjp)
+    save: str = "input"  # what the norm keeps for its backward (the public save= argument)
     seed: int = 0
 
     @property
@@ -110,12 +112,13 @@ class Spec:
 
     @property
     def call_kwargs(self) -> dict:
-        """The public functions' keywords: the options, and save="input". These properties are about
-        layouts, which the two backward variants read alike (the output a frozen norm keeps is its
-        own contiguous buffer); the output-saving backward's precision, whose error bound in a row
-        where dy is parallel to x_hat (an expanded row, say) is not the tolerance table's, has its
-        own property test (tests/test_save_output.py)."""
-        return {**self.kwargs, "save": "input"}
+        """The public functions' keywords: the options, and ``save``. Most properties keep the input
+        (save="input"): they are about layouts, which the two backward variants read alike (the output
+        a frozen norm keeps is its own contiguous buffer). The output-saving backward's own property
+        (test_output_saving_layouts_match_reference) passes save="auto" with every parameter frozen; its
+        x is never column-expanded (a constant row has x_hat = +-1, where recovering it from y cancels
+        like a two-column LayerNorm row; tests/test_save_rule.py)."""
+        return {**self.kwargs, "save": self.save}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,8 +196,11 @@ def check(frontend, spec: Spec, *, independent_grads: bool = False) -> None:
             f"{name} ({'d' + name if name in cotangents else 'input'}) was modified in place: "
             f"{int(np.sum(~((after == a.base) | (np.isnan(after) & np.isnan(a.base)))))} elements changed")
 
-    # The launches: only what the trained set asks for.
-    check_launches(got.log, M, trained)
+    # The launches: only what the trained set asks for, and the backward from what the rule keeps.
+    backward = check_launches(got.log, M, trained)
+    if backward is not None:
+        kept = output_kept(spec, views, trained, traced=frontend.name.startswith("jax"))
+        assert backward.flags["FROM_Y"] == kept, f"the backward read {'xy'[backward.flags['FROM_Y']]}, the rule keeps {'xy'[kept]}"
 
     # dy is read in place (by three row indices where its leading dims need them) unless its last dim
     # is not contiguous.
@@ -205,10 +211,31 @@ def check(frontend, spec: Spec, *, independent_grads: bool = False) -> None:
         got.check_independent()
 
 
-def check_launches(log, M: int, trained: frozenset) -> None:
+def output_kept(spec: Spec, views: dict, trained: frozenset, *, traced: bool) -> bool:
+    """Whether the norm keeps its output y for the backward (``saving.decide``'s rule, from the facts of
+    the example): save="auto", every parameter frozen, x (or the residual) trained, rows long enough,
+    and a weight and bias that pass the safety rule, or, where the values are unseen (JAX, under
+    ``jit``), ``saving.traced_rule``."""
+    op = OPS[spec.op]
+    if spec.save == "input" or set(op.params) & trained or not set(op.row_inputs) & trained:
+        return False
+    if norm_math.output_degenerate(spec.shape[-1], is_rms=op.is_rms):
+        return False
+    if spec.weight is None and spec.bias is None:
+        return True
+    opts = op.options(eps=spec.eps, offset=spec.offset, casting_mode=spec.casting)
+    if traced:
+        return saving.traced_rule(has_bias=spec.bias is not None, offset=opts.offset, x_dtype=spec.dtype)
+    param = lambda name: None if name not in views else np.asarray(views[name], np.float32)  # noqa: E731
+    return norm_math.unsafe_reason(param("weight"), param("bias"), x_dtype=spec.dtype, offset=opts.offset,
+                                   casting=opts.casting) is None
+
+
+def check_launches(log, M: int, trained: frozenset):
+    """Asserts the launches; returns the backward's launch (None where there is none)."""
     if M == 0:
         assert log.kernels() == [], f"launches without rows: {log.kernels()}"
-        return
+        return None
     implementations = {launch.implementation for launch in log}
     assert len(implementations) == 1, implementations
     fwd_name, bwd_name, red_name = KERNELS[implementations.pop()]
@@ -217,7 +244,7 @@ def check_launches(log, M: int, trained: frozenset) -> None:
     assert fwd[0].flags["STORE_STATS"] == bool(trained), fwd[0].flags
     if not trained:
         assert not bwd, log.kernels()
-        return
+        return None
     assert len(bwd) == 1, log.kernels()
     flags = bwd[0].flags
     assert flags["COMPUTE_DX"] == bool({"x", "residual"} & trained), flags
@@ -225,6 +252,7 @@ def check_launches(log, M: int, trained: frozenset) -> None:
     assert flags["COMPUTE_DB"] == ("bias" in trained), flags
     reduces = ("weight" in trained) or ("bias" in trained)
     assert len(log.of(red_name)) == int(reduces) if red_name else not bwd[0].partial_buffers, log.kernels()
+    return bwd[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,10 +273,11 @@ def shapes(draw, d_range=(1, 300)):
 
 @st.composite
 def specs(draw, *, ops=tuple(OPS), row_layouts=("contiguous",), param_layouts=("contiguous",), tie=False,
-          param_dtypes=None, train=(), need_weight=False, d_range=(1, 300)):
+          param_dtypes=None, train=(), need_weight=False, d_range=(1, 300), frozen_params=False, save="input"):
     """A Spec. ``param_dtypes``: the dtypes a present weight / bias draws from (default: x's dtype or
     another supported one); ``train``: inputs that are always trained; ``need_weight``: always a weight;
-    ``d_range``: the row length's range."""
+    ``d_range``: the row length's range; ``frozen_params``: weight and bias never trained; ``save``: the
+    call's save=."""
     op = OPS[draw(st.sampled_from(ops))]
     shape = draw(shapes(d_range))
     dtype = draw(st.sampled_from(X_DTYPES))
@@ -264,7 +293,7 @@ def specs(draw, *, ops=tuple(OPS), row_layouts=("contiguous",), param_layouts=("
     # Drawn early: Hypothesis fills the last draws of an example with their simplest values more often.
     present = [n for n in op.inputs if n in op.row_inputs or {"weight": weight, "bias": bias}[n]]
     # Any subset, {} included; a draw says "frozen", so that examples shrink towards training everything.
-    trained = {name for name in present if name in train or not draw(st.booleans())}
+    trained = {name for name in present if name in train or not (frozen_params and name in op.params or draw(st.booleans()))}
     if op.has_residual and tie and draw(st.booleans()):
         kw["residual_layout"] = "tied"  # one tensor: residual is trained exactly when x is
         trained = (trained - {"residual"}) | ({"residual"} if "x" in trained else set())
@@ -280,7 +309,7 @@ def specs(draw, *, ops=tuple(OPS), row_layouts=("contiguous",), param_layouts=("
     if op.has_offset:
         kw.update(casting=draw(st.sampled_from(CASTINGS)), offset=draw(st.sampled_from((0.0, 1.0))))
     return Spec(op.name, shape, dtype, weight, bias, tuple(sorted(trained)), freeze=draw(st.booleans()),
-                seed=draw(st.integers(0, 2**16)), **kw)
+                save=save, seed=draw(st.integers(0, 2**16)), **kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,6 +351,24 @@ def test_any_layouts_match_reference(frontend, tier):
     """Every layout at once."""
     run_property(frontend, tier, 150, specs(row_layouts=layouts.ROW_LAYOUTS, param_layouts=layouts.PARAM_LAYOUTS,
                                             tie=True))
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_output_saving_layouts_match_reference(frontend, tier):
+    """save="auto" (the default) with every parameter frozen and x trained: weight and bias sliced or
+    expanded, x, residual (or x itself), dy and d_residual_out strided, expanded by rows, transposed or
+    with two leading dims swapped. The backward reads y where the safety rule keeps it (on the values,
+    or traced: ``saving.traced_rule``), x elsewhere; every output and gradient against float64."""
+    rows = tuple(kind for kind in layouts.ROW_LAYOUTS if kind != "expanded_col")
+    run_property(frontend, tier, 120, specs(row_layouts=rows, param_layouts=layouts.PARAM_LAYOUTS, tie=True,
+                                            train=("x",), frozen_params=True, save="auto"), explicit=[
+        Spec("layer_norm", (3, 40), "bfloat16", "bfloat16", "bfloat16", trained=("x",), weight_layout="slice3",
+             bias_layout="expanded", dy_layout="strided_rows", save="auto"),
+        Spec("rms_norm", (2, 3, 4, 16), "float32", "float32", trained=("x",), weight_layout="slice2",
+             dy_layout="swapped_lead", save="auto"),
+        Spec("fused_add_rms_norm", (5, 24), "bfloat16", "float32", trained=("residual", "x"),
+             residual_layout="tied", weight_layout="expanded", ds_layout="transposed", save="auto"),
+    ])
 
 
 @pytest.mark.parametrize("tier", TIERS)
