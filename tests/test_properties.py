@@ -9,7 +9,8 @@ Every example checks:
 - no input buffer is modified, padding included: x, residual, weight, bias, and the output
   gradients dy / d_residual_out, compared after the backward with the values before;
 - the launch record: one forward (none without rows), a backward only when something is trained,
-  with exactly the trained inputs' COMPUTE_* flags;
+  with exactly the trained inputs' COMPUTE_* flags, reading y (FROM_Y) exactly where the save rule
+  keeps the output (``output_kept``);
 - (test_fused_gradients_are_independent only, so that the other properties report the value bugs
   they find) for the fused op with x and residual both trained: their gradients share no storage
   and writing one leaves the other unchanged (torch; JAX arrays are immutable).
