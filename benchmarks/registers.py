@@ -130,13 +130,17 @@ def rows(ops, dtypes, lengths, sweep: bool) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ops", default="rms_norm,layer_norm,fused_add_rms_norm")
-    p.add_argument("--dtypes", default="bfloat16,float32")
+    p.add_argument("--dtypes", default="bf16,fp32", help=f"comma list of {', '.join(TYPES.values())} (or the full names)")
     p.add_argument("--n", default="1024,2048,4096,8192", help="row lengths")
     p.add_argument("--sweep", action="store_true", help="also every tile save_ab.py --sweep tries, from y")
     args = p.parse_args(argv)
     from benchmarks.report import markdown_table
 
-    table = rows(args.ops.split(","), args.dtypes.split(","), [int(n) for n in args.n.split(",")], args.sweep)
+    full = {short: name for name, short in TYPES.items()}
+    dtypes = [full.get(d, d) for d in args.dtypes.split(",")]
+    if unknown := [d for d in dtypes if d not in TYPES]:
+        p.error(f"--dtypes: unknown {', '.join(unknown)}; expected {', '.join(TYPES.values())}")
+    table = rows(args.ops.split(","), dtypes, [int(n) for n in args.n.split(",")], args.sweep)
     print(markdown_table(table))
     return 0
 
