@@ -83,6 +83,22 @@ def same_save(case: Case) -> Case:
     return dataclasses.replace(case, save="output" if output else "input")
 
 
+def rule_keeps_output(op: Op, N: int, weight, bias, *, x_dtype: str, opts, traced: bool) -> bool:
+    """Whether ``save="auto"`` keeps the output of a call with every parameter frozen and x trained, by
+    the save rule stated from the example's facts: rows long enough (``norm_math.output_degenerate``),
+    and a weight and bias (NumPy, as stored; None where absent) that pass the safety rule, or, where
+    the values are unseen (``traced``), ``saving.traced_rule``. ``opts``: the op's ``Options``."""
+    if norm_math.output_degenerate(N, is_rms=op.is_rms):
+        return False
+    if weight is None and bias is None:
+        return True
+    if traced:
+        return saving.traced_rule(has_bias=bias is not None, offset=opts.offset, x_dtype=x_dtype)
+    f32 = lambda a: None if a is None else np.asarray(a, np.float32)  # noqa: E731
+    return norm_math.unsafe_reason(f32(weight), f32(bias), x_dtype=x_dtype, offset=opts.offset,
+                                   casting=opts.casting) is None
+
+
 def make_inputs(case: Case, rng: np.random.Generator) -> dict[str, np.ndarray]:
     """Fresh random inputs, already rounded to their dtypes, plus output gradients dy (and ds)."""
     return random_inputs(case.spec, case.shape.shape, case.dtype, rng, params=case.params, param_dtype=case.w_dtype)

@@ -30,12 +30,11 @@ import pytest
 from hypothesis import HealthCheck, example, given, seed, settings
 from hypothesis import strategies as st
 
-from normkit import norm_math, saving
 from normkit.ops import OPS, X_DTYPES
 from normkit.testing import assert_close, coarser, rounded
 from tests import layouts
 from tests.frontends import FRONTENDS
-from tests.harness import KERNELS, forced_plan
+from tests.harness import KERNELS, forced_plan, rule_keeps_output
 
 SETTINGS = dict(
     derandomize=True,  # the same examples on every run (from run_property's seed): CI is reproducible
@@ -213,23 +212,15 @@ def check(frontend, spec: Spec, *, independent_grads: bool = False) -> None:
 
 
 def output_kept(spec: Spec, views: dict, trained: frozenset, *, traced: bool) -> bool:
-    """Whether the norm keeps its output y for the backward (``saving.decide``'s rule, from the facts of
-    the example): save="auto", every parameter frozen, x (or the residual) trained, rows long enough,
-    and a weight and bias that pass the safety rule, or, where the values are unseen (JAX, under
-    ``jit``), ``saving.traced_rule``."""
+    """Whether the norm keeps its output y for the backward: save="auto", every parameter frozen, x (or
+    the residual) trained, and the save rule (``harness.rule_keeps_output``) on the example's weight and
+    bias, or, where the values are unseen (JAX, under ``jit``), ``saving.traced_rule``."""
     op = OPS[spec.op]
     if spec.save == "input" or set(op.params) & trained or not set(op.row_inputs) & trained:
         return False
-    if norm_math.output_degenerate(spec.shape[-1], is_rms=op.is_rms):
-        return False
-    if spec.weight is None and spec.bias is None:
-        return True
     opts = op.options(eps=spec.eps, offset=spec.offset, casting_mode=spec.casting)
-    if traced:
-        return saving.traced_rule(has_bias=spec.bias is not None, offset=opts.offset, x_dtype=spec.dtype)
-    param = lambda name: None if name not in views else np.asarray(views[name], np.float32)  # noqa: E731
-    return norm_math.unsafe_reason(param("weight"), param("bias"), x_dtype=spec.dtype, offset=opts.offset,
-                                   casting=opts.casting) is None
+    return rule_keeps_output(op, spec.shape[-1], views.get("weight"), views.get("bias"), x_dtype=spec.dtype,
+                             opts=opts, traced=traced)
 
 
 def check_launches(log, M: int, trained: frozenset):

@@ -25,13 +25,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from normkit import norm_math, saving
+from normkit import norm_math
 from normkit.norm_math import OUTPUT_BIAS_RATIO, W_MIN
 from normkit.ops import OPS
 from normkit.shapes import Shape
 from normkit.testing import TOLERANCES, assert_close, rounded
 from tests.frontends import FRONTENDS, requires_torch
-from tests.harness import Case, forced_plan
+from tests.harness import Case, forced_plan, rule_keeps_output
 
 FP16_MAX = 65504.0
 
@@ -74,14 +74,8 @@ def _edge_inputs(op: str, N: int, dtype: str, regime: str, rng, rows: int = 3) -
 
 def _expected_output_kept(case: Case, inp: dict, traced: bool) -> bool:
     """What ``save="auto"`` keeps for this case (the weight and bias frozen, x trained): the rule."""
-    N = case.shape.N
-    if norm_math.output_degenerate(N, is_rms=case.spec.is_rms):
-        return False
-    if traced:
-        return saving.traced_rule(has_bias=case.has_b, offset=case.offset, x_dtype=case.dtype)
-    return norm_math.unsafe_reason(inp["weight"].astype(np.float32),
-                                   inp["bias"].astype(np.float32) if case.has_b else None,
-                                   x_dtype=case.dtype, offset=case.offset) is None
+    return rule_keeps_output(case.spec, case.shape.N, inp["weight"], inp["bias"] if case.has_b else None,
+                             x_dtype=case.dtype, opts=case.spec.options(**case.kwargs), traced=traced)
 
 
 def _check_case(frontend, case: Case, inp: dict) -> None:
