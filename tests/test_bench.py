@@ -663,3 +663,13 @@ def test_registers_reports_each_backward_compiled_for_sm90():
     for r in rows:
         regs, stack, per_sm = int(r[9]), int(r[10]), int(r[12])
         assert 0 < regs <= 255 and stack == 0 and per_sm == min(65536 // (32 * int(r[4]) * regs), 2048 // (32 * int(r[4])))
+
+
+def test_registers_names_an_unknown_dtype(capsys):
+    """benchmarks/registers.py --dtypes takes the benchmarks' names (bf16, fp32, fp16) or the full ones;
+    another name is a usage error that names it, before anything is compiled."""
+    from benchmarks import registers
+
+    with pytest.raises(SystemExit):
+        registers.main(["--dtypes", "bf16,xx", "--n", "256"])
+    assert "--dtypes: unknown xx; expected bf16, fp32, fp16" in capsys.readouterr().err
