@@ -146,7 +146,8 @@ def norms_of(variant: str) -> str:
 
 
 def norm_by_name(events, variant: str):
-    """(fwd_us, bwd_us, {kernel name: [count, us]}) of the variant's own norm kernels, or None."""
+    """(fwd_us, bwd_us, {kernel name: [count, us]}) of the variant's own norm kernels, or None (no
+    pattern for the variant, or none of its kernels ran)."""
     pattern = NORM_KERNELS.get(norms_of(variant))
     if pattern is None:
         return None
@@ -162,7 +163,8 @@ def norm_by_name(events, variant: str):
             bwd += _us(e)
         else:
             fwd += _us(e)
-    return fwd, bwd, kernels
+    # None where none ran (a compiled frozen norm runs Inductor's kernels): unattributed, not 0 ms
+    return (fwd, bwd, kernels) if kernels else None
 
 
 def norm_by_module(events, on_gpu: bool):

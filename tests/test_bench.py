@@ -423,6 +423,24 @@ def test_lora_step_runs_an_independent_copy_of_a_variant_as_its_control(tmp_path
         run_script("benchmarks/lora_step.py", "--dry-run", "--variants", "hf,hf", "--out", str(tmp_path))
 
 
+def test_lora_step_norm_share_by_name_counts_only_kernels_that_ran():
+    """A step with the variant's kernels splits their time into forward and backward; a step with none
+    (normkit compiled: Inductor generates its frozen norms) is unattributed, not a 0 ms share."""
+    from types import SimpleNamespace
+
+    from benchmarks import lora_step
+
+    def kernel(name, us):
+        return SimpleNamespace(name=name, device_type=lora_step.DeviceType.CUDA,
+                               time_range=SimpleNamespace(elapsed_us=lambda: us))
+    ran = [kernel("norm_fwd_kernel", 3.0), kernel("norm_bwd_kernel", 5.0), kernel("norm_bwd_kernel", 7.0),
+           kernel("triton_per_fused_add_mul_reciprocal_sqrt_sum_1", 11.0)]
+    fwd, bwd, kernels = lora_step.norm_by_name(ran, "normkit")
+    assert (fwd, bwd) == (3.0, 12.0) and kernels == {"norm_fwd_kernel": [1, 3.0], "norm_bwd_kernel": [2, 12.0]}
+    assert lora_step.norm_by_name(ran[3:], "normkit") is None
+    assert lora_step.norm_by_name(ran, "hf") is None
+
+
 def test_lora_step_normkit_convert_turns_the_kernel_copy_off_while_its_step_runs():
     """``normkit_convert``'s forward runs with ``torch_frontend.functional._KERNEL_COPIES`` empty (each
     shared copy converted by ``y.to``), restored afterwards, after a raise too."""

@@ -12,8 +12,9 @@ the kernels have nothing left to win there. So under ``torch.compile``, a call w
 What its backward keeps follows ``save`` (``_save.traced_saves_output``: the weight's values are not
 seen while tracing). Keeping the output, the call is ``_FromOutput``, an ``autograd.Function`` of
 torch operations whose backward reads y and the per-row rstd alone (``norm_math.output_backward``,
-NaN where the weight turns out unsafe), so AOTAutograd keeps no x for it. Keeping the input, it is
-plain operations, whose backward AOTAutograd derives.
+NaN where the weight turns out unsafe), so AOTAutograd keeps no x for it; its forward reads x through
+``_written``, so that Inductor still writes a residual stream once, as it does for a saved x. Keeping
+the input, it is plain operations, whose backward AOTAutograd derives.
 
 A norm with a trained weight or bias keeps normkit's kernels under compile: their deterministic
 fp32-partial dW/dB reduction is where they beat Inductor's. Tensor subclasses (DTensor) keep the
@@ -74,6 +75,7 @@ class _FromOutput(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, op: Op, opts: Options, x, residual, weight, bias):
+        x, residual = _written(x), _written(residual)
         y, s, _, rstd = norm_math.forward(x, residual, weight, bias, is_rms=op.is_rms, eps=opts.eps,
                                           offset=opts.offset, casting=opts.casting, xp=_xp)
         ctx.op, ctx.opts = op, opts
@@ -96,3 +98,12 @@ class _FromOutput(torch.autograd.Function):
         # dx for x and residual whether or not each needs it (autograd drops what is not needed): under
         # dynamo, needs_input_grad need not count the non-tensor arguments op and opts
         return None, None, dx, dx if op.has_residual else None, None, None
+
+
+def _written(t):
+    """``t`` itself, as a view Inductor must read from memory: its lowering of ``as_strided`` writes a
+    pointwise producer out once. Keeping x, a saved x is written anyway; keeping y, nothing else asks
+    for it, and a residual stream (``h = h + branch``, read by the norm and the next add) is recomputed
+    inside each norm's kernel from up to five earlier buffers (docs/PERFORMANCE_RECORD.md, "Where the
+    compiled output-saving step's time goes")."""
+    return None if t is None else torch.as_strided(t, t.size(), t.stride())
