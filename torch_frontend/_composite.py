@@ -64,7 +64,7 @@ def applies(x, residual, weight, bias) -> bool:
 def apply(op: Op, opts: Options, x, residual, weight, bias, from_output: bool = False):
     """The op's outputs as ``functional`` returns them: y, or ``(y, residual_out)`` for the fused add."""
     if from_output and (x.requires_grad or (residual is not None and residual.requires_grad)):
-        return _FromOutput.apply(op, opts, x, residual, weight, bias)
+        return _FromOutput.apply(op, opts, *_distinct(x, residual, weight, bias))
     y, s, _, _ = norm_math.forward(x, residual, weight, bias, is_rms=op.is_rms, eps=opts.eps, offset=opts.offset,
                                    casting=opts.casting, xp=_xp)
     return (y, s) if op.has_residual else y
@@ -98,6 +98,15 @@ class _FromOutput(torch.autograd.Function):
         # dx for x and residual whether or not each needs it (autograd drops what is not needed): under
         # dynamo, needs_input_grad need not count the non-tensor arguments op and opts
         return None, None, dx, dx if op.has_residual else None, None, None
+
+
+def _distinct(*tensors) -> list:
+    """The tensors, a repeated one (the fused add's residual tied to x, a weight tied to the bias) as a
+    view of itself: dynamo traces no ``autograd.Function`` given one tensor twice."""
+    out: list = []
+    for t in tensors:
+        out.append(t.view_as(t) if t is not None and any(t is u for u in out) else t)
+    return out
 
 
 def _written(t):
