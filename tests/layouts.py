@@ -169,13 +169,14 @@ class TorchKit:
         self.dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                        "float64": torch.float64}
 
-    def _tensor(self, a: Arg):
-        """The base, at the start of a NaN-filled storage as large as base plus view: a kernel that
-        ignores a stride (0 or > 1) and reads past the base reads NaN, deterministically, rather than
-        whatever memory follows a small allocation."""
+    def _tensor(self, a: Arg, device=None):
+        """The base, at the start of a NaN-filled storage as large as base plus view (on ``device``,
+        the CPU by default): a kernel that ignores a stride (0 or > 1) and reads past the base reads
+        NaN, deterministically, rather than whatever memory follows a small allocation."""
         torch = self.torch
-        values = torch.from_numpy(np.array(a.base, dtype=np.float64)).to(self.dtypes[a.dtype])
-        storage = torch.full((values.numel() + math.prod(a.shape) + 16,), float("nan"), dtype=values.dtype)
+        values = torch.from_numpy(np.array(a.base, dtype=np.float64)).to(device, self.dtypes[a.dtype])
+        storage = torch.full((values.numel() + math.prod(a.shape) + 16,), float("nan"), dtype=values.dtype,
+                             device=values.device)
         base = storage[: values.numel()].view(values.shape)
         base.copy_(values)
         return base

@@ -351,13 +351,14 @@ def test_compiled_output_saving_reads_every_layout_of_x(op, dtype, x_kind, resid
         leaves["residual"] = arg(residual_kind)
     dy = arg(dy_kind)
     params = {k: v.to(kit.dtypes[dtype]) for k, v in safe_params(op, seed=seed % 1000).items()}
-    views = {name: kit.views[a.kind](kit._tensor(a), shape).detach().requires_grad_() for name, a in leaves.items()}
+    views = {name: kit.views[a.kind](kit._tensor(a, DEVICE), shape).detach().requires_grad_()
+             for name, a in leaves.items()}
     if spec.has_residual and residual_kind == "tied":
         views["residual"] = views["x"]
     torch._dynamo.reset()
     with normkit.record_launches() as log:
         outs = torch.compile(lambda **a: call(op, {**a, **params}), fullgraph=True)(**views)
-        torch.autograd.backward(outs[0], kit.views[dy.kind](kit._tensor(dy), shape))
+        torch.autograd.backward(outs[0], kit.views[dy.kind](kit._tensor(dy, DEVICE), shape))
     assert not log, f"normkit kernels ran ({len(log)}): not the compiled route"
     ref_in = {name: view_np(a.kind, a.base, shape) for name, a in leaves.items()}
     if spec.has_residual and residual_kind == "tied":
