@@ -45,10 +45,11 @@ same ranges and mean nothing; the run only exercises the code.
 
 A time budget (``--budget-s``) bounds the run: the modes run in the order eager, compile,
 reduce-overhead, and a mode whose rows would end after the budget (by the time the same kind of row
-took, or an estimate before one has run) is recorded as "skipped: ...". A variant that cannot run
-is recorded as "unavailable: ...", one that raised as "failed: ...". The exit status is 1 when an hf
-or normkit(_fused) row failed or did not pass its checks (after the results are written); a Liger row's
-failure is reported but does not change it.
+took, or an estimate before one has run: ``ESTIMATE_S`` a row) is recorded as "skipped: ...". A variant
+that cannot run is recorded as "unavailable: ...", one that raised as "failed: ...". The exit status is
+1 when an hf or normkit(_fused) row failed or did not pass its checks (after the results are written);
+a Liger row's failure is reported but does not change it. It is 2 when no row ran at all (the budget
+skipped every mode).
 
 GPU machine, from the repository root (liger-kernel from its wheel, as benchmarks/README.md installs it)::
 
@@ -762,6 +763,12 @@ def main(argv=None) -> int:
     print(table(rows))
     print()
     log(f"wrote {out_dir / 'lora_step.json'} and {out_dir / 'lora_step.md'}")
+    if not any(r["status"] == "ok" or r["status"].startswith("failed") for r in rows):
+        # a run that measured nothing is not a success: the budget is checked against each mode's
+        # estimate (ESTIMATE_S) before any row of it runs
+        print(f"NOTHING RAN: {'; '.join(sorted({r['status'] for r in rows}))}. Pass a larger --budget-s, or 0 "
+              "for none.", flush=True)
+        return 2
     failed = [r for r in rows if r["status"].startswith("failed") or (r["status"] == "ok" and not r.get("checks_ok"))]
     for r in failed:
         print(f"{'WARNING (peer)' if norms_of(r['variant']) == 'liger' else 'FAILED'}: {r['variant']} {r['mode']}: "
