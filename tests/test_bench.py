@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks import bytemodel, report
 from benchmarks.timing import MAX_SETS, ROTATE_BYTES, Timer, num_sets
-from tests.test_scripts import ROOT, run_script  # the tools' dry runs, as a user runs them
+from tests.test_scripts import run_script  # the tools' dry runs, as a user runs them
 
 REPO = Path(__file__).resolve().parents[1]
 RECORD_KEYS = {"op", "mode", "dtype", "shape", "M", "N", "impl", "path", "median_us", "bytes", "tbps", "pct_copy",
@@ -427,13 +427,9 @@ def test_lora_step_runs_an_independent_copy_of_a_variant_as_its_control(tmp_path
 def test_lora_step_fails_when_its_budget_skips_every_row(tmp_path):
     """A budget below a mode's estimate skips all of its rows before any runs: with nothing measured
     the run fails (exit 2) and says so; a table of skipped rows alone is not a result."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "benchmarks/lora_step.py", "--dry-run", "--variants", "hf,normkit",
-                           "--budget-s", "0.001", "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "NOTHING RAN: skipped: budget" in proc.stdout, proc.stdout[-3000:]
+    out = run_script("benchmarks/lora_step.py", "--dry-run", "--variants", "hf,normkit", "--budget-s", "0.001",
+                     "--out", str(tmp_path), returncode=2)
+    assert "NOTHING RAN: skipped: budget" in out, out[-3000:]
     rows = json.loads((tmp_path / "lora_step.json").read_text())["rows"]
     assert [r["variant"] for r in rows] == ["hf", "normkit"]
     assert all(r["status"].startswith("skipped: budget") for r in rows), rows

@@ -398,7 +398,8 @@ def test_compiled_output_saving_writes_the_residual_stream_once():
     write the residual stream: left alone, each norm's forward kernel recomputed it from earlier
     buffers (a 6-layer LoRA Llama compiled 10 distinct forward norm kernels reading up to 6 buffers,
     against 5 reading up to 4 with x kept; a 16-layer one spent 0.25 ms more a step on an H100). The
-    forward kernels with y kept read what they read with x kept. Inductor's generated code, read from its documented log (``TORCH_LOGS=output_code``)."""
+    forward kernels with y kept read what they read with x kept. Inductor's generated code, read from
+    its documented log (``TORCH_LOGS=output_code``)."""
     import os
     import re
     import subprocess

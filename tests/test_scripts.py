@@ -18,11 +18,13 @@ from normkit.ops import OPS
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_script(*argv: str) -> str:
+def run_script(*argv: str, returncode: int = 0) -> str:
+    """The script's standard output, once it has exited with ``returncode``."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     env["CUDA_VISIBLE_DEVICES"] = ""  # the dry runs check the CPU path, also where a GPU exists
     proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{argv} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == returncode, \
+        f"{argv} exited {proc.returncode}, not {returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
 
 
