@@ -205,16 +205,17 @@ def repeats_default_casting(case: Case) -> bool:
 
 
 def quick_cases(shapes, *, each_frozen_set: bool = True, each_casting: bool = True,
-                full_and_frozen_at=None) -> list[Case]:
+                full_and_frozen_at=None, rotate_over=None) -> list[Case]:
     """The part of ``parity_cases(shapes)`` (less ``repeats_default_casting``) that the default test
     run takes; the rest is the slow tier. It still meets every variant and every shape:
 
-    - every variant once, at a shape that rotates through ``shapes`` (within each op and dtype, from
-      a different start), so every shape meets many. A variant is a kernel variant (op, dtype,
-      casting mode, offset, parameter set, and the gradient flags COMPUTE_DX/DW/DB) and, with
-      ``each_frozen_set``, each frozen set that maps to it (x, residual or both trained give the same
-      COMPUTE_DX: the frontend routes one gradient to them). Without it, one frozen set per kernel
-      variant: for an implementation behind a frontend whose routing another run already covers.
+    - every variant once, at a shape that rotates through ``rotate_over`` (default ``shapes``; within
+      each op and dtype, from a different start), so each of those shapes meets many. A variant is a
+      kernel variant (op, dtype, casting mode, offset, parameter set, and the gradient flags
+      COMPUTE_DX/DW/DB) and, with ``each_frozen_set``, each frozen set that maps to it (x, residual or
+      both trained give the same COMPUTE_DX: the frontend routes one gradient to them). Without it,
+      one frozen set per kernel variant: for an implementation behind a frontend whose routing
+      another run already covers.
       Without ``each_casting``, the variants of the default casting mode without offset, and each
       other casting mode and offset once per op and dtype (they change the row math, not which
       gradients are computed): for an implementation whose every example costs a compilation;
@@ -232,9 +233,9 @@ def quick_cases(shapes, *, each_frozen_set: bool = True, each_casting: bool = Tr
         if not repeats_default_casting(v) and key not in seen:
             seen.add(key)
             chosen.append(v)
-    placed = []
+    placed, rotation = [], shapes if rotate_over is None else rotate_over
     for shift, (_, group) in enumerate(itertools.groupby(chosen, key=lambda v: (v.dtype, v.op))):
-        placed += [dataclasses.replace(v, shape=shapes[(i + shift) % len(shapes)]) for i, v in enumerate(group)]
+        placed += [dataclasses.replace(v, shape=rotation[(i + shift) % len(rotation)]) for i, v in enumerate(group)]
     for shape in shapes if full_and_frozen_at is None else full_and_frozen_at:
         for v in variants():
             if (v.casting, v.offset) == (DEFAULT_CASTING_MODE, 0.0) and v.params == v.spec.params and (

@@ -29,7 +29,7 @@ from tests.frontends import requires_torch
 from tests import test_errors
 from tests.harness import (check_against_reference, check_launch_flags, make_inputs, parity_cases, residuals_of_shape,
                            same_save)
-from normkit.ops import OPS
+from normkit.ops import DEFAULT_CASTING_MODE, OPS
 from normkit.testing import assert_close, random_inputs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -507,10 +507,16 @@ def _run_both(case):
 
 CROSS_CASES = [c for c in parity_cases([s for s in shapes("ci") if s.name == "3d"])
                if c.trained == frozenset(c.inputs) or len(c.trained) == 1]
+# The default run: every parameter set and trained set in the default casting without offset, and
+# each other casting mode and offset with every parameter trained (they change the row math, not the
+# plan or which gradients are computed); the other cases are the slow tier.
+CROSS_QUICK = {c for c in CROSS_CASES if (c.casting, c.offset) == (DEFAULT_CASTING_MODE, 0.0)
+               or (c.params == c.spec.params and c.trained == frozenset(c.inputs))}
 
 
 @requires_torch
-@pytest.mark.parametrize("case", CROSS_CASES, ids=str)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in CROSS_QUICK else pytest.mark.slow)
+                                  for c in CROSS_CASES], ids=str)
 def test_cross_frontend_within_tolerance(case):
     """Both frontends on CPU: equal within the tolerance table, and in fact bit for bit, since both run
     the same plan (same SM count) in the same interpreter; a difference means the plans diverged."""
@@ -603,11 +609,21 @@ def _strict_triton_call(calls):
     return triton_call
 
 
+GPU_PATH_CASES = [c for c in parity_cases([Shape("gpu_path", (300, 48), frozenset())])
+                  if c.dtype == "bfloat16" and c.casting in ("llama",) and c.offset == 0.0
+                  or c.op == "layer_norm" and c.dtype == "float16"]
+# The default run: in bfloat16, one frozen set per kernel variant (op, parameter set and the gradients
+# computed: every argument and partial buffer, present and absent); in float16, each parameter set with
+# everything trained. The other frozen sets are the slow tier.
+GPU_PATH_QUICK = set({(c.op, c.params, c.spec.grads(c.trained)): c for c in reversed(GPU_PATH_CASES)
+                      if c.dtype == "bfloat16"}.values()) | {
+    c for c in GPU_PATH_CASES if c.dtype == "float16" and c.trained == frozenset(c.inputs)}
+
+
 @requires_torch
 # 19 row tiles: the H200's plan (132 SMs) gives 19 dW/dB partials where the CPU plan gives 8.
-@pytest.mark.parametrize("case", [c for c in parity_cases([Shape("gpu_path", (300, 48), frozenset())])
-                                  if c.dtype == "bfloat16" and c.casting in ("llama",) and c.offset == 0.0
-                                  or c.op == "layer_norm" and c.dtype == "float16"], ids=str)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in GPU_PATH_QUICK else pytest.mark.slow)
+                                  for c in GPU_PATH_CASES], ids=str)
 def test_gpu_path_arguments(case, monkeypatch):
     from jax_frontend import _launch, _triton
 
@@ -817,8 +833,15 @@ def test_a_frozen_norm_keeps_its_output_in_the_residuals(op, implementation):
         np.testing.assert_allclose(np.asarray(g_auto), np.asarray(g_input), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("implementation", jf.IMPLEMENTATIONS)
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+# The default run: both dtypes through the Triton implementation, one each through Pallas and XLA (the
+# save rule that reads the constants is the frontend's, the same for every implementation); the other
+# two are the slow tier.
+LOW_PRECISION_QUICK = {("bfloat16", "triton"), ("float16", "triton"), ("float16", "pallas"), ("bfloat16", "xla")}
+
+
+@pytest.mark.parametrize("dtype,implementation", [
+    pytest.param(dtype, implementation, marks=() if (dtype, implementation) in LOW_PRECISION_QUICK else
+                 pytest.mark.slow) for implementation in jf.IMPLEMENTATIONS for dtype in ("bfloat16", "float16")])
 def test_jit_closing_over_low_precision_frozen_parameters(implementation, dtype):
     """A jit that closes over the frozen parameters (constants of the trace, so the save rule reads their
     values) in a 16-bit dtype: every op, rms_norm_rope too, keeps its output, and its output and dx match

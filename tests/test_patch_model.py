@@ -716,7 +716,10 @@ def test_qk_norm_rope_matches_the_unpatched_model(kind):
         assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
 
 
-@pytest.mark.parametrize("kind", sorted(QK_ARCHS))
+# Gemma 3's attention (norms with an offset) meets the rewrite in the default run of the test above;
+# under LoRA (PEFT's wrapping, the same for both) it is the slow tier.
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=() if k == "qwen3" else pytest.mark.slow)
+                                  for k in sorted(QK_ARCHS)])
 def test_qk_norm_rope_under_lora(kind):
     """PEFT LoRA on q_proj and v_proj, patched after PEFT wrapped the model: the LoRA gradients are
     HF's own model's."""

@@ -124,7 +124,7 @@ def test_auto_follows_the_rule_on_every_frontend(frontend, op, dtype, N, regime,
         _check_case(frontend, case, inp)
 
 
-@pytest.fixture(params=["two passes", "persistent", "per tile", "per tile, persistent"])
+@pytest.fixture
 def backward_plan(request, monkeypatch, frontend):
     """Every dx-only backward planned in two passes over half-row chunks (``CHUNK_N``), or on a
     persistent grid (programs loop over tiles, keeping the weight's recovery loaded), or with the
@@ -143,8 +143,18 @@ def backward_plan(request, monkeypatch, frontend):
                                lambda flags: flags["PERSISTENT"] and flags["FROM_Y"])
 
 
-@pytest.mark.parametrize("frontend", [n for n in ("jax", "torch") if n in FRONTENDS], indirect=True)
-@pytest.mark.parametrize("op", sorted(OPS))
+# The default run: every op on every plan through Torch; through JAX (the same plans and kernels,
+# launched by its frontend), each plan once and each op at least once. The other JAX cases are the
+# slow tier.
+BACKWARD_PLANS = ["two passes", "persistent", "per tile", "per tile, persistent"]
+PLAN_QUICK_JAX = {(plan, sorted(OPS)[i % len(OPS)]) for i, plan in enumerate(BACKWARD_PLANS)}
+
+
+@pytest.mark.parametrize("backward_plan,op,frontend", [
+    pytest.param(plan, op, frontend, marks=() if frontend == "torch" or (plan, op) in PLAN_QUICK_JAX
+                 else pytest.mark.slow)
+    for plan in BACKWARD_PLANS for op in sorted(OPS) for frontend in ("jax", "torch") if frontend in FRONTENDS],
+    indirect=["backward_plan", "frontend"])
 def test_output_saving_backward_in_two_passes_and_on_a_persistent_grid(frontend, op, backward_plan):
     """The output-saving backward with rows read in two passes (the row sums, then dx), on a
     persistent grid, and with its parameters loaded in each tile: right against float64 at row lengths that fill, and that do not fill, the chunks, in each dtype, with and without

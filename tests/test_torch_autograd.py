@@ -116,10 +116,20 @@ def _check_call(op: str, inputs: dict, hook, seed: int, what: str) -> None:
                      reduced_over=8 if name in spec.params else 1)
 
 
+LAYOUTS = ("strided_x", "strided_weight", "both")
+
+
+def _cached_plan_params():
+    """Every op, hook and layout. The default run takes each (op, hook) once, the layout rotating (each
+    op meets every layout, and each hook every layout and every op); the others are the slow tier."""
+    return [pytest.param(op, hook, layout, id=f"{op}-{hook}-{layout}",
+                         marks=() if (o + h) % len(LAYOUTS) == k else pytest.mark.slow)
+            for o, op in enumerate(sorted(OPS)) for h, hook in enumerate(sorted(HOOKS))
+            for k, layout in enumerate(LAYOUTS)]
+
+
 @pytest.mark.filterwarnings("ignore:normkit. the saved input.*negated:torch_frontend.NormkitCopyWarning")
-@pytest.mark.parametrize("layout", ["strided_x", "strided_weight", "both"])
-@pytest.mark.parametrize("hook", sorted(HOOKS))
-@pytest.mark.parametrize("op", sorted(OPS))
+@pytest.mark.parametrize("op,hook,layout", _cached_plan_params())
 def test_saved_tensor_hooks_with_cached_plans(op, hook, layout):
     """The same call signature, plainly and under a saved-tensor hook that hands the backward
     contiguous copies (in both orders): the cached backward plans must not read the copies with the
@@ -192,9 +202,23 @@ CASES = [(p, t) for p in PERTURBATIONS for t in (True, False)] + [("weight_data:
                                                                    ("weight_data:strides", False)]
 
 
+def _checked_params():
+    """Every op with every case. The default run takes each hook (in a context around the forward or
+    registered after it, frozen and trained) with one op, rotating so that each hook and each way of
+    hooking meets every op, and every other perturbation with every op; the others are the slow tier."""
+    params = []
+    for o, op in enumerate(sorted(OPS)):
+        for perturbation, trained in CASES:
+            kind, _, hook = perturbation.partition(":")
+            quick = kind not in ("context", "registered") or (
+                sorted(HOOKS).index(hook) + (kind == "registered") + trained) % len(OPS) == o
+            params.append(pytest.param(op, perturbation, trained, id=f"{op}-{perturbation}-{trained}",
+                                       marks=() if quick else pytest.mark.slow))
+    return params
+
+
 @pytest.mark.filterwarnings("ignore:normkit. the (saved input|output gradient).*:torch_frontend.NormkitCopyWarning")
-@pytest.mark.parametrize("perturbation, trained", CASES)
-@pytest.mark.parametrize("op", sorted(OPS))
+@pytest.mark.parametrize("op, perturbation, trained", _checked_params())
 def test_checked_backward_reads_what_it_is_handed(op, perturbation, trained, monkeypatch):
     """Plain calls of one signature until the backward finds its launch by the check of the arrays'
     layouts (``_compat.layout_check``, seen passing), then one call whose backward is handed something
