@@ -10,6 +10,14 @@ _gpus, _worker = os.environ.get("NORMKIT_TEST_GPUS"), os.environ.get("PYTEST_XDI
 if _gpus and int(_gpus) > 1 and _worker.startswith("gw"):
     os.environ["CUDA_VISIBLE_DEVICES"] = str(int(_worker[2:]) % int(_gpus))
 
+# On the CPU, most of a JAX test's time is XLA compiling small programs with LLVM's optimizations:
+# compile them without (as test_pallas_impl's own functions do), before JAX starts. The results are
+# checked against float64 within the tolerance table, which holds either way; the GPU run keeps XLA's
+# defaults.
+if os.environ.get("NORMKIT_TEST_SHAPES", "ci") != "gpu":
+    os.environ["XLA_FLAGS"] = " ".join(filter(None, [
+        os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"]))
+
 from tests.frontends import FRONTENDS
 
 
