@@ -13,10 +13,21 @@ if _gpus and int(_gpus) > 1 and _worker.startswith("gw"):
 # On the CPU, most of a JAX test's time is XLA compiling small programs with LLVM's optimizations:
 # compile them without (as test_pallas_impl's own functions do), before JAX starts. The results are
 # checked against float64 within the tolerance table, which holds either way; the GPU run keeps XLA's
-# defaults.
-if os.environ.get("NORMKIT_TEST_SHAPES", "ci") != "gpu":
-    os.environ["XLA_FLAGS"] = " ".join(filter(None, [
-        os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"]))
+# defaults. Processes a test starts as a user would (the notebooks) get the user's XLA_FLAGS back:
+# ``user_xla_flags``.
+CPU_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if os.environ.get("NORMKIT_TEST_SHAPES", "ci") != "gpu" and CPU_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), CPU_XLA_FLAGS]))
+
+
+@pytest.fixture
+def user_xla_flags(monkeypatch) -> None:
+    """XLA_FLAGS as it was before this conftest added ``CPU_XLA_FLAGS`` (unset if it was)."""
+    flags = os.environ.get("XLA_FLAGS", "").replace(CPU_XLA_FLAGS, "").strip()
+    if flags:
+        monkeypatch.setenv("XLA_FLAGS", flags)
+    else:
+        monkeypatch.delenv("XLA_FLAGS", raising=False)
 
 from tests.frontends import FRONTENDS
 

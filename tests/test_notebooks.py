@@ -89,7 +89,8 @@ def _stderr(nb):
 
 @pytest.mark.slow  # every notebook end to end, about 2 minutes of CPU: the slow tier
 @pytest.mark.parametrize("source", SOURCES, ids=[p.stem for p in SOURCES])
-def test_notebook_executes_at_smoke_size(source, tmp_path, monkeypatch):
+def test_notebook_executes_at_smoke_size(source, tmp_path, monkeypatch, user_xla_flags):
+    # user_xla_flags: the kernel starts with the user's XLA_FLAGS (05 sets its own where there are none)
     synthetic = source.stem.startswith("02_") and not COMMITTED_RESULTS.exists()
     if synthetic:
         _synthetic_results(tmp_path / "h200.json")
