@@ -8,7 +8,7 @@ casting without offset (their default run also meets the other shapes). The body
 all of them.
 
 The default run takes ``quick_cases`` (tests/harness.py): every variant once, at a rotating shape
-(for Torch and JAX, every shape but the two costliest: ``ROTATION``), and every shape with every op
+(every shape but the two costliest: ``ROTATION``), and every shape with every op
 and dtype, frozen and not. That still meets every kernel flag combination, every frozen set and every
 shape through Torch and the JAX frontend, and every kernel flag combination (in the default casting;
 each casting mode and offset with every op and dtype) and every shape through the Pallas and XLA
